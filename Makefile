@@ -1,0 +1,27 @@
+# The README's commands. `make quickstart` runs the main job offline; `make test` runs the suite.
+PYTHON ?= python3
+PILOT_COMMIT ?= 5240714
+
+.PHONY: install quickstart test demo smoke-matrix bench exps
+
+install:
+	$(PYTHON) -m pip install -q -e ".[test,plots]"
+
+quickstart:
+	bash scripts/quickstart.sh
+
+test: install
+	$(PYTHON) -m pytest -q -rs tests
+
+demo: install
+	pilot-online demo
+
+smoke-matrix: install
+	$(PYTHON) scripts/smoke_matrix.py
+
+bench: install
+	$(PYTHON) benchmarks/bench_fgh.py
+	$(PYTHON) benchmarks/bench_prototypes.py
+
+exps:
+	$(PYTHON) scripts/make_exps.py

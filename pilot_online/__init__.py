@@ -1,0 +1,28 @@
+"""pilot-online: online, task-free, memory-free training for LAMDA-PILOT's prompt learners.
+
+Importing this package imports nothing from PILOT, timm or torchvision. The core components work on
+any PyTorch model:
+
+- :class:`FineGrainedHypergradients` (``fgh.py``): learned per-parameter gradient weights.
+- :class:`PrototypeBank` (``prototypes.py``): online class means replayed through the classifier.
+- streams, metrics, results and the synthetic dataset (``streams.py``, ``metrics.py``, ...).
+
+The PILOT learners (``l2p_online``, ``dualprompt_online``, ``coda_online``) are built by
+:func:`create_learner`, which PILOT's patched factory calls.
+"""
+
+from .fgh import FineGrainedHypergradients, class_grad_norms
+from .prototypes import PrototypeBank
+from .registry import create_learner, get_method, list_methods, register_method
+from .version import __version__
+
+__all__ = [
+    "FineGrainedHypergradients",
+    "PrototypeBank",
+    "__version__",
+    "class_grad_norms",
+    "create_learner",
+    "get_method",
+    "list_methods",
+    "register_method",
+]

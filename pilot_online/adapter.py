@@ -1,0 +1,87 @@
+"""The method-adapter contract: what the online loop needs to know about one PILOT method.
+
+PILOT's networks disagree on their outputs (L2P and DualPrompt return a dict, CODA a tensor or a
+``(logits, prompt_loss)`` tuple). An adapter normalises them into one :class:`StepOutput` and names
+the classifier layer, so the loop, masking, optimiser, evaluation and logging exist once, in
+``loop.py``. Porting a PILOT method online means writing one small subclass and registering it::
+
+    @register_method("foo_online")
+    class FooOnline(MethodAdapter):
+        base_model_name = "foo"
+        def build_network(self, args): ...
+        def forward(self, network, x, train): ...
+        def classifier(self, network): ...
+
+Adapters import PILOT lazily (inside ``build_network``), so registering one needs no PILOT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+
+@dataclass
+class StepOutput:
+    """One forward pass, normalised: logits over all classes, the features that feed the classifier
+    (what prototypes average), and the method's own loss term (0 when it has none)."""
+
+    logits: torch.Tensor
+    features: torch.Tensor
+    aux_loss: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    """A config key a method understands: its default, and whether online training forces it."""
+
+    default: Any
+    doc: str
+    forced: bool = False  # online training needs exactly this value (a different one is an error)
+
+
+@dataclass
+class MethodAdapter:
+    """Base class of the per-method adapters. Subclasses override the four methods marked below."""
+
+    #: The upstream PILOT model name whose network we reuse (its factories check this name).
+    base_model_name: ClassVar[str] = ""
+    #: A substring PILOT's ``get_backbone`` needs in ``backbone_type`` for this method.
+    backbone_marker: ClassVar[str] = ""
+    #: Keys of the method's own config, with defaults; see :class:`ConfigKey`.
+    config_keys: ClassVar[Mapping[str, ConfigKey]] = {}
+    args: dict = field(default_factory=dict)
+
+    # -- to override -------------------------------------------------------------------------
+    def build_network(self, args: dict) -> nn.Module:
+        """Build the PILOT network (freezing what the method freezes)."""
+        raise NotImplementedError
+
+    def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
+        """One pass: logits, classifier features and the method's own loss term."""
+        raise NotImplementedError
+
+    def classifier(self, network: nn.Module) -> nn.Linear:
+        """The final FC layer: prototypes are replayed through it, FGH's class mode reweights it."""
+        raise NotImplementedError
+
+    # -- defaults that usually fit -------------------------------------------------------------
+    def trainable_parameters(self, network: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+        """Named parameters the optimiser and FGH see (everything with ``requires_grad``)."""
+        return ((n, p) for n, p in network.named_parameters() if p.requires_grad)
+
+    def train_mode(self, network: nn.Module) -> None:
+        """Put the network in training mode (methods with frozen query backbones override)."""
+        network.train()
+
+    def eval_mode(self, network: nn.Module) -> None:
+        """Put the network in evaluation mode."""
+        network.eval()
+
+    def pilot_args(self, args: dict, **overrides: Any) -> dict:
+        """A copy of ``args`` in which PILOT's factories recognise the upstream method."""
+        return {**args, "model_name": self.base_model_name, **overrides}

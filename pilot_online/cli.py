@@ -1,0 +1,118 @@
+"""The ``pilot-online`` command: setup | run | check-config | report | demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from . import patching
+from .config import ConfigError, key_reference, load_json, resolve_config
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    """``python main.py --config X`` from anywhere: logs/ and data/ stay relative to the cwd."""
+    root = Path(args.pilot_root or os.environ.get("PILOT_ROOT") or ".").resolve()
+    try:
+        patching.ensure_patched(root)
+    except patching.PatchError as err:
+        print(f"pilot-online run: {err}", file=sys.stderr)
+        return 2
+    raw = load_json(args.config)
+    config = {"config": str(args.config), **resolve_config(raw)}
+    sys.path.insert(0, str(root))
+    from trainer import train  # PILOT's
+
+    train(config)
+    return 0
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    if args.keys:
+        print(key_reference())
+        return 0
+    status = 0
+    for path in args.configs:
+        try:
+            resolve_config(load_json(path))
+            print(f"ok      {path}")
+        except ConfigError as err:
+            print(f"invalid {path}: {err}")
+            status = 1
+    return status
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .report import collect, format_table, plot_gradient_imbalance
+
+    rows = collect(args.paths)
+    if not rows:
+        print("no results files found under " + ", ".join(map(str, args.paths)), file=sys.stderr)
+        return 1
+    print(format_table(rows, group=not args.per_seed))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    if args.plot:
+        print(f"gradient-imbalance plot: {plot_gradient_imbalance(rows, Path(args.plot))}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    run_demo(train_per_class=args.train_per_class, seed=args.seed, output=args.output)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pilot-online", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    setup = sub.add_parser("setup", help="patch a PILOT checkout (idempotent; --check, --revert)")
+    patching.add_setup_arguments(setup)
+    setup.set_defaults(func=patching.run_setup)
+
+    run = sub.add_parser("run", help="run a config through PILOT's trainer, like its main.py")
+    run.add_argument("--config", required=True, type=Path, help="a PILOT-style JSON config")
+    run.add_argument("--pilot-root", help="patched PILOT checkout (default: $PILOT_ROOT, then .)")
+    run.set_defaults(func=_cmd_run)
+
+    check = sub.add_parser("check-config", help="validate configs without PILOT")
+    check.add_argument("configs", nargs="*", type=Path)
+    check.add_argument("--keys", action="store_true", help="print the config-key reference")
+    check.set_defaults(func=_cmd_check_config)
+
+    report = sub.add_parser("report", help="AP / A_T table (mean ± std over seeds) from results")
+    report.add_argument("paths", nargs="+", type=Path, help="results files or folders to search")
+    report.add_argument("--per-seed", action="store_true", help="one row per run")
+    report.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    report.add_argument("--plot", metavar="PNG", help="plot normalised task gradient norms G^k_n")
+    report.set_defaults(func=_cmd_report)
+
+    demo = sub.add_parser("demo", help="core-only demo: synthetic stream, small timm ViT, P + FGH")
+    demo.add_argument("--train-per-class", type=int, default=50, help="stream length knob")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--output", type=Path, default=Path("runs/demo"), help="results folder")
+    demo.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        print(f"pilot-online {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""CODA-Prompt online (``coda_online``): PILOT's CodaPromptVitNet, trained task-free.
+
+Task-free changes (paper appendix): 100 components, all trained at all times. The prompt is built
+with ``n_tasks=1``, so its task slice ``[0:100]`` covers every component, and
+``process_task_count`` (which re-initialises components at task changes) is never called.
+
+PILOT's training path (``train=True``) crashes on CPU: the backbone creates ``prompt_loss`` as a
+leaf that requires grad and adds to it in place. With one task, ``train=True`` and ``train=False``
+select the same components and differ only in the orthogonality penalty, so we run the prompted
+pass with ``train=False`` and compute that penalty here, on the parameters' own device (PILOT's
+``ortho_penalty`` builds its identity matrix on the CPU).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from .adapter import ConfigKey, MethodAdapter, StepOutput
+from .registry import register_method
+
+
+def orthogonality_penalty(t: torch.Tensor) -> torch.Tensor:
+    """mean((t t^T - I)^2), CODA's penalty, with I on ``t``'s device."""
+    t = t.reshape(t.shape[0], -1)
+    eye = torch.eye(t.shape[0], device=t.device, dtype=t.dtype)
+    return ((t @ t.T - eye) ** 2).mean()
+
+
+@register_method("coda_online")
+class CodaOnline(MethodAdapter):
+    base_model_name: ClassVar[str] = "coda_prompt"
+    backbone_marker: ClassVar[str] = "_coda_prompt"
+    config_keys: ClassVar[dict[str, ConfigKey]] = {
+        "prompt_param": ConfigKey(
+            [100, 8, 0.0], "[components (paper: 100), prompt length, orthogonality weight mu]"
+        ),
+    }
+
+    def build_network(self, args: dict) -> nn.Module:
+        from utils.inc_net import CodaPromptVitNet
+
+        network = CodaPromptVitNet(self.pilot_args(args, nb_tasks=1), True)
+        network.backbone.requires_grad_(False)  # PILOT's optimiser only sees prompt + fc
+        return network
+
+    def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
+        features = network(x, pen=True, train=False)
+        logits = network.fc(features)
+        mu = float(self.args["prompt_param"][2])
+        aux = None
+        if train and mu > 0:
+            prompt = network.prompt
+            aux = mu * sum(
+                orthogonality_penalty(getattr(prompt, f"e_{kind}_{layer}"))
+                for layer in prompt.e_layers
+                for kind in ("k", "a", "p")
+            )
+        return StepOutput(logits, features, aux)
+
+    def classifier(self, network: nn.Module) -> nn.Linear:
+        return network.fc

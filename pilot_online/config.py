@@ -1,0 +1,225 @@
+"""Config loading and validation.
+
+PILOT merges any JSON key into ``args`` silently, so a typo (``"online_prototype": true``) would run
+the wrong experiment without a word. Here every key must be known: PILOT's run keys, the online keys
+below, or the method's own keys (``MethodAdapter.config_keys``). Unknown keys raise with the closest
+valid spelling; offline-only keys (epochs, schedulers) raise with what to do instead.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .adapter import ConfigKey
+
+LOGIT_MASKS = ("batch", "seen", "none")
+STREAMS = ("clear", "si_blurry")
+BLURRED_SELECTIONS = ("dataset_order", "random")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+FGH_KEYS = ("gamma", "granularity", "direction", "apply", "clamp")
+
+#: Keys PILOT's ``main.py``/``trainer.py``/``BaseLearner`` read, with the online defaults.
+PILOT_KEYS: dict[str, ConfigKey] = {
+    "prefix": ConfigKey("", "log-file prefix (PILOT)"),
+    "dataset": ConfigKey(None, "PILOT dataset name, or a plugin one such as 'synthetic'"),
+    "memory_size": ConfigKey(0, "rehearsal memory: always 0 online (memory-free)", forced=True),
+    "memory_per_class": ConfigKey(0, "rehearsal memory per class: always 0 online", forced=True),
+    "fixed_memory": ConfigKey(False, "PILOT memory option: unused online", forced=True),
+    "shuffle": ConfigKey(True, "shuffle the class order with the seed (PILOT DataManager)"),
+    "init_cls": ConfigKey(10, "classes in the first task (clear stream; PILOT split)"),
+    "increment": ConfigKey(10, "classes per later task (clear stream; PILOT split)"),
+    "model_name": ConfigKey(None, "a pilot-online method, e.g. coda_online"),
+    "backbone_type": ConfigKey(None, "PILOT backbone name, e.g. vit_base_patch16_224_coda_prompt"),
+    "device": ConfigKey(["0"], "PILOT devices: -1 for CPU, else a CUDA index"),
+    "seed": ConfigKey([1993], "list of seeds; each seed runs and writes its own results file"),
+    "batch_size": ConfigKey(100, "stream batch size (the paper uses 100)"),
+    "init_lr": ConfigKey(5e-3, "constant learning rate (no scheduler online)"),
+    "optimizer": ConfigKey("adam", "adam | adamw | sgd, at a constant learning rate"),
+    "weight_decay": ConfigKey(0.0, "optimizer weight decay"),
+    "pretrained": ConfigKey(
+        True, "load pretrained ViT weights (offline: false, or pretrained_path)"
+    ),
+    "drop": ConfigKey(0.0, "ViT dropout"),
+    "drop_path": ConfigKey(0.0, "ViT stochastic depth"),
+}
+
+#: Keys this plugin adds.
+ONLINE_KEYS: dict[str, ConfigKey] = {
+    "stream": ConfigKey("clear", "clear | si_blurry"),
+    "si_blurry_n": ConfigKey(50, "Si-Blurry N: percent of classes that are disjoint"),
+    "si_blurry_m": ConfigKey(10, "Si-Blurry M: percent of blurry-class samples blurred"),
+    "si_blurry_selection": ConfigKey(
+        "dataset_order", "which blurry samples move: dataset_order (upstream) | random"
+    ),
+    "online_prototypes": ConfigKey(False, "add the prototype loss L_P (paper Eq. 1-2)"),
+    "fgh": ConfigKey(
+        None, "null, or {gamma, granularity, direction, apply, clamp}: Fine-Grained Hypergradients"
+    ),
+    "logit_mask": ConfigKey("batch", "training-loss logit mask: batch | seen | none"),
+    "eval_period": ConfigKey(None, "also evaluate every N stream samples (A_auc); null = off"),
+    "batchwise_prompt_eval": ConfigKey(
+        False, "batch majority-vote prompt selection at test time (leaks task identity)"
+    ),
+    "backbone_kwargs": ConfigKey({}, "extra kwargs for timm.create_model, e.g. {img_size: 32}"),
+    "pretrained_path": ConfigKey(
+        None, "local ViT weights file (timm 0.6 npz) instead of a download"
+    ),
+    "num_workers": ConfigKey(2, "DataLoader workers"),
+    "eval_batch_size": ConfigKey(256, "batch size for evaluation"),
+    "max_nonfinite_steps": ConfigKey(10, "consecutive non-finite losses tolerated before stopping"),
+    "grad_trace": ConfigKey(
+        True, "record per-step classifier-row gradient norms (imbalance plots)"
+    ),
+    "results_dir": ConfigKey(None, "where results JSON goes (default: PILOT's log directory)"),
+    "log_interval": ConfigKey(10, "steps between progress-bar updates (each one syncs the device)"),
+}
+
+#: Keys PILOT's own scripts put into ``args`` (argparse, trainer), never written by users.
+INJECTED_KEYS = ("config", "nb_classes", "nb_tasks")
+
+#: Offline-only keys, with what to do instead.
+OFFLINE_KEYS = {
+    "tuned_epoch": "online training makes one pass: remove it",
+    "epochs": "online training makes one pass: remove it",
+    "scheduler": "online training uses a constant learning rate: remove it",
+    "min_lr": "online training uses a constant learning rate: remove it",
+    "init_milestones": "online training uses a constant learning rate: remove it",
+    "init_lr_decay": "online training uses a constant learning rate: remove it",
+    "reinit_optimizer": "online training never resets the optimizer (no boundaries): remove it",
+}
+
+
+class ConfigError(ValueError):
+    """A config that would run the wrong experiment; the message says what to change."""
+
+
+def load_json(path: str | Path) -> dict[str, Any]:
+    """Read a JSON config with errors that name the file and the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: malformed JSON at line {err.lineno}: {err.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a JSON object of keys")
+    return data
+
+
+def _suggest(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check_choice(cfg: Mapping[str, Any], key: str, choices: tuple[str, ...]) -> None:
+    if cfg[key] not in choices:
+        raise ConfigError(f"{key}={cfg[key]!r} is not one of {', '.join(choices)}")
+
+
+def _check_fgh(fgh: Any) -> None:
+    if fgh is None:
+        return
+    if not isinstance(fgh, dict):
+        raise ConfigError('"fgh" must be null or an object such as {"gamma": 1}')
+    unknown = sorted(set(fgh) - set(FGH_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"unknown fgh key(s) {unknown}{_suggest(unknown[0], list(FGH_KEYS))}; "
+            f"valid: {', '.join(FGH_KEYS)}"
+        )
+    from .fgh import validate_options
+
+    try:
+        validate_options(**fgh)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"fgh: {err}") from None
+
+
+def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The effective config: defaults filled in, every key known, every value checked.
+
+    Needs no PILOT: ``pilot-online check-config`` and the tests call it directly.
+    """
+    from .registry import get_method
+
+    if not raw.get("model_name"):
+        raise ConfigError('the config needs "model_name" (e.g. "coda_online")')
+    try:
+        adapter = get_method(str(raw["model_name"]))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    schema: dict[str, ConfigKey] = {**PILOT_KEYS, **ONLINE_KEYS, **adapter.config_keys}
+
+    for key in raw:
+        if key in OFFLINE_KEYS:
+            raise ConfigError(f"{key!r} is an offline-only key: {OFFLINE_KEYS[key]}")
+        if key not in schema and key not in INJECTED_KEYS:
+            raise ConfigError(
+                f"unknown config key {key!r}{_suggest(key, sorted(schema))}. "
+                "Run `pilot-online check-config --keys` for the reference."
+            )
+    cfg = {key: spec.default for key, spec in schema.items()}
+    cfg.update(raw)
+    for key, spec in schema.items():
+        if spec.forced and cfg[key] != spec.default:
+            raise ConfigError(
+                f"{key}={cfg[key]!r} cannot be used online ({spec.doc}); set it to {spec.default!r}"
+            )
+    for key in ("dataset", "backbone_type"):
+        if not cfg[key]:
+            raise ConfigError(f"the config needs {key!r}")
+
+    if adapter.backbone_marker not in str(cfg["backbone_type"]).lower():
+        raise ConfigError(
+            f"backbone_type {cfg['backbone_type']!r} is not a {adapter.base_model_name} backbone: "
+            f"PILOT needs one containing {adapter.backbone_marker!r}, e.g. "
+            f"'vit_base_patch16_224{adapter.backbone_marker}'"
+        )
+    _check_choice(cfg, "stream", STREAMS)
+    _check_choice(cfg, "si_blurry_selection", BLURRED_SELECTIONS)
+    _check_choice(cfg, "logit_mask", LOGIT_MASKS)
+    _check_choice(cfg, "optimizer", OPTIMIZERS)
+    for key in ("batch_size", "eval_batch_size", "init_cls", "increment", "log_interval"):
+        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 1:
+            raise ConfigError(f"{key} must be a positive integer, got {cfg[key]!r}")
+    for key in ("si_blurry_n", "si_blurry_m"):
+        if not 0 <= cfg[key] <= 100:
+            raise ConfigError(f"{key} is a percentage in [0, 100], got {cfg[key]!r}")
+    if not isinstance(cfg["init_lr"], (int, float)) or cfg["init_lr"] <= 0:
+        raise ConfigError(f"init_lr must be a positive number, got {cfg['init_lr']!r}")
+    if cfg["eval_period"] is not None and (
+        not isinstance(cfg["eval_period"], int) or cfg["eval_period"] < 1
+    ):
+        raise ConfigError("eval_period must be null or a positive number of stream samples")
+    seeds = cfg["seed"] if isinstance(cfg["seed"], list) else [cfg["seed"]]
+    if not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+        raise ConfigError('"seed" must be a list of integers, e.g. [1993, 1994]')
+    if not isinstance(cfg["backbone_kwargs"], dict):
+        raise ConfigError('"backbone_kwargs" must be an object, e.g. {"img_size": 32}')
+    if cfg["pretrained_path"] is not None and not Path(cfg["pretrained_path"]).is_file():
+        raise ConfigError(
+            f"pretrained_path {cfg['pretrained_path']!r} is not a file: point it at the ViT "
+            "weights (timm 0.6 npz), or set it to null to download them"
+        )
+    _check_fgh(cfg["fgh"])
+    return cfg
+
+
+def key_reference() -> str:
+    """A plain-text table of every online and PILOT key (``pilot-online check-config --keys``)."""
+    from .registry import get_method, list_methods
+
+    lines = []
+    sections = [("PILOT run keys", PILOT_KEYS), ("online keys", ONLINE_KEYS)]
+    sections += [(f"{m} keys", get_method(m).config_keys) for m in list_methods()]
+    for title, keys in sections:
+        lines.append(f"# {title}")
+        for key, spec in keys.items():
+            forced = " (fixed online)" if spec.forced else ""
+            lines.append(f"  {key:<24} default {json.dumps(spec.default):<18} {spec.doc}{forced}")
+    return "\n".join(lines)

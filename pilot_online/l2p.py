@@ -1,0 +1,89 @@
+"""L2P online (``l2p_online``): PILOT's PromptVitNet, trained task-free.
+
+Task-free changes (paper appendix): a pool of 10 prompts used at all times, no prompt mask chosen by
+task id, no shared-pool copying at task changes (``_init_prompt`` is never called).
+
+``batchwise_prompt`` (a batch majority vote over selected prompts) stays on for training batches,
+which are genuine stream batches. At test time it is off by default: PILOT's test batches are sorted
+by class, so a batch vote would hand the model the task of the batch.
+``batchwise_prompt_eval: true``
+restores upstream behaviour for comparison.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from .adapter import ConfigKey, MethodAdapter, StepOutput
+from .registry import register_method
+
+PROMPT_POOL_KEYS: dict[str, ConfigKey] = {
+    "get_original_backbone": ConfigKey(True, "frozen query ViT that selects prompts", forced=True),
+    "global_pool": ConfigKey("token", "ViT pooling"),
+    "head_type": ConfigKey("prompt", "what the head reads: prompt | token | gap | token+prompt"),
+    "freeze": ConfigKey(
+        ["blocks", "patch_embed", "cls_token", "norm", "pos_embed"], "frozen backbone prefixes"
+    ),
+    "prompt_pool": ConfigKey(True, "use a prompt pool"),
+    "size": ConfigKey(10, "prompt pool size (paper: 10)"),
+    "length": ConfigKey(5, "prompt length"),
+    "top_k": ConfigKey(5, "prompts selected per sample"),
+    "initializer": ConfigKey("uniform", "prompt initialiser"),
+    "prompt_key": ConfigKey(True, "learnable prompt keys"),
+    "prompt_key_init": ConfigKey("uniform", "prompt-key initialiser"),
+    "use_prompt_mask": ConfigKey(False, "task-id prompt masks need task identity", forced=True),
+    "shared_prompt_pool": ConfigKey(False, "copying prompts at task changes", forced=True),
+    "shared_prompt_key": ConfigKey(False, "copying keys at task changes", forced=True),
+    "batchwise_prompt": ConfigKey(True, "batch majority-vote prompt selection in training"),
+    "embedding_key": ConfigKey("cls", "query embedding"),
+    "predefined_key": ConfigKey("", "unused by PILOT"),
+    "pull_constraint": ConfigKey(True, "add the key-query pull constraint"),
+    "pull_constraint_coeff": ConfigKey(0.1, "weight of the pull constraint"),
+}
+
+
+@register_method("l2p_online")
+class L2POnline(MethodAdapter):
+    base_model_name: ClassVar[str] = "l2p"
+    backbone_marker: ClassVar[str] = "_l2p"
+    config_keys: ClassVar[dict[str, ConfigKey]] = PROMPT_POOL_KEYS
+
+    def build_network(self, args: dict) -> nn.Module:
+        from utils.inc_net import PromptVitNet
+
+        network = PromptVitNet(self.pilot_args(args), True)
+        network.original_backbone.requires_grad_(False)
+        frozen = tuple(args["freeze"])
+        for name, param in network.backbone.named_parameters():
+            if name.startswith(frozen):
+                param.requires_grad_(False)
+        return network
+
+    def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
+        out = network(x, task_id=-1, train=train)
+        features = network.backbone.fc_norm(out["pre_logits"])
+        aux = None
+        if train and self.args["pull_constraint"] and "reduce_sim" in out:
+            aux = -self.args["pull_constraint_coeff"] * out["reduce_sim"]
+        return StepOutput(out["logits"], features, aux)
+
+    def classifier(self, network: nn.Module) -> nn.Linear:
+        return network.backbone.head
+
+    def prompt_pool(self, network: nn.Module) -> nn.Module:
+        """The module that selects prompts (its ``batchwise_prompt`` flag is toggled for eval)."""
+        return network.backbone.prompt
+
+    def train_mode(self, network: nn.Module) -> None:
+        network.backbone.train()
+        network.original_backbone.eval()
+        self.prompt_pool(network).batchwise_prompt = self.args["batchwise_prompt"]
+
+    def eval_mode(self, network: nn.Module) -> None:
+        network.eval()
+        self.prompt_pool(network).batchwise_prompt = (
+            self.args["batchwise_prompt"] and self.args["batchwise_prompt_eval"]
+        )

@@ -1,0 +1,125 @@
+"""``OnlineLearner``: PILOT's ``BaseLearner`` with ``incremental_train`` replaced by one pass over a
+stream segment. Imported only when PILOT builds a learner (``registry.create_learner``).
+
+PILOT's trainer still calls ``incremental_train``, ``eval_task`` and ``after_task`` once per task:
+each call consumes the next segment of a stream built once from the DataManager's raw arrays. The
+model never learns where segments end: no prompt masks, no prompt freezing or copying, no
+``process_task_count``, no optimizer reset. Segment ends only decide when to evaluate.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from models.base import BaseLearner  # PILOT: this module is imported lazily
+
+from .adapter import MethodAdapter
+from .backbones import timm_overrides
+from .config import resolve_config
+from .loop import build_loop
+from .pilot_data import PilotDataSource
+from .results import results_path
+from .session import OnlineSession, unique_results_path
+from .streams import build_stream
+
+logger = logging.getLogger(__name__)
+
+
+def pilot_log_dir(args: dict[str, Any]) -> Path:
+    """The folder PILOT's trainer logs this run into (``trainer._train``)."""
+    init_cls = 0 if args["init_cls"] == args["increment"] else args["init_cls"]
+    return Path("logs", args["model_name"], args["dataset"], str(init_cls), str(args["increment"]))
+
+
+class OnlineLearner(BaseLearner):
+    """A PILOT learner that trains one method adapter online, with the configured mixins."""
+
+    def __init__(self, args: dict[str, Any], adapter_cls: type[MethodAdapter]) -> None:
+        super().__init__(args)
+        self.config = resolve_config(args)
+        self.adapter = adapter_cls(args=self.config)
+        with timm_overrides(self.config["backbone_kwargs"], self.config["pretrained_path"]):
+            network = self.adapter.build_network(self.config)
+        self.loop = build_loop(self.adapter, network, self.config, args["nb_classes"], self._device)
+        self._network = self.loop.network
+        self.topk = 5
+        self.session: OnlineSession | None = None
+        directory = Path(self.config["results_dir"] or pilot_log_dir(self.config))
+        self.results_path = unique_results_path(
+            results_path(
+                directory, self.config["prefix"], self.config["seed"], self.config["backbone_type"]
+            )
+        )
+        logger.info(
+            "online learner %s, trainable: %s",
+            type(self.loop).__name__,
+            {n: p.numel() for n, p in self.loop.named_parameters},
+        )
+
+    def _start(self, data_manager) -> OnlineSession:
+        """Build the whole stream once, from the DataManager's remapped labels and class order."""
+        cfg = self.config
+        labels = data_manager._train_targets
+        classes = list(range(data_manager.nb_classes))  # labels are positions in the class order
+        if cfg["stream"] == "clear":
+            stream = build_stream(
+                "clear",
+                labels,
+                classes,
+                init_cls=cfg["init_cls"],
+                increment=cfg["increment"],
+                batch_size=cfg["batch_size"],
+                seed=cfg["seed"],
+            )
+        else:
+            stream = build_stream(
+                "si_blurry",
+                labels,
+                classes,
+                num_tasks=data_manager.nb_tasks,
+                n=cfg["si_blurry_n"],
+                m=cfg["si_blurry_m"],
+                seed=cfg["seed"],
+                batch_size=cfg["batch_size"],
+                blurred_selection=cfg["si_blurry_selection"],
+            )
+        if stream.num_tasks != data_manager.nb_tasks:
+            raise RuntimeError(
+                f"stream has {stream.num_tasks} segments, PILOT expects "
+                f"{data_manager.nb_tasks}: init_cls/increment disagree"
+            )
+        for summary in stream.summary():
+            logger.info("stream segment %s", summary.to_dict())
+        self.results_path.parent.mkdir(parents=True, exist_ok=True)
+        data = PilotDataSource(data_manager, cfg, seed=cfg["seed"])
+        return OnlineSession(self.loop, stream, data, cfg, self.results_path)
+
+    def incremental_train(self, data_manager) -> None:
+        self._cur_task += 1
+        self.data_manager = data_manager
+        if self.session is None:
+            self.session = self._start(data_manager)
+        try:
+            self.session.train_task(self._cur_task)
+        except BaseException as err:
+            self.session.write(status="failed", error=f"{type(err).__name__}: {err}")
+            raise
+        self._total_classes = int(self.loop.seen.sum())
+
+    def eval_task(self):
+        cnn_accy = self.session.evaluate_task_end(self._cur_task)
+        logger.info("accuracy after segment %d: %s", self._cur_task, cnn_accy["grouped"])
+        if self._cur_task == self.session.stream.num_tasks - 1:
+            results = self.session.write()
+            logger.info(
+                "AP %.2f  A_T %.2f  (results: %s)",
+                results["metrics"]["AP"],
+                results["metrics"]["A_T"],
+                self.session.written_path,
+            )
+        return cnn_accy, None
+
+    def after_task(self) -> None:
+        self._known_classes = self._total_classes

@@ -1,0 +1,218 @@
+"""The one online training step, with named phases and a few hooks.
+
+A step runs zero_grad -> forward -> loss -> backward -> transform gradients -> optimizer step ->
+after-step. Mixins (:class:`~pilot_online.prototypes.PrototypeMixin`,
+:class:`~pilot_online.fgh.FGHMixin`) override the hooks and call ``super()``; every hook has a no-op
+default here. Hooks return values (loss terms, report entries) instead of writing shared state.
+
+This module needs no PILOT: the PILOT learner and the core demo both drive an :class:`OnlineLoop`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .adapter import MethodAdapter, StepOutput
+from .fgh import class_grad_norms
+from .masks import classes_present, mask_logits, training_mask
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss stayed NaN/inf for too many consecutive steps: training is diverging."""
+
+
+@dataclass
+class StepStats:
+    """Device-side statistics of one step; read (synced) only at log intervals."""
+
+    loss: torch.Tensor
+    correct: torch.Tensor
+    samples: int
+    skipped: bool = False
+
+
+def make_optimizer(name: str, params: list[nn.Parameter], lr: float, weight_decay: float):
+    """The constant-LR optimiser of online training (no scheduler: stream length is unknown)."""
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}: use adam, adamw or sgd")
+
+
+class OnlineLoop:
+    """Single-pass training mechanics for one method adapter and its network."""
+
+    def __init__(
+        self,
+        adapter: MethodAdapter,
+        network: nn.Module,
+        config: Mapping[str, Any],
+        num_classes: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.adapter = adapter
+        self.network = network.to(device)
+        self.config = config
+        self.num_classes = num_classes
+        self.device = torch.device(device)
+        self.named_parameters = list(adapter.trainable_parameters(self.network))
+        if not self.named_parameters:
+            raise ValueError(f"{type(adapter).__name__} exposes no trainable parameters")
+        self.optimizer = make_optimizer(
+            config.get("optimizer", "adam"),
+            [p for _, p in self.named_parameters],
+            lr=float(config.get("init_lr", 5e-3)),
+            weight_decay=float(config.get("weight_decay", 0.0)),
+        )
+        self.logit_mask = config.get("logit_mask", "batch")
+        self.max_nonfinite_steps = int(config.get("max_nonfinite_steps", 10))
+        self.seen = torch.zeros(num_classes, dtype=torch.bool, device=self.device)
+        self.optimizer_steps = 0
+        self.samples_seen = 0
+        self.skipped_nonfinite_steps = 0
+        self._nonfinite_streak = 0
+        self._grad_norm_sum = torch.zeros(num_classes, device=self.device)
+        self._grad_trace: list[torch.Tensor] | None = [] if config.get("grad_trace", True) else None
+        self.setup()
+
+    # -- hooks (mixins override and call super()) -------------------------------------------------
+    def setup(self) -> None:
+        """Called once, after the optimiser exists: mixins build their components here."""
+
+    def loss_terms(self, out: StepOutput, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Extra loss terms, by name, added to the classification loss."""
+        return {}
+
+    def transform_gradients(self) -> None:
+        """Between backward and the optimiser step (FGH reweights gradients here)."""
+
+    def after_step(self, out: StepOutput, labels: torch.Tensor) -> None:
+        """After the optimiser step, with this step's (pre-update) outputs."""
+
+    def report(self) -> dict[str, Any]:
+        """Entries for the results file's ``diagnostics`` section."""
+        return {}
+
+    # -- the step --------------------------------------------------------------------------------
+    def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> StepStats:
+        """One online step on one stream batch."""
+        inputs = inputs.to(self.device, non_blocking=True)
+        labels = labels.to(self.device, non_blocking=True).long()
+        self.adapter.train_mode(self.network)
+        self.optimizer.zero_grad(set_to_none=True)
+
+        out = self.adapter.forward(self.network, inputs, train=True)
+        # Labels were range-checked once for the whole dataset (OnlineSession): no sync here.
+        self.seen |= classes_present(labels, self.num_classes, validate=False)
+        mask = training_mask(self.logit_mask, labels, self.seen, self.num_classes, validate=False)
+        logits = out.logits if mask is None else mask_logits(out.logits, mask)
+        terms = {"ce": F.cross_entropy(logits, labels)}
+        if out.aux_loss is not None:
+            terms["method"] = out.aux_loss
+        terms.update(self.loss_terms(out, labels))
+        loss = torch.stack([t.reshape(()) for t in terms.values()]).sum()
+        correct = (logits.detach().argmax(1) == labels).sum()
+        self.samples_seen += len(labels)
+
+        # One host sync per step, as GradScaler does: a NaN step must not reach the weights.
+        if not torch.isfinite(loss):
+            return self._skip_nonfinite(loss, correct, len(labels), terms)
+        self._nonfinite_streak = 0
+        loss.backward()
+        self.transform_gradients()
+        self._record_gradient_norms()
+        self.optimizer.step()
+        self.optimizer_steps += 1
+        self.after_step(out, labels)
+        return StepStats(loss.detach(), correct, len(labels))
+
+    def _skip_nonfinite(self, loss, correct, samples, terms) -> StepStats:
+        self.skipped_nonfinite_steps += 1
+        self._nonfinite_streak += 1
+        bad = [name for name, t in terms.items() if not torch.isfinite(t).all()]
+        logger.warning(
+            "non-finite loss (terms %s) at sample %d: step skipped", bad, self.samples_seen
+        )
+        if self._nonfinite_streak > self.max_nonfinite_steps:
+            raise NonFiniteLossError(
+                f"the loss was non-finite for {self._nonfinite_streak} consecutive steps "
+                f"(terms {bad}, stream sample {self.samples_seen}): training diverged. Lower "
+                f"init_lr (now {self.config.get('init_lr')}) or the FGH gamma, or check the inputs "
+                "for NaNs; raise max_nonfinite_steps to tolerate longer streaks"
+            )
+        return StepStats(loss.detach(), correct, samples, skipped=True)
+
+    @torch.no_grad()
+    def _record_gradient_norms(self) -> None:
+        """Per-class gradient norm of the classifier rows, after reweighting (paper Sec. 5.1)."""
+        fc = self.adapter.classifier(self.network)
+        if fc.weight.grad is None:
+            return
+        norms = class_grad_norms(fc.weight, fc.bias)
+        self._grad_norm_sum += norms
+        if self._grad_trace is not None:
+            self._grad_trace.append(norms.to(torch.float16 if norms.is_cuda else norms.dtype))
+
+    def gradient_statistics(self) -> dict[str, np.ndarray]:
+        """``mean``: g^j = mean over steps of ||g_t^j||; ``trace``: steps x classes, if kept."""
+        steps = max(self.optimizer_steps, 1)
+        stats = {"mean": (self._grad_norm_sum / steps).float().cpu().numpy()}
+        if self._grad_trace:
+            stats["trace"] = torch.stack(self._grad_trace).float().cpu().numpy()
+        return stats
+
+    # -- evaluation ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def predict(
+        self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], allowed: torch.Tensor, topk: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k predictions over ``batches`` with logits outside ``allowed`` masked out."""
+        self.adapter.eval_mode(self.network)
+        allowed = allowed.to(self.device)
+        topk = max(1, min(topk, int(allowed.sum())))
+        preds, truths = [], []
+        for inputs, labels in batches:
+            out = self.adapter.forward(self.network, inputs.to(self.device), train=False)
+            logits = mask_logits(out.logits, allowed)
+            preds.append(logits.topk(topk, dim=1).indices.cpu())
+            truths.append(labels.cpu())
+        if not preds:
+            return np.zeros((0, topk), dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return torch.cat(preds).numpy(), torch.cat(truths).long().numpy()
+
+
+def build_loop(
+    adapter: MethodAdapter,
+    network: nn.Module,
+    config: Mapping[str, Any],
+    num_classes: int,
+    device: torch.device | str = "cpu",
+) -> OnlineLoop:
+    """An :class:`OnlineLoop` with the mixins the config asks for: the paper's four ablation rows
+    (base, + P, + FGH, + P + FGH) are four compositions of the same loop."""
+    from .fgh import FGHMixin
+    from .prototypes import PrototypeMixin
+
+    mixins: list[type] = []
+    if config.get("online_prototypes"):
+        mixins.append(PrototypeMixin)
+    if config.get("fgh") is not None:
+        mixins.append(FGHMixin)
+    if not mixins:
+        return OnlineLoop(adapter, network, config, num_classes, device)
+    name = "".join(m.__name__.removesuffix("Mixin") for m in mixins) + "OnlineLoop"
+    loop_cls = type(name, (*mixins, OnlineLoop), {})
+    return loop_cls(adapter, network, config, num_classes, device)

@@ -1,0 +1,629 @@
+"""Hook pilot-online into a LAMDA-PILOT checkout: two small diffs plus config links.
+
+PILOT has no plugin mechanism: its model factory ends in ``assert 0`` and its dataset lookup
+raises for unknown names. ``patches/`` holds two small unified diffs that route unknown names to
+pilot-online instead; ``apply`` writes them into a checkout and links our ``exps/*.json`` into
+PILOT's ``exps/`` so that ``python main.py --config exps/<name>.json`` works as usual.
+
+Safety rules, because this edits someone else's checkout:
+
+- Every file is identified by its SHA-256: only the pinned upstream bytes get patched and only our
+  patched bytes get reverted, so an unknown PILOT version or a local edit is refused, never merged.
+- All refusals are decided before anything is written, so a refusal changes nothing.
+- Files are replaced atomically and ``revert`` restores the upstream bytes exactly.
+
+Only the standard library is used: no ``patch`` or ``git`` binary is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+PINNED_COMMIT = "5240714"
+
+# (path inside the PILOT root, diff file name inside patches/)
+PATCHES: list[tuple[str, str]] = [
+    ("utils/factory.py", "factory.diff"),
+    ("utils/data_manager.py", "data_manager.diff"),
+]
+
+# SHA-256 of the files at LAMDA-PILOT commit 5240714, and after applying our diffs to them.
+UPSTREAM_SHA256: dict[str, str] = {
+    "utils/factory.py": "da71488c0e12f2433ed5de46a038d199dcc794b22371be715bee44af98eef2aa",
+    "utils/data_manager.py": "74601c9c46d1e51ee95ee20c8a261b28325b997586bd3bf6e78a361d41289857",
+}
+PATCHED_SHA256: dict[str, str] = {
+    "utils/factory.py": "f6aca835f4dcde81be65479292bd70b610e3041e1b26b42ee9f2c41c43402120",
+    "utils/data_manager.py": "b40ad2df6437b88aba8d56c8c45bfcd14d0d9a6651a5354db76a0883b26f5505",
+}
+
+# Files whose presence tells a LAMDA-PILOT checkout apart from any other folder.
+REQUIRED_FILES: tuple[str, ...] = (
+    "main.py",
+    "trainer.py",
+    "utils/factory.py",
+    "utils/data_manager.py",
+    "models/base.py",
+)
+
+PILOT_EXPS = "exps"
+
+FILE_STATES = ("upstream", "patched", "modified", "missing")
+
+
+class PatchError(RuntimeError):
+    """A checkout cannot be patched or reverted safely; the message says what to do."""
+
+
+# --------------------------------------------------------------------------------------------
+# Where our files live
+
+
+def _repo_dir(name: str) -> Path:
+    """A top-level folder of the pilot-online checkout (it ships next to the package)."""
+    path = Path(__file__).resolve().parent.parent / name
+    if not path.is_dir():
+        raise PatchError(
+            f"pilot-online's {name}/ folder was not found at {path}: it lives in the source "
+            "checkout, not in the installed package. Install from a checkout with "
+            "`pip install -e .` and run this again."
+        )
+    return path
+
+
+def patches_dir() -> Path:
+    """The repository's ``patches/`` folder holding the diffs against pinned PILOT."""
+    return _repo_dir("patches")
+
+
+def exps_dir() -> Path:
+    """The repository's ``exps/`` folder holding our PILOT-style JSON configs."""
+    return _repo_dir("exps")
+
+
+# --------------------------------------------------------------------------------------------
+# A minimal unified-diff reader and applier (exact context, no fuzz, no offsets)
+
+_HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+_NO_NEWLINE = "\\ No newline at end of file"
+
+
+@dataclass(frozen=True)
+class Hunk:
+    """One ``@@`` block; ``lines`` are ``(tag, text)`` with tag in ``' '``, ``'-'``, ``'+'``."""
+
+    old_start: int
+    old_count: int
+    new_start: int
+    new_count: int
+    lines: tuple[tuple[str, str], ...]
+    old_no_newline_at_eof: bool = False
+    new_no_newline_at_eof: bool = False
+
+    def reversed(self) -> Hunk:
+        """The hunk that undoes this one (swap sides)."""
+        swap = {" ": " ", "-": "+", "+": "-"}
+        return Hunk(
+            old_start=self.new_start,
+            old_count=self.new_count,
+            new_start=self.old_start,
+            new_count=self.old_count,
+            lines=tuple((swap[tag], text) for tag, text in self.lines),
+            old_no_newline_at_eof=self.new_no_newline_at_eof,
+            new_no_newline_at_eof=self.old_no_newline_at_eof,
+        )
+
+
+@dataclass(frozen=True)
+class FilePatch:
+    """A single-file unified diff: header paths and its hunks in file order."""
+
+    old_path: str
+    new_path: str
+    hunks: tuple[Hunk, ...]
+
+    def reversed(self) -> FilePatch:
+        return FilePatch(self.new_path, self.old_path, tuple(h.reversed() for h in self.hunks))
+
+
+def parse_unified_diff(text: str, source: str = "<diff>") -> FilePatch:
+    """Read a one-file unified diff; text before the ``---`` header is a free-form preamble.
+
+    Hunk line counts are checked against their headers, so a hand-edited diff that lost or
+    gained a line is rejected here rather than half-applied later.
+    """
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    index = 0
+    while index < len(lines) and not lines[index].startswith("--- "):
+        index += 1
+    if index + 1 >= len(lines) or not lines[index + 1].startswith("+++ "):
+        raise PatchError(f"{source}: no '--- a/...' / '+++ b/...' header pair found")
+    old_path = lines[index][4:].split("\t")[0].strip()
+    new_path = lines[index + 1][4:].split("\t")[0].strip()
+    index += 2
+
+    hunks: list[Hunk] = []
+    while index < len(lines):
+        match = _HUNK_HEADER.match(lines[index])
+        if match is None:
+            if lines[index].strip() == "":
+                index += 1
+                continue
+            raise PatchError(f"{source}:{index + 1}: expected a '@@' hunk header")
+        old_start, new_start = int(match.group(1)), int(match.group(3))
+        old_count = 1 if match.group(2) is None else int(match.group(2))
+        new_count = 1 if match.group(4) is None else int(match.group(4))
+        index += 1
+        body: list[tuple[str, str]] = []
+        old_seen = new_seen = 0
+        old_eof = new_eof = False
+        while old_seen < old_count or new_seen < new_count:
+            if index >= len(lines):
+                raise PatchError(
+                    f"{source}: hunk at old line {old_start} ends early: its header promises "
+                    f"{old_count} old and {new_count} new lines"
+                )
+            line = lines[index]
+            tag, content = (line[:1], line[1:]) if line else (" ", "")
+            if tag not in (" ", "-", "+"):
+                raise PatchError(
+                    f"{source}:{index + 1}: a hunk line must start with ' ', '-' or '+'"
+                )
+            old_seen += tag in (" ", "-")
+            new_seen += tag in (" ", "+")
+            if old_seen > old_count or new_seen > new_count:
+                raise PatchError(
+                    f"{source}:{index + 1}: hunk at old line {old_start} is longer than its header"
+                )
+            body.append((tag, content))
+            index += 1
+            if index < len(lines) and lines[index] == _NO_NEWLINE:
+                old_eof |= tag in (" ", "-")
+                new_eof |= tag in (" ", "+")
+                index += 1
+        hunks.append(
+            Hunk(old_start, old_count, new_start, new_count, tuple(body), old_eof, new_eof)
+        )
+    if not hunks:
+        raise PatchError(f"{source}: the diff has no hunks")
+    return FilePatch(old_path, new_path, tuple(hunks))
+
+
+def _split_lines(data: bytes) -> list[bytes]:
+    """Split on ``\\n`` only, keeping line endings (``bytes.splitlines`` knows more breaks)."""
+    parts = data.split(b"\n")
+    lines = [part + b"\n" for part in parts[:-1]]
+    if parts[-1]:
+        lines.append(parts[-1])
+    return lines
+
+
+def _strip_eol(line: bytes) -> bytes:
+    if line.endswith(b"\r\n"):
+        return line[:-2]
+    return line[:-1] if line.endswith(b"\n") else line
+
+
+def apply_patch(data: bytes, patch: FilePatch, source: str = "<file>") -> bytes:
+    """Apply ``patch`` to ``data``; every hunk must match exactly at its stated line.
+
+    Context lines keep their original bytes (line ending included); added lines take the
+    file's own line ending, so CRLF files and a missing final newline survive a round trip.
+    """
+    lines = _split_lines(data)
+    eol = b"\r\n" if lines and lines[0].endswith(b"\r\n") else b"\n"
+    out: list[bytes] = []
+    position = 0
+    for hunk in patch.hunks:
+        start = hunk.old_start if hunk.old_count == 0 else hunk.old_start - 1
+        if start < position or start > len(lines):
+            raise PatchError(f"{source}: hunk at line {hunk.old_start} is out of order or range")
+        out.extend(lines[position:start])
+        cursor = start
+        for tag, text in hunk.lines:
+            expected = text.encode("utf-8")
+            if tag in (" ", "-"):
+                if cursor >= len(lines) or _strip_eol(lines[cursor]) != expected:
+                    found = "end of file" if cursor >= len(lines) else repr(lines[cursor])
+                    raise PatchError(
+                        f"{source}:{cursor + 1}: patch context does not match: expected "
+                        f"{expected!r}, found {found}"
+                    )
+                if tag == " ":
+                    out.append(lines[cursor])
+                cursor += 1
+            else:
+                out.append(expected + eol)
+        at_eof = cursor == len(lines)
+        if hunk.old_no_newline_at_eof and not (at_eof and not lines[-1].endswith(b"\n")):
+            raise PatchError(f"{source}: the patch expects the file to end without a newline")
+        if at_eof and out:
+            if hunk.new_no_newline_at_eof:
+                out[-1] = _strip_eol(out[-1])
+            elif not out[-1].endswith(b"\n"):
+                out[-1] += eol
+        position = cursor
+    out.extend(lines[position:])
+    return b"".join(out)
+
+
+def _load_patch(diff_name: str) -> FilePatch:
+    path = patches_dir() / diff_name
+    if not path.is_file():
+        raise PatchError(
+            f"pilot-online's patch {path} is missing: restore it (`git checkout -- patches/`) "
+            "in your pilot-online checkout"
+        )
+    return parse_unified_diff(path.read_text(encoding="utf-8"), source=str(path))
+
+
+# --------------------------------------------------------------------------------------------
+# Inspecting a checkout
+
+
+@dataclass
+class FileState:
+    """``state`` is one of FILE_STATES; ``modified`` means bytes we do not recognise."""
+
+    path: str
+    state: str
+
+
+@dataclass
+class CheckoutState:
+    """What ``inspect`` found. Link lists hold config file names (``l2p_online.json``).
+
+    ``stale_links`` are links to our config from an old location of pilot-online (``apply``
+    replaces them); ``foreign_links`` are real files or links to something else under one of
+    our names (``apply`` refuses to touch them).
+    """
+
+    root: Path
+    files: list[FileState]
+    linked_configs: list[str]
+    missing_links: list[str]
+    foreign_links: list[str]
+    stale_links: list[str] = field(default_factory=list)
+
+    @property
+    def patched(self) -> bool:
+        return (
+            all(f.state == "patched" for f in self.files)
+            and not self.missing_links
+            and not self.foreign_links
+            and not self.stale_links
+        )
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _checkout_root(root: str | os.PathLike[str]) -> Path:
+    """Refuse anything that is not a LAMDA-PILOT checkout, naming what is missing."""
+    path = Path(root).expanduser()
+    if not path.is_dir():
+        raise PatchError(
+            f"PILOT_ROOT {path} does not exist or is not a folder: PILOT_ROOT must point at a "
+            f"LAMDA-PILOT checkout (git clone https://github.com/LAMDA-CL/LAMDA-PILOT, "
+            f"commit {PINNED_COMMIT})"
+        )
+    missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
+    if missing:
+        raise PatchError(
+            f"{path} is not a LAMDA-PILOT checkout: missing {', '.join(missing)}. "
+            f"PILOT_ROOT must point at a LAMDA-PILOT checkout (commit {PINNED_COMMIT}), the "
+            "folder that holds main.py"
+        )
+    return path.resolve()
+
+
+def _file_state(path: Path, rel: str) -> str:
+    if not path.is_file():
+        return "missing"
+    digest = _sha256(path)
+    if digest == UPSTREAM_SHA256[rel]:
+        return "upstream"
+    if digest == PATCHED_SHA256[rel]:
+        return "patched"
+    return "modified"
+
+
+def _link_target(link: Path) -> str:
+    """Where a symlink points, as an absolute normalised path (it may not exist)."""
+    raw = os.readlink(link)
+    return os.path.normpath(os.path.join(link.parent, raw))
+
+
+def _link_state(link: Path, ours: Path) -> str:
+    """``linked``, ``missing``, ``stale`` (ours from an old location) or ``foreign``."""
+    if link.is_symlink():
+        if os.path.realpath(link) == os.path.realpath(ours):
+            return "linked"
+        target = Path(_link_target(link))
+        looks_like_ours = target.name == ours.name and target.parent.name == "exps"
+        if looks_like_ours and (
+            not os.path.lexists(target) or (target.parent.parent / "pilot_online").is_dir()
+        ):
+            return "stale"
+        return "foreign"
+    if os.path.lexists(link):
+        return "foreign"
+    return "missing"
+
+
+def _our_configs() -> list[Path]:
+    return sorted(exps_dir().glob("*.json"))
+
+
+def inspect(root: str | os.PathLike[str]) -> CheckoutState:
+    """Report the state of a PILOT checkout without changing anything."""
+    path = _checkout_root(root)
+    files = [FileState(rel, _file_state(path / rel, rel)) for rel, _ in PATCHES]
+    groups: dict[str, list[str]] = {"linked": [], "missing": [], "foreign": [], "stale": []}
+    for config in _our_configs():
+        state = _link_state(path / PILOT_EXPS / config.name, config)
+        groups[state].append(config.name)
+    return CheckoutState(
+        root=path,
+        files=files,
+        linked_configs=groups["linked"],
+        missing_links=groups["missing"],
+        foreign_links=groups["foreign"],
+        stale_links=groups["stale"],
+    )
+
+
+def _describe_foreign(root: Path, name: str) -> str:
+    link = root / PILOT_EXPS / name
+    what = f"a link to {_link_target(link)}" if link.is_symlink() else "a real file"
+    return (
+        f"{PILOT_EXPS}/{name} in {root} is {what}, not pilot-online's config: move or delete it, "
+        "then run `pilot-online setup` again"
+    )
+
+
+def _describe_modified(root: Path, rel: str) -> str:
+    return (
+        f"{rel} in {root} matches neither LAMDA-PILOT commit {PINNED_COMMIT} nor its "
+        f"pilot-online patched version (another PILOT version or a local edit). Check out the "
+        f"pinned commit (`git -C {root} checkout {PINNED_COMMIT}`) or drop local changes "
+        f"(`git -C {root} checkout -- {rel}`), then run `pilot-online setup {root}` again"
+    )
+
+
+def _refusals(state: CheckoutState) -> list[str]:
+    problems = [
+        _describe_modified(state.root, f.path) for f in state.files if f.state == "modified"
+    ]
+    problems += [
+        f"{f.path} is missing from {state.root}: restore it with "
+        f"`git -C {state.root} checkout -- {f.path}`"
+        for f in state.files
+        if f.state == "missing"
+    ]
+    problems += [_describe_foreign(state.root, name) for name in state.foreign_links]
+    return problems
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` in one step, keeping its permission bits."""
+    mode = path.stat().st_mode & 0o7777 if path.exists() else None
+    handle, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as tmp:
+            tmp.write(data)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        if mode is not None:
+            os.chmod(tmp_name, mode)
+        os.replace(tmp_name, path)
+    except BaseException:
+        if os.path.lexists(tmp_name):
+            os.unlink(tmp_name)
+        raise
+
+
+def _symlink_atomic(link: Path, target: Path) -> None:
+    """Create or replace the symlink ``link -> target`` in one step."""
+    tmp_link = link.parent / f".{link.name}.pilot-online-tmp"
+    if os.path.lexists(tmp_link):
+        os.unlink(tmp_link)
+    os.symlink(target, tmp_link)
+    os.replace(tmp_link, link)
+
+
+def _transform(root: Path, rel: str, diff_name: str, *, reverse: bool, expect_sha256: str) -> bytes:
+    """New bytes for one file, checked against the hash the result must have."""
+    patch = _load_patch(diff_name)
+    if reverse:
+        patch = patch.reversed()
+    result = apply_patch((root / rel).read_bytes(), patch, source=str(root / rel))
+    if hashlib.sha256(result).hexdigest() != expect_sha256:
+        raise PatchError(
+            f"applying {diff_name} to {rel} did not give the expected bytes: pilot-online's "
+            "patches/ and pilot_online/patching.py disagree; reinstall pilot-online from a clean "
+            "checkout"
+        )
+    return result
+
+
+def apply(root: str | os.PathLike[str]) -> CheckoutState:
+    """Patch upstream files and link our configs; already-patched parts are left alone.
+
+    Everything that could make us refuse is checked, and every new file content is computed,
+    before the first write.
+    """
+    state = inspect(root)
+    problems = _refusals(state)
+    if problems:
+        raise PatchError("refusing to patch:\n- " + "\n- ".join(problems))
+
+    new_bytes = {
+        rel: _transform(state.root, rel, diff, reverse=False, expect_sha256=PATCHED_SHA256[rel])
+        for (rel, diff), f in zip(PATCHES, state.files)
+        if f.state == "upstream"
+    }
+    configs = {config.name: config for config in _our_configs()}
+
+    for rel, data in new_bytes.items():
+        _write_atomic(state.root / rel, data)
+        logger.info("patched %s", state.root / rel)
+    pilot_exps = state.root / PILOT_EXPS
+    pilot_exps.mkdir(exist_ok=True)
+    for name in state.missing_links + state.stale_links:
+        _symlink_atomic(pilot_exps / name, configs[name])
+        logger.info("linked %s -> %s", pilot_exps / name, configs[name])
+    return inspect(state.root)
+
+
+def _our_links(root: Path) -> list[Path]:
+    """Symlinks in PILOT's exps/ that point into our exps/ (even dangling) or are stale ours."""
+    pilot_exps = root / PILOT_EXPS
+    if not pilot_exps.is_dir():
+        return []
+    ours_dir = os.path.realpath(exps_dir())
+    configs = {config.name: config for config in _our_configs()}
+    found = []
+    for link in sorted(pilot_exps.iterdir()):
+        if not link.is_symlink():
+            continue
+        points_into_ours = os.path.dirname(os.path.realpath(link)) == ours_dir
+        stale = link.name in configs and _link_state(link, configs[link.name]) == "stale"
+        if points_into_ours or stale:
+            found.append(link)
+    return found
+
+
+def revert(root: str | os.PathLike[str]) -> CheckoutState:
+    """Restore the upstream bytes exactly and remove our config links; a no-op when clean."""
+    state = inspect(root)
+    problems = [
+        _describe_modified(state.root, f.path) for f in state.files if f.state == "modified"
+    ]
+    if problems:
+        raise PatchError("refusing to revert:\n- " + "\n- ".join(problems))
+
+    old_bytes = {
+        rel: _transform(state.root, rel, diff, reverse=True, expect_sha256=UPSTREAM_SHA256[rel])
+        for (rel, diff), f in zip(PATCHES, state.files)
+        if f.state == "patched"
+    }
+    links = _our_links(state.root)
+
+    for rel, data in old_bytes.items():
+        _write_atomic(state.root / rel, data)
+        logger.info("restored upstream %s", state.root / rel)
+    for link in links:
+        link.unlink()
+        logger.info("removed link %s", link)
+    return inspect(state.root)
+
+
+def _problems_for_run(state: CheckoutState) -> list[str]:
+    problems = _refusals(state)
+    problems += [f"{f.path} is not patched yet" for f in state.files if f.state == "upstream"]
+    problems += [f"{PILOT_EXPS}/{name} is not linked yet" for name in state.missing_links]
+    problems += [
+        f"{PILOT_EXPS}/{name} links to an old pilot-online location" for name in state.stale_links
+    ]
+    return problems
+
+
+def ensure_patched(root: str | os.PathLike[str]) -> None:
+    """Stop a run early, with the fix, unless the checkout is fully set up for pilot-online."""
+    state = inspect(root)
+    if state.patched:
+        return
+    problems = _problems_for_run(state)
+    raise PatchError(
+        f"PILOT at {state.root} is not set up for pilot-online:\n- "
+        + "\n- ".join(problems)
+        + f"\nRun `pilot-online setup {state.root}` first."
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The `pilot-online setup` subcommand
+
+
+def add_setup_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``pilot-online setup``."""
+    parser.add_argument(
+        "pilot_root",
+        metavar="PILOT_ROOT",
+        nargs="?",
+        default=None,
+        help=f"LAMDA-PILOT checkout (commit {PINNED_COMMIT}) to patch (default: $PILOT_ROOT)",
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--check",
+        action="store_true",
+        help="only report; exit 1 when the checkout is not fully patched",
+    )
+    mode.add_argument(
+        "--revert",
+        action="store_true",
+        help="restore PILOT's upstream files and remove our config links",
+    )
+
+
+def _print_report(state: CheckoutState) -> None:
+    print(f"PILOT_ROOT {state.root} (pinned commit {PINNED_COMMIT})")
+    for f in state.files:
+        print(f"  {f.path:<28} {f.state}")
+    link_groups = (
+        ("linked", state.linked_configs),
+        ("not linked", state.missing_links),
+        ("stale link (setup replaces it)", state.stale_links),
+        ("CONFLICT: not ours", state.foreign_links),
+    )
+    for label, names in link_groups:
+        for name in names:
+            print(f"  {PILOT_EXPS + '/' + name:<28} {label}")
+    print("status: " + ("patched" if state.patched else "not patched"))
+
+
+def run_setup(args: argparse.Namespace) -> int:
+    """Body of ``pilot-online setup``: 0 on success, 1 for ``--check`` when not patched, 2 on
+    refusal."""
+    root = args.pilot_root or os.environ.get("PILOT_ROOT")
+    if not root:
+        print(
+            "pilot-online setup: no PILOT checkout given: pass PILOT_ROOT as an argument or set "
+            f"the PILOT_ROOT environment variable (a LAMDA-PILOT checkout at {PINNED_COMMIT})",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        if args.check:
+            state = inspect(root)
+        elif args.revert:
+            state = revert(root)
+        else:
+            state = apply(root)
+    except PatchError as error:
+        print(f"pilot-online setup: {error}", file=sys.stderr)
+        return 2
+    _print_report(state)
+    if args.check and not state.patched:
+        print(f"run `pilot-online setup {state.root}` to patch it", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,150 @@
+"""PILOT data glue: plugin datasets, clear errors for missing data, stream-ordered loaders.
+
+PILOT's patched ``utils/data_manager.py`` calls :func:`get_idata` for dataset names it does not know
+and :func:`prepare` instead of ``idata.download_data()``. :class:`PilotDataSource` serves a
+:class:`~pilot_online.session.OnlineSession` from a ``DataManager``'s raw arrays, in stream order
+(``DataManager.get_dataset`` concatenates class by class and would lose the stream's order).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .datasets import DATASETS, dataset_spec, make_synthetic
+
+logger = logging.getLogger(__name__)
+
+#: Where PILOT expects each dataset, for the error a user sees when it is missing.
+DATA_HINTS = {
+    "cifar224": "torchvision downloads CIFAR-100 into ./data; offline, put the extracted "
+    "cifar-100-python/ folder under ./data",
+    "cifar100": "torchvision downloads CIFAR-100 into ./data; offline, put the extracted "
+    "cifar-100-python/ folder under ./data",
+    "cub": "put CUB-200 as ImageFolders under ./data/cub/train and ./data/cub/test",
+    "imagenetr": "put ImageNet-R as ImageFolders under ./data/imagenet-r/train and "
+    "./data/imagenet-r/test",
+    "imageneta": "put ImageNet-A as ImageFolders under ./data/imagenet-a/train and "
+    "./data/imagenet-a/test",
+    "vtab": "put VTAB as ImageFolders under ./data/vtab/train and ./data/vtab/test",
+}
+
+
+class DatasetUnavailableError(RuntimeError):
+    """The dataset's files are missing and could not be downloaded."""
+
+
+class SyntheticIData:
+    """PILOT's ``iData`` interface over the embedded synthetic dataset (see ``datasets.py``)."""
+
+    use_path = False
+
+    def __init__(self, name: str) -> None:
+        from torchvision import transforms
+
+        self.spec = dataset_spec(name)
+        self.class_order = list(range(self.spec.num_classes))
+        # Images are generated at the backbone's size: no resizing, no augmentation to undo.
+        self.train_trsf: list = []
+        self.test_trsf: list = []
+        self.common_trsf = [transforms.ToTensor()]
+
+    def download_data(self) -> None:
+        arrays = make_synthetic(self.spec)
+        self.train_data, self.train_targets = arrays["train_x"], arrays["train_y"]
+        self.test_data, self.test_targets = arrays["test_x"], arrays["test_y"]
+
+
+def get_idata(dataset_name: str, args: dict[str, Any] | None = None) -> SyntheticIData:
+    """Resolve a dataset name PILOT does not know (called by the patched ``_get_idata``)."""
+    name = dataset_name.lower()
+    if name in DATASETS:
+        return SyntheticIData(name)
+    raise NotImplementedError(
+        f"Unknown dataset {dataset_name!r}. PILOT datasets: {', '.join(sorted(DATA_HINTS))}, "
+        f"objectnet, omnibenchmark, imagenet100, imagenet1000, cifar10; "
+        f"pilot-online datasets: {', '.join(sorted(DATASETS))}"
+    )
+
+
+def prepare(idata: Any, dataset_name: str, args: dict[str, Any]) -> None:
+    """Load the data (a missing dataset stops with what to fix) and give online learners the
+    transforms upstream gives their base method (PILOT picks CIFAR's CODA transforms by the literal
+    model name ``coda_prompt``)."""
+    try:
+        idata.download_data()
+    except (OSError, RuntimeError) as err:
+        hint = DATA_HINTS.get(dataset_name.lower(), "see PILOT's utils/data.py for the paths")
+        raise DatasetUnavailableError(
+            f"dataset {dataset_name!r} could not be loaded (working directory {os.getcwd()}): "
+            f'{err}. {hint}. To try the pipeline offline, use "dataset": "synthetic"'
+        ) from err
+    base = _base_model_name(args)
+    if base and "args" in inspect.signature(type(idata).__init__).parameters:
+        upstream = type(idata)({**args, "model_name": base})
+        idata.train_trsf, idata.test_trsf = upstream.train_trsf, upstream.test_trsf
+
+
+def _base_model_name(args: dict[str, Any] | None) -> str | None:
+    if not args or not args.get("model_name"):
+        return None
+    from .registry import get_method
+
+    try:
+        return get_method(str(args["model_name"])).base_model_name
+    except ValueError:
+        return None  # an upstream method: keep PILOT's own choice
+
+
+class PilotDataSource:
+    """Stream-ordered training batches and test batches from a PILOT ``DataManager``."""
+
+    def __init__(self, data_manager: Any, config: dict[str, Any], seed: int) -> None:
+        from torchvision import transforms
+        from utils.data_manager import DummyDataset
+
+        dm = data_manager
+        self._train = DummyDataset(
+            dm._train_data,
+            dm._train_targets,
+            transforms.Compose([*dm._train_trsf, *dm._common_trsf]),
+            dm.use_path,
+        )
+        self._test = DummyDataset(
+            dm._test_data,
+            dm._test_targets,
+            transforms.Compose([*dm._test_trsf, *dm._common_trsf]),
+            dm.use_path,
+        )
+        self.train_labels = np.asarray(dm._train_targets)
+        self.test_labels = np.asarray(dm._test_targets)
+        self.num_workers = int(config["num_workers"])
+        self.eval_batch_size = int(config["eval_batch_size"])
+        # Seeded once per run, so random augmentations repeat with the seed.
+        self._generator = torch.Generator().manual_seed(seed)
+        self.pin_memory = torch.cuda.is_available()
+
+    def _loader(self, dataset, batch_sampler, generator=None) -> Iterator:
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=batch_sampler,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            generator=generator,
+        )
+        for _, inputs, labels in loader:
+            yield inputs, labels
+
+    def train_batches(self, batches: Sequence[np.ndarray]) -> Iterator:
+        return self._loader(self._train, [b.tolist() for b in batches], self._generator)
+
+    def test_batches(self, indices: np.ndarray) -> Iterator:
+        size = self.eval_batch_size
+        chunks = [indices[i : i + size].tolist() for i in range(0, len(indices), size)]
+        return self._loader(self._test, chunks)

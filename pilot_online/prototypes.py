@@ -1,0 +1,168 @@
+"""Online class prototypes as a memory for the classifier only (paper Sec. "Prototypes as a Proxy
+for Memory", Eq. 1 and Eq. 2).
+
+The bank keeps one running feature mean per class. Replaying those means through the final
+FC layer ("FC recalibration") keeps old classes' logits calibrated without storing any image.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .masks import check_labels
+
+if TYPE_CHECKING:
+    from .adapter import StepOutput
+    from .loop import OnlineLoop
+
+_LOG = logging.getLogger(__name__)
+
+
+class PrototypeBank(torch.nn.Module):
+    """Online class prototypes (paper Eq. 1) replayed through the classifier (Eq. 2).
+
+    ``means`` ``[C, D]`` start at zero (``p_0 = 0``); ``counts`` ``[C]`` (int64) is ``k``, the
+    number of samples averaged so far. Both are buffers, so ``.to()``, ``state_dict()`` and
+    ``load_state_dict()`` (which rejects mismatched shapes) come from ``nn.Module``. A class is
+    *seen* when its count is positive; the paper's ``p != 0`` test would wrongly drop a class
+    whose mean happens to be zero.
+    """
+
+    means: torch.Tensor
+    counts: torch.Tensor
+
+    def __init__(
+        self,
+        num_classes: int,
+        feature_dim: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if num_classes < 1 or feature_dim < 1:
+            raise ValueError(
+                f"num_classes and feature_dim must be >= 1, got {num_classes} and {feature_dim}"
+            )
+        self.num_classes = num_classes
+        self.feature_dim = feature_dim
+        self.register_buffer(
+            "means", torch.zeros(num_classes, feature_dim, device=device, dtype=dtype)
+        )
+        self.register_buffer("counts", torch.zeros(num_classes, device=device, dtype=torch.int64))
+
+    def extra_repr(self) -> str:
+        return f"num_classes={self.num_classes}, feature_dim={self.feature_dim}"
+
+    @torch.no_grad()
+    def update(self, features: torch.Tensor, labels: torch.Tensor, validate: bool = True) -> None:
+        """Apply Eq. 1 for a whole batch: ``p <- (k * p + sum of the class's features) / (k + n)``.
+
+        Equal to applying Eq. 1 once per sample in any order, without a loop over samples or
+        classes. Features are detached and cast to the bank's device and dtype, so they may come
+        from an autocast (fp16/bf16) forward pass.
+        """
+        if features.dim() != 2 or features.shape[1] != self.feature_dim:
+            raise ValueError(
+                f"features must have shape [B, {self.feature_dim}], got {tuple(features.shape)}"
+            )
+        if labels.dim() != 1 or labels.shape[0] != features.shape[0]:
+            raise ValueError(
+                f"labels must have shape [{features.shape[0]}] to match the features, "
+                f"got {tuple(labels.shape)}"
+            )
+        if validate:  # one host sync; the training loop checks its dataset's labels once instead
+            check_labels(labels, self.num_classes)
+        if labels.numel() == 0:
+            return
+        labels = labels.to(device=self.means.device, dtype=torch.long)
+        features = features.detach().to(device=self.means.device, dtype=self.means.dtype)
+
+        batch_sums = torch.zeros_like(self.means).index_add_(0, labels, features)
+        # index_add_ rather than bincount: bincount syncs with the host on CUDA.
+        batch_counts = torch.zeros_like(self.counts).index_add_(0, labels, torch.ones_like(labels))
+        new_counts = self.counts + batch_counts
+        # (k p + S) / (k + n) written as p + (S - n p) / (k + n): the same value, but it never
+        # forms k * p, which loses precision once k is large. Classes absent from the batch get
+        # (0 - 0 p) / max(k, 1) = 0 and keep their mean.
+        batch_counts_f = batch_counts.to(self.means.dtype).unsqueeze(1)
+        new_counts_f = new_counts.clamp(min=1).to(self.means.dtype).unsqueeze(1)
+        self.means.add_((batch_sums - batch_counts_f * self.means) / new_counts_f)
+        self.counts.copy_(new_counts)
+
+    @property
+    def seen(self) -> torch.Tensor:
+        """Bool ``[C]``: classes with at least one sample (the paper's ``C_old``)."""
+        return self.counts > 0
+
+    def prototypes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(means of the seen classes [S, D], their class ids [S])``, in class order."""
+        labels = self.seen.nonzero().squeeze(1)
+        return self.means[labels], labels
+
+    def loss(self, classifier: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Eq. 2: cross-entropy of ``classifier(prototypes)`` against their class ids.
+
+        As in the Adam pseudo-code's "FC recalibration", logits of classes without a prototype
+        are masked to ``-inf``. Eq. 2 writes the normaliser as ``1/c``; both pseudo-codes (what
+        the authors ran) use ``cross_entropy``'s mean over the seen prototypes, and so do we.
+        The prototypes are buffers, so gradients reach the classifier and never the bank. With
+        no class seen yet the result is a constant zero scalar on the bank's device, safe to add
+        to a loss. The classifier receives the bank's dtype; cast inside it if it differs.
+        """
+        # Every class's row goes through the classifier and unseen rows are dropped with a
+        # mask, instead of selecting the seen rows: the same value without a host sync per step.
+        seen = self.seen
+        logits = classifier(self.means)
+        if logits.dim() != 2 or logits.shape != (self.num_classes, self.num_classes):
+            raise ValueError(
+                f"classifier must map [S, {self.feature_dim}] prototypes to [S, "
+                f"{self.num_classes}] logits (one column per bank class), got "
+                f"{tuple(logits.shape)} for S={self.num_classes}"
+            )
+        seen = seen.to(logits.device)
+        # The most negative finite value rather than -inf: identical probabilities (exp
+        # underflows to 0), but a bank with no class seen yet gives finite rows, not NaN.
+        logits = logits.masked_fill(~seen, torch.finfo(logits.dtype).min)
+        targets = torch.arange(self.num_classes, device=logits.device)
+        per_class = F.cross_entropy(logits, targets, reduction="none")
+        per_class = torch.where(seen, per_class, torch.zeros_like(per_class))
+        return per_class.sum() / seen.sum().clamp(min=1)
+
+
+class PrototypeMixin:
+    """Online-loop mixin: adds L_P (Eq. 2) to the loss and, after the optimiser step, folds the
+    step's features (computed before the update, detached) into the prototypes (Eq. 1)."""
+
+    prototypes: PrototypeBank
+
+    def setup(self: OnlineLoop) -> None:
+        super().setup()
+        layer = self.adapter.classifier(self.network)
+        self.prototypes = PrototypeBank(
+            self.num_classes,
+            layer.in_features,
+            device=layer.weight.device,
+            dtype=layer.weight.dtype,
+        )
+
+    def loss_terms(self: OnlineLoop, out: StepOutput, labels: torch.Tensor) -> dict[str, Any]:
+        terms = super().loss_terms(out, labels)
+        terms["prototypes"] = self.prototypes.loss(self.adapter.classifier(self.network))
+        return terms
+
+    def after_step(self: OnlineLoop, out: StepOutput, labels: torch.Tensor) -> None:
+        super().after_step(out, labels)
+        self.prototypes.update(out.features, labels, validate=False)
+
+    def report(self: OnlineLoop) -> dict[str, Any]:
+        report = super().report()
+        report["prototypes"] = {
+            "classes": int(self.prototypes.seen.sum()),
+            "samples": int(self.prototypes.counts.sum()),
+        }
+        return report

@@ -1,0 +1,287 @@
+"""One JSON results file per run, written atomically, with a documented schema.
+
+Why: PILOT's results live in log lines that must be scraped. Here every finished run leaves
+``{log_dir}/{prefix}_{seed}_{backbone_type}.results.json`` that ``json.load`` reads directly,
+that ``diff`` compares, and that is never half-written: it is written to a temporary file in
+the same directory, flushed, fsync'ed and renamed into place. An existing results file is never
+overwritten unless ``overwrite=True`` is passed, so a finished run's results cannot be lost.
+
+Schema (``schema_version`` 1). NaN and infinity are stored as ``null``.
+
+=========================================  ============  ==========================================
+key                                        type          meaning
+=========================================  ============  ==========================================
+schema_version                             int           layout version (1); readers reject others
+pilot_online_version                       str           pilot-online version that wrote the file
+created_utc                                str           ISO 8601 UTC time the results were built
+status                                     str           "complete": the run finished
+config                                     object        the run's full configuration (PILOT JSON)
+stream                                     object        stream description (setting, seed, tasks)
+metrics                                    object        output of metrics.summarize, see below
+metrics.accuracy_matrix                    [[num|null]]  acc[l][k]: accuracy (%) on task l after k
+metrics.A_k                                [num|null]    average accuracy after each task (Sec 4.1)
+metrics.AP                                 num|null      average performance: mean of A_k
+metrics.A_T                                num|null      A_k after the last measured task
+metrics.final_task_accuracies              [num|null]    accuracy on each task at the end
+metrics.forgetting                         num|null      average forgetting (Chaudhry et al.)
+metrics.A_auc                              num|null      Si-Blurry: mean of periodic accuracies
+metrics.A_avg                              num|null      Si-Blurry: mean of end-of-task accuracies
+metrics.A_last                             num|null      Si-Blurry: final accuracy
+metrics.F_last                             num|null      Si-Blurry: per-class forgetting
+timing.train_seconds                       num           wall-clock seconds spent training
+timing.eval_seconds                        num           wall-clock seconds spent evaluating
+timing.samples_per_second                  num           training throughput
+timing.peak_memory_bytes                   int|null      peak accelerator memory; null if unknown
+counters.optimizer_steps                   int           optimizer steps taken
+counters.samples_seen                      int           stream samples consumed
+counters.skipped_nonfinite_steps           int           steps skipped: non-finite loss or grads
+counters.skipped_nonfinite_hypergradients  int           FGH updates skipped: non-finite values
+extra                                      object        free-form additions ({} if none)
+=========================================  ============  ==========================================
+
+Required keys: all top-level keys above, the four ``timing`` and four ``counters`` keys, and
+``metrics.accuracy_matrix``, ``metrics.A_k``, ``metrics.AP``, ``metrics.A_T``. Readers must
+ignore keys they do not know; adding keys does not change ``schema_version``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as _datetime
+import json
+import logging
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pilot_online.version import __version__
+
+__all__ = [
+    "REQUIRED_COUNTER_KEYS",
+    "REQUIRED_METRIC_KEYS",
+    "REQUIRED_TIMING_KEYS",
+    "REQUIRED_TOP_LEVEL_KEYS",
+    "RESULTS_SUFFIX",
+    "SCHEMA_VERSION",
+    "build_results",
+    "load_results",
+    "results_path",
+    "to_jsonable",
+    "validate_results",
+    "write_results",
+]
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+RESULTS_SUFFIX = ".results.json"
+
+REQUIRED_TOP_LEVEL_KEYS = (
+    "schema_version",
+    "pilot_online_version",
+    "created_utc",
+    "status",
+    "config",
+    "stream",
+    "metrics",
+    "timing",
+    "counters",
+    "extra",
+)
+REQUIRED_TIMING_KEYS = ("train_seconds", "eval_seconds", "samples_per_second", "peak_memory_bytes")
+REQUIRED_COUNTER_KEYS = (
+    "optimizer_steps",
+    "samples_seen",
+    "skipped_nonfinite_steps",
+    "skipped_nonfinite_hypergradients",
+)
+REQUIRED_METRIC_KEYS = ("accuracy_matrix", "A_k", "AP", "A_T")
+_SECTIONS = {
+    "metrics": REQUIRED_METRIC_KEYS,
+    "timing": REQUIRED_TIMING_KEYS,
+    "counters": REQUIRED_COUNTER_KEYS,
+}
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Convert ``obj`` into plain JSON types, without importing torch.
+
+    numpy scalars/arrays and anything with ``tolist()`` (torch tensors) become Python numbers and
+    lists; NaN and infinity become ``None`` (JSON has no NaN); tuples and sets become lists;
+    ``Path`` becomes ``str``; dataclasses become dicts; mapping keys become strings.
+    """
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, (int, np.integer)) and not isinstance(obj, np.bool_):
+        return int(obj)
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    if isinstance(obj, (float, np.floating)):
+        value = float(obj)
+        return value if math.isfinite(value) else None
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    if isinstance(obj, dict):
+        return {str(key): to_jsonable(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(value) for value in obj]
+    if isinstance(obj, (set, frozenset)):
+        return [to_jsonable(value) for value in sorted(obj, key=repr)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return to_jsonable(dataclasses.asdict(obj))
+    if isinstance(obj, np.ndarray) or callable(getattr(obj, "tolist", None)):
+        # ndarray.tolist() / Tensor.tolist() give Python scalars (or one scalar for 0-d).
+        return to_jsonable(obj.tolist())
+    raise TypeError(
+        f"cannot store an object of type {type(obj).__name__} in a results file; convert it to "
+        "numbers, strings, lists or dicts first."
+    )
+
+
+def _missing(mapping: dict[str, Any], keys: tuple[str, ...], where: str) -> list[str]:
+    return [f"{where}{key}" for key in keys if key not in mapping]
+
+
+def validate_results(results: Any) -> None:
+    """Raise ValueError naming every missing required key (see the schema in the docstring)."""
+    if not isinstance(results, dict):
+        raise ValueError(f"results must be a dict, got {type(results).__name__}.")
+    _check_schema_version(results)
+    missing = _missing(results, REQUIRED_TOP_LEVEL_KEYS, "")
+    for section, keys in _SECTIONS.items():
+        value = results.get(section)
+        if value is None:
+            continue  # already reported as missing at the top level, or null
+        if not isinstance(value, dict):
+            raise ValueError(f"results['{section}'] must be a dict, got {type(value).__name__}.")
+        missing += _missing(value, keys, f"{section}.")
+    for section in ("config", "stream", "extra"):
+        if section in results and not isinstance(results[section], dict):
+            raise ValueError(
+                f"results['{section}'] must be a dict, got {type(results[section]).__name__}."
+            )
+    if missing:
+        raise ValueError(
+            f"results are missing required keys: {', '.join(missing)} "
+            "(see the schema in pilot_online.results)."
+        )
+
+
+def _check_schema_version(results: dict[str, Any]) -> None:
+    if "schema_version" not in results:
+        raise ValueError(
+            "results have no 'schema_version'; this is not a pilot-online results file "
+            f"(expected schema_version {SCHEMA_VERSION})."
+        )
+    version = results["schema_version"]
+    if isinstance(version, bool) or version != SCHEMA_VERSION:
+        raise ValueError(
+            f"unknown results schema_version {version!r}; this pilot-online {__version__} reads "
+            f"schema_version {SCHEMA_VERSION}. Upgrade pilot-online to read newer files."
+        )
+
+
+def build_results(
+    *,
+    config: dict[str, Any],
+    stream: dict[str, Any],
+    metrics: dict[str, Any],
+    timing: dict[str, Any],
+    counters: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Assemble one run's results dict and validate it (ValueError names missing keys)."""
+    results = {
+        "schema_version": SCHEMA_VERSION,
+        "pilot_online_version": __version__,
+        "created_utc": _datetime.datetime.now(_datetime.timezone.utc).isoformat(timespec="seconds"),
+        "status": "complete",
+        "config": config,
+        "stream": stream,
+        "metrics": metrics,
+        "timing": timing,
+        "counters": counters,
+        "extra": {} if extra is None else extra,
+    }
+    validate_results(results)
+    return results
+
+
+def write_results(
+    path: str | os.PathLike[str], results: dict[str, Any], *, overwrite: bool = False
+) -> Path:
+    """Write ``results`` as JSON to ``path`` atomically; return the path.
+
+    The JSON goes to a hidden temporary file in the same directory (same filesystem, so the
+    rename is atomic), is flushed and fsync'ed, then ``os.replace``d onto ``path``. If anything
+    fails, the temporary file is removed and ``path`` is untouched. An existing ``path`` raises
+    FileExistsError unless ``overwrite=True``.
+    """
+    target = Path(path)
+    validate_results(results)
+    # Serialise first: a conversion error must not leave any file behind.
+    text = json.dumps(to_jsonable(results), indent=2, allow_nan=False) + "\n"
+    if target.exists() and not overwrite:
+        raise FileExistsError(
+            f"results file {target} already exists; refusing to overwrite a finished run's "
+            "results. Use another prefix/log_dir, delete the file, or pass overwrite=True."
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+        raise
+    _fsync_directory(target.parent)
+    logger.info("wrote results to %s", target)
+    return target
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the rename durable on POSIX; silently skipped where directories cannot be opened."""
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a results file and check its schema_version and required keys."""
+    target = Path(path)
+    with target.open(encoding="utf-8") as handle:
+        try:
+            results = json.load(handle)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{target} is not valid JSON ({error}).") from error
+    try:
+        validate_results(results)
+    except ValueError as error:
+        raise ValueError(f"{target}: {error}") from error
+    return results
+
+
+def results_path(
+    log_dir: str | os.PathLike[str], prefix: str, seed: int, backbone_type: str
+) -> Path:
+    """``{log_dir}/{prefix}_{seed}_{backbone_type}.results.json``, PILOT's log-file naming.
+
+    Surrounding spaces are stripped from ``prefix`` (PILOT configs use ``"prefix": " "``).
+    """
+    return Path(log_dir) / f"{str(prefix).strip()}_{seed}_{backbone_type}{RESULTS_SUFFIX}"

@@ -1,0 +1,293 @@
+"""One online run over a stream: task segments, evaluations, the accuracy matrix, the results file.
+
+Evaluation is decided here and only here: at each task end (the accuracy matrix a_{l,k}) and, if
+``eval_period`` is set, every ``eval_period`` stream samples (A_auc). Task ends are the stream's
+segments, which PILOT's trainer walks one ``incremental_train`` call at a time; the learner itself
+never reads them (no task identity reaches the model).
+
+Needs no PILOT: data comes from any :class:`DataSource`.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from . import metrics
+from .loop import OnlineLoop
+from .results import build_results, to_jsonable, write_results
+from .streams import Stream
+
+logger = logging.getLogger(__name__)
+
+Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
+
+
+class DataSource(Protocol):
+    """Where a session gets images: stream batches in stream order, and test samples."""
+
+    test_labels: np.ndarray
+
+    def train_batches(self, batches: Sequence[np.ndarray]) -> Batches:
+        """Yield (inputs, labels) for each array of training indices, in the given order."""
+
+    def test_batches(self, indices: np.ndarray) -> Batches:
+        """Yield (inputs, labels) over the given test indices."""
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak accelerator memory on CUDA; peak resident set size of the process on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class OnlineSession:
+    """Drives an :class:`OnlineLoop` through a :class:`Stream` and records everything measured."""
+
+    def __init__(
+        self,
+        loop: OnlineLoop,
+        stream: Stream,
+        data: DataSource,
+        config: Mapping[str, Any],
+        results_path: Path | None = None,
+        progress: bool = True,
+    ) -> None:
+        self.loop, self.stream, self.data, self.config = loop, stream, data, config
+        self.results_path = results_path
+        self.progress = progress
+        num_classes = loop.num_classes
+        for name, labels in (("training", stream.labels), ("test", data.test_labels)):
+            labels = np.asarray(labels)
+            if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
+                raise ValueError(
+                    f"{name} labels span [{labels.min()}, {labels.max()}], outside "
+                    f"the model's {num_classes} classes"
+                )
+        exposure = np.full(num_classes, -1, dtype=np.int64)
+        first = stream.exposure_task()[:num_classes]
+        exposure[: len(first)] = first
+        self.exposure = exposure  # class -> task of first exposure (-1: never streamed)
+        self.columns: list[np.ndarray] = []
+        self.class_history: list[np.ndarray] = []
+        self.end_of_task: list[
+            float
+        ] = []  # sample-level accuracy at each task end (Si-Blurry A_avg)
+        self.periodic: list[dict[str, float]] = []
+        self.train_seconds = 0.0
+        self.eval_seconds = 0.0
+        self.tasks_trained = 0
+        period = config.get("eval_period")
+        self._next_periodic = period if period else None
+
+    # -- training ----------------------------------------------------------------------------------
+    def train_task(self, task: int) -> None:
+        """Consume one stream segment in a single pass."""
+        segments = [batch.indices for batch in self.stream.batches(task)]
+        interval = int(self.config.get("log_interval", 10))
+        bar = tqdm(total=len(segments), desc=f"task {task}", disable=not self.progress, leave=False)
+        loss_sum = torch.zeros((), device=self.loop.device)
+        correct_sum = torch.zeros((), device=self.loop.device, dtype=torch.long)
+        seen_in_window = 0
+        start = time.perf_counter()
+        for step, (inputs, labels) in enumerate(self.data.train_batches(segments), start=1):
+            stats = self.loop.train_step(inputs, labels)
+            if not stats.skipped:
+                loss_sum += stats.loss
+            correct_sum += stats.correct
+            seen_in_window += stats.samples
+            if step % interval == 0 or step == len(segments):
+                bar.set_postfix(
+                    loss=f"{loss_sum.item() / interval:.3f}",
+                    acc=f"{100.0 * correct_sum.item() / seen_in_window:.1f}",
+                )
+                bar.update(step - bar.n)
+                loss_sum.zero_(), correct_sum.zero_()
+                seen_in_window = 0
+            if self._next_periodic is not None and self.loop.samples_seen >= self._next_periodic:
+                self.train_seconds += time.perf_counter() - start
+                self._periodic_evaluation()
+                start = time.perf_counter()
+        self.train_seconds += time.perf_counter() - start
+        bar.close()
+        self.tasks_trained = task + 1
+
+    def _periodic_evaluation(self) -> None:
+        period = int(self.config["eval_period"])
+        while self._next_periodic <= self.loop.samples_seen:
+            self._next_periodic += period
+        allowed = self.loop.seen.cpu().numpy()
+        y_pred, y_true = self._predict(allowed, topk=1)
+        accuracy = float(np.mean(y_pred[:, 0] == y_true) * 100) if len(y_true) else float("nan")
+        self.periodic.append({"samples_seen": self.loop.samples_seen, "accuracy": accuracy})
+
+    # -- evaluation --------------------------------------------------------------------------------
+    def _predict(self, allowed: np.ndarray, topk: int) -> tuple[np.ndarray, np.ndarray]:
+        start = time.perf_counter()
+        test_labels = np.asarray(self.data.test_labels)
+        indices = np.flatnonzero(allowed[test_labels])
+        batches = self.data.test_batches(indices)
+        y_pred, y_true = self.loop.predict(batches, torch.from_numpy(allowed), topk)
+        self.eval_seconds += time.perf_counter() - start
+        return y_pred, y_true
+
+    def evaluate_task_end(self, task: int) -> dict[str, Any]:
+        """Evaluate on test samples of every exposed class; record column ``task`` of a_{l,k}.
+
+        Returns PILOT's ``cnn_accy`` structure. Groups come from the stream (classes first
+        exposed in each task), so they are right for Si-Blurry too; ``top5`` is top-min(5, seen).
+        """
+        allowed = (self.exposure >= 0) & (self.exposure <= task)
+        y_pred, y_true = self._predict(allowed, topk=5)
+        top1 = y_pred[:, 0] if len(y_pred) else np.zeros(0, dtype=np.int64)
+        column = metrics.task_accuracies(y_true, top1, self.exposure, self.stream.num_tasks)
+        self.columns.append(column)
+        self.class_history.append(metrics.per_class_accuracy(y_true, top1, self.loop.num_classes))
+
+        def accuracy(mask: np.ndarray) -> float:
+            return round(float(np.mean(top1[mask] == y_true[mask]) * 100), 2) if mask.any() else 0.0
+
+        exposure_of_sample = self.exposure[y_true]
+        grouped = {
+            f"task-{t:02d}": round(float(column[t]), 2)
+            for t in range(task + 1)
+            if not np.isnan(column[t])
+        }
+        grouped["total"] = accuracy(np.ones(len(y_true), dtype=bool))
+        grouped["old"] = accuracy(exposure_of_sample < task)
+        grouped["new"] = accuracy(exposure_of_sample == task)
+        self.end_of_task.append(grouped["total"])
+        topk_hit = (y_pred == y_true[:, None]).any(1) if len(y_true) else np.zeros(0, dtype=bool)
+        return {
+            "grouped": grouped,
+            "top1": grouped["total"],
+            "top5": round(float(np.mean(topk_hit) * 100), 2) if len(y_true) else 0.0,
+        }
+
+    # -- results -----------------------------------------------------------------------------------
+    def accuracy_matrix(self) -> np.ndarray:
+        return metrics.accuracy_matrix(self.columns, self.stream.num_tasks)
+
+    def results(self, status: str = "complete", error: str | None = None) -> dict[str, Any]:
+        """Everything the run measured, in the results schema (see :mod:`pilot_online.results`)."""
+        loop = self.loop
+        history = np.stack(self.class_history) if self.class_history else None
+        summary = metrics.summarize(
+            self.accuracy_matrix(),
+            periodic=[p["accuracy"] for p in self.periodic] or None,
+            per_class_history=history,
+            end_of_task=self.end_of_task or None,
+        )
+        gradients = loop.gradient_statistics()
+        task_classes = [s.new_classes for s in self.stream.summary()]
+        g, g_n = metrics.task_gradient_norms(gradients["mean"], task_classes)
+        config = {k: (str(v) if k == "device" else v) for k, v in self.config.items()}
+        results = build_results(
+            config=to_jsonable(config),
+            stream=self.stream.to_dict(),
+            metrics=summary,
+            timing={
+                "train_seconds": self.train_seconds,
+                "eval_seconds": self.eval_seconds,
+                "samples_per_second": loop.samples_seen / self.train_seconds
+                if self.train_seconds
+                else None,
+                "peak_memory_bytes": peak_memory_bytes(loop.device),
+            },
+            counters={
+                "optimizer_steps": loop.optimizer_steps,
+                "samples_seen": loop.samples_seen,
+                "stream_length": len(self.stream),
+                "tasks_trained": self.tasks_trained,
+                "skipped_nonfinite_steps": loop.skipped_nonfinite_steps,
+                "skipped_nonfinite_hypergradients": loop.report()
+                .get("fgh", {})
+                .get("skipped_nonfinite", 0),
+            },
+            extra={
+                "periodic_evaluations": self.periodic,
+                "per_class_final_accuracy": history[-1] if history is not None else None,
+                "gradient_imbalance": {
+                    "class_mean_grad_norm": gradients["mean"],
+                    "task_grad_norm": g,
+                    "task_grad_norm_normalized": g_n,
+                },
+                "diagnostics": loop.report(),
+            },
+        )
+        results["status"] = status
+        if error:
+            results["error"] = error
+        return to_jsonable(results)
+
+    def write(self, status: str = "complete", error: str | None = None) -> dict[str, Any]:
+        """Write the results (and the gradient trace beside them); partial runs go to ``*.partial``.
+
+        Returns the results; ``self.written_path`` is where they went (None without a path)."""
+        results = self.results(status, error)
+        self.written_path = self.results_path
+        if self.results_path is None:
+            return results
+        path = self.results_path
+        if status != "complete":
+            path = path.with_name(path.name.replace(".results.json", ".partial.results.json"))
+        trace = self.loop.gradient_statistics().get("trace")
+        if trace is not None:
+            trace_path = path.with_name(path.name.replace(".json", ".gradtrace.npy"))
+            tmp = trace_path.with_name(trace_path.name + ".tmp")
+            with open(tmp, "wb") as handle:
+                np.save(handle, trace.astype(np.float32))
+            tmp.replace(trace_path)
+            results["gradient_imbalance"]["trace_file"] = trace_path.name
+        write_results(path, results, overwrite=status != "complete")
+        self.written_path = path
+        logger.info("results written to %s", path)
+        return results
+
+
+def unique_results_path(path: Path) -> Path:
+    """``path`` itself, or a timestamped sibling if a finished run already wrote there."""
+    if not path.exists():
+        return path
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    return path.with_name(path.name.replace(".results.json", f".{stamp}.results.json"))
+
+
+class ArrayDataSource:
+    """A :class:`DataSource` over in-memory uint8 images (HWC), for the demo and the tests."""
+
+    def __init__(
+        self,
+        train_x: np.ndarray,
+        train_y: np.ndarray,
+        test_x: np.ndarray,
+        test_y: np.ndarray,
+        eval_batch_size: int = 256,
+    ) -> None:
+        self._train_x, self._train_y = self._to_tensor(train_x), torch.as_tensor(train_y)
+        self._test_x, self._test_y = self._to_tensor(test_x), torch.as_tensor(test_y)
+        self.test_labels = np.asarray(test_y)
+        self.eval_batch_size = eval_batch_size
+
+    @staticmethod
+    def _to_tensor(images: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float() / 255.0
+
+    def train_batches(self, batches: Sequence[np.ndarray]) -> Batches:
+        for indices in batches:
+            index = torch.from_numpy(np.asarray(indices))
+            yield self._train_x[index], self._train_y[index]
+
+    def test_batches(self, indices: np.ndarray) -> Batches:
+        for start in range(0, len(indices), self.eval_batch_size):
+            index = torch.from_numpy(np.asarray(indices[start : start + self.eval_batch_size]))
+            yield self._test_x[index], self._test_y[index]

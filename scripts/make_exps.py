@@ -1,0 +1,187 @@
+"""Write exps/*.json: the paper's configurations and the offline smoke configs.
+
+The configs are flat, PILOT-style JSON files (users diff them against upstream's exps/), so they are
+committed; this script is their single source, and tests/test_exps.py fails if they drift from it.
+
+    python scripts/make_exps.py          # rewrite exps/
+    python scripts/make_exps.py --check  # exit 1 if exps/ differs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXPS = Path(__file__).resolve().parent.parent / "exps"
+
+METHODS = {
+    # short name: (model_name, backbone_type, method keys in upstream PILOT's order)
+    "coda": ("coda_online", "vit_base_patch16_224_coda_prompt", {"prompt_param": [100, 8, 0.0]}),
+    "l2p": (
+        "l2p_online",
+        "vit_base_patch16_224_l2p",
+        {
+            "get_original_backbone": True,
+            "global_pool": "token",
+            "head_type": "prompt",
+            "freeze": ["blocks", "patch_embed", "cls_token", "norm", "pos_embed"],
+            "prompt_pool": True,
+            "size": 10,
+            "length": 5,
+            "top_k": 5,
+            "initializer": "uniform",
+            "prompt_key": True,
+            "prompt_key_init": "uniform",
+            "use_prompt_mask": False,
+            "shared_prompt_pool": False,
+            "shared_prompt_key": False,
+            "batchwise_prompt": True,
+            "embedding_key": "cls",
+            "predefined_key": "",
+            "pull_constraint": True,
+            "pull_constraint_coeff": 0.1,
+        },
+    ),
+    "dualprompt": (
+        "dualprompt_online",
+        "vit_base_patch16_224_dualprompt",
+        {
+            "get_original_backbone": True,
+            "global_pool": "token",
+            "head_type": "token",
+            "freeze": ["blocks", "patch_embed", "cls_token", "norm", "pos_embed"],
+            "use_g_prompt": True,
+            "g_prompt_length": 5,
+            "g_prompt_layer_idx": [0, 1],
+            "use_prefix_tune_for_g_prompt": True,
+            "use_e_prompt": True,
+            "e_prompt_layer_idx": [2, 3, 4],
+            "use_prefix_tune_for_e_prompt": True,
+            "prompt_pool": True,
+            "size": 10,
+            "length": 5,
+            "top_k": 1,
+            "initializer": "uniform",
+            "prompt_key": True,
+            "prompt_key_init": "uniform",
+            "use_prompt_mask": False,
+            "shared_prompt_pool": False,
+            "shared_prompt_key": False,
+            "batchwise_prompt": True,
+            "embedding_key": "cls",
+            "predefined_key": "",
+            "pull_constraint": True,
+            "pull_constraint_coeff": 0.1,
+            "same_key_value": False,
+        },
+    ),
+}
+
+# The paper's ablation rows: suffix -> (online_prototypes, fgh)
+PAPER_FGH = {"gamma": 1, "granularity": "element", "direction": "grad", "apply": "grad"}
+VARIANTS = {
+    "base": (False, None),
+    "p": (True, None),
+    "fgh_only": (False, PAPER_FGH),
+    "fgh": (True, PAPER_FGH),  # "+ ours": prototypes and FGH
+}
+
+
+def paper_config(method: str, variant: str, blurry: bool) -> dict:
+    model_name, backbone, method_keys = METHODS[method]
+    prototypes, fgh = VARIANTS[variant]
+    return {
+        "prefix": variant + ("_blurry" if blurry else ""),
+        "dataset": "cifar224",
+        "memory_size": 0,
+        "memory_per_class": 0,
+        "fixed_memory": False,
+        "shuffle": True,
+        "init_cls": 10,
+        "increment": 10,
+        "model_name": model_name,
+        "backbone_type": backbone,
+        "device": ["0"],
+        "seed": list(range(10)),
+        "batch_size": 100,
+        "init_lr": 0.005,
+        "optimizer": "adam",
+        "weight_decay": 0,
+        "pretrained": True,
+        "drop": 0.0,
+        "drop_path": 0.0,
+        **method_keys,
+        "stream": "si_blurry" if blurry else "clear",
+        "si_blurry_n": 50,
+        "si_blurry_m": 10,
+        "online_prototypes": prototypes,
+        "fgh": fgh,
+        "logit_mask": "batch",
+    }
+
+
+def smoke_config(method: str) -> dict:
+    """The paper's +P+FGH row on the synthetic dataset at 32 px, random weights, CPU."""
+    config = paper_config(method, "fgh", blurry=False)
+    config.update(
+        {
+            "prefix": "smoke",
+            "dataset": "synthetic_small",
+            "init_cls": 4,
+            "increment": 4,
+            "device": [-1],
+            "seed": [1993],
+            "pretrained": False,
+            "backbone_kwargs": {"img_size": 32},
+            "num_workers": 0,
+            "eval_batch_size": 100,
+            "log_interval": 1,
+        }
+    )
+    return config
+
+
+def all_configs() -> dict[str, dict]:
+    configs = {}
+    for method in METHODS:
+        for variant in VARIANTS:
+            for blurry in (False, True):
+                name = f"{method}_online_{variant}{'_blurry' if blurry else ''}.json"
+                configs[name] = paper_config(method, variant, blurry)
+        configs[f"smoke_{method}_online.json"] = smoke_config(method)
+    appendix = paper_config("coda", "fgh", blurry=False)
+    appendix.update(
+        prefix="fgh_appendix",
+        fgh={"gamma": 0.001, "granularity": "class", "direction": "adam", "apply": "grad"},
+    )
+    configs["coda_online_fgh_appendix.json"] = appendix
+    return configs
+
+
+def render(config: dict) -> str:
+    return json.dumps(config, indent=4) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only report differences")
+    check = parser.parse_args().check
+    stale = []
+    EXPS.mkdir(exist_ok=True)
+    for name, config in all_configs().items():
+        path = EXPS / name
+        text = render(config)
+        if not path.exists() or path.read_text() != text:
+            stale.append(name)
+            if not check:
+                path.write_text(text)
+    if check and stale:
+        print(f"exps/ is out of date ({', '.join(stale)}): run python scripts/make_exps.py")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

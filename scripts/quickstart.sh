@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# pilot-online quickstart: install PILOT's environment and the plugin, patch a PILOT checkout,
+# run the CODA smoke config offline (synthetic data, 32 px, random weights, CPU) and print AP/A_T.
+#
+#   PILOT_ROOT=/path/to/LAMDA-PILOT bash scripts/quickstart.sh
+#
+# Without PILOT_ROOT it clones LAMDA-PILOT at the pinned commit into .pilot/ when the network
+# allows. The patches are reversible: `pilot-online setup --revert "$PILOT_ROOT"`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+PYTHON=${PYTHON:-python3}
+PILOT_COMMIT=5240714
+CONFIG=${CONFIG:-smoke_coda_online.json}
+
+echo "== installing the plugin and PILOT's dependencies (registry torch + torchvision, timm 0.6.13)"
+"$PYTHON" -m pip install -q -e ".[test,plots]"
+
+if [ -z "${PILOT_ROOT:-}" ]; then
+    PILOT_ROOT="$REPO/.pilot"
+    if [ ! -f "$PILOT_ROOT/main.py" ]; then
+        echo "== PILOT_ROOT is not set: cloning LAMDA-PILOT@$PILOT_COMMIT into $PILOT_ROOT"
+        if ! git clone -q https://github.com/LAMDA-CL/LAMDA-PILOT "$PILOT_ROOT"; then
+            echo "quickstart: could not clone LAMDA-PILOT (no network?)." >&2
+            echo "  Set PILOT_ROOT to a LAMDA-PILOT checkout at commit $PILOT_COMMIT and rerun." >&2
+            exit 2
+        fi
+        git -C "$PILOT_ROOT" checkout -q "$PILOT_COMMIT"
+    fi
+fi
+PILOT_ROOT=$(cd "$PILOT_ROOT" && pwd)
+echo "== patching $PILOT_ROOT"
+pilot-online setup "$PILOT_ROOT"
+
+echo "== running exps/$CONFIG through PILOT's main.py (offline)"
+RESULTS="$REPO/runs/quickstart"
+mkdir -p "$RESULTS"
+cd "$PILOT_ROOT"
+"$PYTHON" main.py --config "exps/$CONFIG"
+cd "$REPO"
+echo
+echo "== results"
+pilot-online report "$PILOT_ROOT/logs"

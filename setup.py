@@ -1,0 +1,41 @@
+"""Packaging for pilot-online: online, task-free training for LAMDA-PILOT's prompt learners."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+VERSION = {}
+exec((HERE / "pilot_online" / "version.py").read_text(), VERSION)
+
+setup(
+    name="pilot-online",
+    version=VERSION["__version__"],
+    description=(
+        "Online, task-free, memory-free training for LAMDA-PILOT's L2P, DualPrompt and "
+        "CODA-Prompt, with online prototypes and Fine-Grained Hypergradients."
+    ),
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="MIT",
+    python_requires=">=3.9",
+    packages=find_packages(include=["pilot_online", "pilot_online.*"]),
+    install_requires=[
+        "torch",
+        # PILOT breaks on timm >= 0.9, and timm 0.6.12 does not import on Python 3.11.
+        "timm>=0.6.13,<0.9",
+        "numpy",
+        "scipy",
+        "tqdm",
+        "easydict",
+    ],
+    extras_require={
+        "plots": ["matplotlib"],
+        "test": ["pytest", "ruff"],
+    },
+    entry_points={"console_scripts": ["pilot-online=pilot_online.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

@@ -1,0 +1,577 @@
+"""Tests for Fine-Grained Hypergradients against values worked out by hand (paper Eq. 8 and the
+appendix's class-wise Adam pseudo-code)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import itertools
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from pilot_online import fgh as fgh_module
+from pilot_online.fgh import FineGrainedHypergradients, class_grad_norms
+
+T = torch.tensor
+
+# --------------------------------------------------------------------------- the 16 modes
+#
+# Two parameters, W [2, 2] and b [2] (one "final layer", so every granularity applies), driven
+# by setting .grad directly:
+G1_W, G1_B = T([[1.0, 1.0], [5.0, 2.0]]), T([-1.0, 1.0])
+G2_W, G2_B = T([[1.0, -1.0], [-1.0, -1.0]]), T([-1.0, 1.0])
+# direction="grad", gamma=0.1: h = g2 * g1 = W [[1, -1], [-5, -2]], b [1, 1].
+#   element: alpha = 1 + 0.1 h      = W [[1.1, 0.9], [0.5, 0.8]], b [1.1, 1.1]
+#   tensor:  h_W = 1-1-5-2 = -7     -> 0.3;  h_b = 1+1 = 2 -> 1.2
+#   class:   h_0 = 1-1 + 1 = 1      -> 1.1;  h_1 = -5-2 + 1 = -6 -> 0.4
+#   global:  h = -7 + 2 = -5        -> 0.5
+# direction="adam", betas=(0.5, 0.5), eps=0, gamma=0.3. Per entry, with g1, g2:
+#   step 1: m = 0.5 g1, m_hat = m / 0.5 = g1; v_hat = g1^2; c1 = g1 / |g1| = sign(g1)
+#           -> c1 = W [[1, 1], [1, 1]], b [-1, 1]
+#   step 2: m_hat = (0.25 g1 + 0.5 g2) / 0.75 = (g1 + 2 g2) / 3; v_hat = (g1^2 + 2 g2^2) / 3
+#           (1, 1) -> 1 / 1 = 1;  (1, -1) -> (-1/3) / 1 = -1/3;  (5, -1) -> 1 / sqrt(9) = 1/3;
+#           (2, -1) -> 0;  bias (-1, -1) -> -1, (1, 1) -> 1
+#           -> c2 = W [[1, -1/3], [1/3, 0]], b [-1, 1]
+#   apply="grad": h = c2 * c1 = W [[1, -1/3], [1/3, 0]], b [1, 1]
+#     element: W [[1.3, 0.9], [1.1, 1.0]], b [1.3, 1.3]
+#     tensor:  h_W = 1 - 1/3 + 1/3 + 0 = 1 -> 1.3;  h_b = 2 -> 1.6
+#     class:   h_0 = 1 - 1/3 + 1 = 5/3 -> 1.5;  h_1 = 1/3 + 0 + 1 = 4/3 -> 1.4
+#     global:  h = 1 + 2 = 3 -> 1.9
+#   apply="update" with SGD: u1 = -delta / lr = g1, so
+#     h = c2 * g1 = W [[1, -1/3], [5/3, 0]], b [1, 1]
+#     element: W [[1.3, 0.9], [1.5, 1.0]], b [1.3, 1.3]
+#     tensor:  h_W = 1 - 1/3 + 5/3 = 7/3 -> 1.7;  h_b = 2 -> 1.6
+#     class:   h_0 = 5/3 -> 1.5;  h_1 = 5/3 + 0 + 1 = 8/3 -> 1.8
+#     global:  h = 7/3 + 2 = 13/3 -> 1 + 0.3 * 13/3 = 2.3
+# direction="grad" with apply="update" and SGD: u1 = g1, so the alphas equal apply="grad"'s.
+_GRAD_DIRECTION = {
+    "element": ([[1.1, 0.9], [0.5, 0.8]], [1.1, 1.1]),
+    "tensor": ([[0.3, 0.3], [0.3, 0.3]], [1.2, 1.2]),
+    "class": ([[1.1, 1.1], [0.4, 0.4]], [1.1, 0.4]),
+    "global": ([[0.5, 0.5], [0.5, 0.5]], [0.5, 0.5]),
+}
+EXPECTED_ALPHA = {
+    **{(g, "grad", "grad"): v for g, v in _GRAD_DIRECTION.items()},
+    **{(g, "grad", "update"): v for g, v in _GRAD_DIRECTION.items()},
+    ("element", "adam", "grad"): ([[1.3, 0.9], [1.1, 1.0]], [1.3, 1.3]),
+    ("tensor", "adam", "grad"): ([[1.3, 1.3], [1.3, 1.3]], [1.6, 1.6]),
+    ("class", "adam", "grad"): ([[1.5, 1.5], [1.4, 1.4]], [1.5, 1.4]),
+    ("global", "adam", "grad"): ([[1.9, 1.9], [1.9, 1.9]], [1.9, 1.9]),
+    ("element", "adam", "update"): ([[1.3, 0.9], [1.5, 1.0]], [1.3, 1.3]),
+    ("tensor", "adam", "update"): ([[1.7, 1.7], [1.7, 1.7]], [1.6, 1.6]),
+    ("class", "adam", "update"): ([[1.5, 1.5], [1.8, 1.8]], [1.5, 1.8]),
+    ("global", "adam", "update"): ([[2.3, 2.3], [2.3, 2.3]], [2.3, 2.3]),
+}
+ALPHA_STATE = {  # where the alpha lives and its shape
+    "element": ("W", (2, 2)),
+    "tensor": ("W", ()),
+    "class": ("W", (2,)),
+    "global": ("group:0", ()),
+}
+MODES = list(
+    itertools.product(
+        ("element", "class", "tensor", "global"), ("grad", "adam"), ("grad", "update")
+    )
+)
+LR = 0.5
+
+
+def _tiny(granularity: str, direction: str, apply: str, foreach: bool):
+    w, b = nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(2))
+    extra = (
+        {"gamma": 0.1} if direction == "grad" else {"gamma": 0.3, "betas": (0.5, 0.5), "eps": 0.0}
+    )
+    fgh = FineGrainedHypergradients(
+        [("W", w), ("b", b)],
+        granularity=granularity,
+        direction=direction,
+        apply=apply,
+        foreach=foreach,
+        **extra,
+    )
+    opt = torch.optim.SGD([w, b], lr=LR)
+    if apply == "update":
+        fgh.attach(opt)
+    return w, b, fgh, opt
+
+
+def _drive(w, b, fgh, opt, grads) -> None:
+    for gw, gb in grads:
+        w.grad, b.grad = gw.clone(), gb.clone()
+        fgh.step()
+        opt.step()
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize(("granularity", "direction", "apply"), MODES)
+def test_every_mode_against_hand_values(granularity, direction, apply, foreach):
+    w, b, fgh, opt = _tiny(granularity, direction, apply, foreach)
+    w.grad, b.grad = G1_W.clone(), G1_B.clone()
+    fgh.step()
+    # First step: nothing to pair with, alpha stays 1 and the gradient is unchanged.
+    assert torch.equal(w.grad, G1_W) and torch.equal(b.grad, G1_B)
+    opt.step()
+    w.grad, b.grad = G2_W.clone(), G2_B.clone()
+    fgh.step()
+
+    alpha_w, alpha_b = (T(x) for x in EXPECTED_ALPHA[(granularity, direction, apply)])
+    coeffs = fgh.coefficients()
+    torch.testing.assert_close(coeffs["W"], alpha_w, atol=1e-6, rtol=0)
+    torch.testing.assert_close(coeffs["b"], alpha_b, atol=1e-6, rtol=0)
+    key, shape = ALPHA_STATE[granularity]
+    assert tuple(fgh.state[key]["alpha"].shape) == shape
+
+    if apply == "grad":
+        # The optimizer receives alpha * g2.
+        torch.testing.assert_close(w.grad, alpha_w * G2_W, atol=1e-6, rtol=0)
+        torch.testing.assert_close(b.grad, alpha_b * G2_B, atol=1e-6, rtol=0)
+    else:
+        # Gradients untouched; alpha scales SGD's update: p2 = p0 - lr g1 - lr alpha g2 (p0 = 0).
+        assert torch.equal(w.grad, G2_W) and torch.equal(b.grad, G2_B)
+        opt.step()
+        torch.testing.assert_close(w.detach(), -LR * G1_W - LR * alpha_w * G2_W, atol=1e-6, rtol=0)
+        torch.testing.assert_close(b.detach(), -LR * G1_B - LR * alpha_b * G2_B, atol=1e-6, rtol=0)
+        # u2 = -(p2 - p1) / lr is the UNSCALED SGD direction g2.
+        torch.testing.assert_close(fgh.state["W"]["u"], G2_W, atol=1e-6, rtol=0)
+    assert fgh.num_steps == 2
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_previous_signal_is_the_raw_gradient(foreach):
+    w, b, fgh, opt = _tiny("element", "grad", "grad", foreach)
+    _drive(w, b, fgh, opt, [(G1_W, G1_B), (G2_W, G2_B), (G2_W, G2_B)])
+    # Step 3 pairs g3 = g2 with the RAW g2 (not alpha * g2): h = g2 * g2 = W [[1,1],[1,1]], b [1,1]
+    # alpha_3 = alpha_2 + 0.1 = W [[1.2, 1.0], [0.6, 0.9]], b [1.2, 1.2]
+    torch.testing.assert_close(
+        fgh.coefficients()["W"], T([[1.2, 1.0], [0.6, 0.9]]), atol=1e-6, rtol=0
+    )
+    torch.testing.assert_close(fgh.coefficients()["b"], T([1.2, 1.2]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(w.grad, T([[1.2, -1.0], [-0.6, -0.9]]), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_update_mode_with_adam_is_adam_hd(foreach):
+    # Adam(lr=0.1, betas=(0.5, 0.5), eps=0): its step-1 direction is u1 = sign(g1) (see above),
+    # its step-2 direction is c2 = W [[1, -1/3], [1/3, 0]], b [-1, 1].
+    # FGH direction="grad", gamma=0.1: h2 = g2 * u1 = W [[1,-1],[-1,-1]] * 1, b [-1,1]*[-1,1]
+    #   = W [[1, -1], [-1, -1]], b [1, 1] -> alpha = W [[1.1, 0.9], [0.9, 0.9]], b [1.1, 1.1]
+    # p1 = -0.1 sign(g1) = W all -0.1, b [0.1, -0.1]
+    # p2 = p1 - 0.1 * alpha * c2 = W [[-0.1-0.11, -0.1+0.03], [-0.1-0.03, -0.1]]
+    #                            = W [[-0.21, -0.07], [-0.13, -0.1]]
+    #                              b [0.1 + 0.11, -0.1 - 0.11] = [0.21, -0.21]
+    w, b = nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(2))
+    opt = torch.optim.Adam([w, b], lr=0.1, betas=(0.5, 0.5), eps=0.0)
+    fgh = FineGrainedHypergradients(
+        [("W", w), ("b", b)], gamma=0.1, apply="update", foreach=foreach
+    )
+    fgh.attach(opt)
+    _drive(w, b, fgh, opt, [(G1_W, G1_B), (G2_W, G2_B)])
+    torch.testing.assert_close(
+        fgh.coefficients()["W"], T([[1.1, 0.9], [0.9, 0.9]]), atol=1e-6, rtol=0
+    )
+    torch.testing.assert_close(w.detach(), T([[-0.21, -0.07], [-0.13, -0.1]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(b.detach(), T([0.21, -0.21]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        fgh.state["W"]["u"], T([[1.0, -1 / 3], [1 / 3, 0.0]]), atol=1e-6, rtol=0
+    )
+    assert torch.equal(w.grad, G2_W)  # gradients are never scaled in update mode
+
+
+# --------------------------------------------------------------------------- single behaviours
+
+
+def _vector_fgh(**options):
+    p = nn.Parameter(torch.zeros(2))
+    return p, FineGrainedHypergradients([("p", p)], **options)
+
+
+def _steps(p, fgh, *grads) -> None:
+    for g in grads:
+        p.grad = T(g)
+        fgh.step()
+
+
+def test_sign_agreeing_gradients_grow_alpha_disagreeing_shrink_it():
+    p, fgh = _vector_fgh(gamma=0.1)
+    _steps(p, fgh, [1.0, -1.0], [2.0, 2.0])
+    # h = [1*2, -1*2] = [2, -2] -> alpha = [1.2, 0.8]
+    torch.testing.assert_close(fgh.state["p"]["alpha"], T([1.2, 0.8]))
+    torch.testing.assert_close(p.grad, T([2.4, 1.6]))
+
+
+def test_clamp_both_bounds():
+    p, fgh = _vector_fgh(gamma=1.0, clamp=(0.5, 1.5))
+    _steps(p, fgh, [1.0, 1.0], [3.0, -3.0])
+    # 1 + 3 = 4 -> 1.5;  1 - 3 = -2 -> 0.5;  grads [3 * 1.5, -3 * 0.5]
+    assert torch.equal(fgh.state["p"]["alpha"], T([1.5, 0.5]))
+    assert torch.equal(p.grad, T([4.5, -1.5]))
+    # Default clamp (0, 10): 1 + 4*4 = 17 -> 10;  1 + 1*(-3) = -2 -> 0 (alpha never negative)
+    p, fgh = _vector_fgh(gamma=1.0)
+    _steps(p, fgh, [4.0, 1.0], [4.0, -3.0])
+    assert torch.equal(fgh.state["p"]["alpha"], T([10.0, 0.0]))
+    assert torch.equal(p.grad, T([40.0, 0.0]))
+
+
+@pytest.mark.parametrize("granularity", ["element", "tensor", "global"])
+def test_first_step_leaves_gradient_and_alpha_alone(granularity):
+    p, fgh = _vector_fgh(granularity=granularity, direction="adam")
+    _steps(p, fgh, [2.0, -4.0])
+    assert torch.equal(p.grad, T([2.0, -4.0]))
+    assert torch.equal(fgh.coefficients()["p"], T([1.0, 1.0]))
+    # Moments are updated on the first step, with the step count starting at 1:
+    # m = 0.1 g = [0.2, -0.4]; v = 0.001 g^2 = [0.004, 0.016]
+    state = fgh.state["p"]
+    assert state["step"] == 1
+    torch.testing.assert_close(state["m"], T([0.2, -0.4]))
+    torch.testing.assert_close(state["v"], T([0.004, 0.016]))
+
+
+def test_coefficients_does_not_create_state():
+    w, b = nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(2))
+    fgh = FineGrainedHypergradients([("W", w), ("b", b)], granularity="class", direction="adam")
+    w.grad = G1_W.clone()  # the bias has no gradient
+    fgh.step()
+    coeffs = fgh.coefficients()
+    assert torch.equal(coeffs["b"], torch.ones(2)) and torch.equal(coeffs["W"], torch.ones(2, 2))
+    assert set(fgh.state) == {"W"}
+
+
+def test_gamma_none_resolves_per_direction():
+    p = nn.Parameter(torch.zeros(2))
+    assert FineGrainedHypergradients([("p", p)]).param_groups[0]["gamma"] == 1.0
+    fgh = FineGrainedHypergradients([("p", p)], direction="adam")
+    assert fgh.param_groups[0]["gamma"] == 1e-3
+    assert fgh.defaults["gamma"] is None
+
+
+def test_params_without_grad_are_skipped_and_keep_their_state():
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    fgh = FineGrainedHypergradients([("a", a), ("b", b)], gamma=0.1, direction="adam")
+    a.grad, b.grad = T([1.0, 1.0]), T([1.0, 1.0])
+    fgh.step()
+    before = copy.deepcopy(fgh.state["b"])
+    a.grad, b.grad = T([1.0, 1.0]), None
+    fgh.step()
+    assert fgh.state["a"]["step"] == 2 and fgh.state["b"]["step"] == 1
+    for field in ("m", "v", "prev", "alpha"):
+        assert torch.equal(fgh.state["b"][field], before[field])
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_non_finite_hypergradients_are_skipped_and_counted(foreach):
+    p, fgh = _vector_fgh(gamma=0.1, foreach=foreach)
+    _steps(p, fgh, [1.0, 1.0], [math.nan, 2.0])
+    # h = [nan, 2]: entry 0 skipped, entry 1 -> 1.2
+    assert torch.equal(fgh.state["p"]["alpha"], T([1.0, 1.2]))
+    _steps(p, fgh, [math.inf, 1.0])
+    # h = [inf * nan = nan, 1 * 2 = 2] -> [1.0, 1.4]
+    torch.testing.assert_close(fgh.state["p"]["alpha"], T([1.0, 1.4]))
+    assert fgh.num_skipped.dtype == torch.int64 and int(fgh.num_skipped) == 2
+    # A block alpha (global) skips its whole non-finite sum: h = nan*1 + 2*1 = nan -> alpha stays 1.
+    p, fgh = _vector_fgh(gamma=0.1, granularity="global", foreach=foreach)
+    _steps(p, fgh, [1.0, 1.0], [math.nan, 2.0])
+    assert torch.equal(fgh.state["group:0"]["alpha"], T(1.0))
+    assert int(fgh.num_skipped) == 1
+
+
+def test_class_grad_norms_by_hand():
+    w, b = nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(2))
+    w.grad, b.grad = T([[3.0, 0.0], [1.0, 2.0]]), T([4.0, 2.0])
+    # row 0: sqrt(9 + 0 + 16) = 5;  row 1: sqrt(1 + 4 + 4) = 3;  without bias: [3, sqrt(5)]
+    torch.testing.assert_close(class_grad_norms(w, b), T([5.0, 3.0]))
+    torch.testing.assert_close(class_grad_norms(w), T([3.0, math.sqrt(5.0)]))
+    # After a class-wise FGH step with the same gradient twice (gamma=0.1):
+    # h_0 = 9 + 0 + 16 = 25 -> alpha 3.5;  h_1 = 1 + 4 + 4 = 9 -> 1.9;  norms [5 * 3.5, 3 * 1.9]
+    fgh = FineGrainedHypergradients([("W", w), ("b", b)], granularity="class", gamma=0.1)
+    fgh.step()
+    w.grad, b.grad = T([[3.0, 0.0], [1.0, 2.0]]), T([4.0, 2.0])
+    fgh.step()
+    torch.testing.assert_close(class_grad_norms(w, b), T([17.5, 5.7]))
+    with pytest.raises(ValueError, match="2-D"):
+        class_grad_norms(b)
+
+
+def test_element_mode_memory_is_two_floats_per_trainable_scalar():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3))
+    model[0].bias.requires_grad_(False)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    fgh = FineGrainedHypergradients(model.named_parameters())
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        fgh.step()
+        opt.step()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # 20 + 12 + 3 = 35
+    stored = sum(v.numel() for s in fgh.state.values() for v in s.values() if torch.is_tensor(v))
+    assert trainable == 35
+    assert stored == 2 * trainable
+    assert {field for s in fgh.state.values() for field in s} == {"alpha", "prev"}
+
+
+# --------------------------------------------------------------------------- real models
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def _make_fgh(model: nn.Module, granularity: str, **options) -> FineGrainedHypergradients:
+    """class granularity needs the final layer in its own group; the rest goes element-wise."""
+    named = list(model.named_parameters())
+    if granularity != "class":
+        return FineGrainedHypergradients(named, granularity=granularity, **options)
+    groups = [
+        {"params": [(n, p) for n, p in named if not n.startswith("2.")], "granularity": "element"},
+        {"params": [(n, p) for n, p in named if n.startswith("2.")], "granularity": "class"},
+    ]
+    return FineGrainedHypergradients(groups, **options)
+
+
+def _batches(n: int, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(10, 6, generator=gen), torch.randint(0, 3, (10,), generator=gen))
+        for _ in range(n)
+    ]
+
+
+def _train(model, opt, fgh, batches) -> None:
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if fgh is not None:
+            fgh.step()
+        opt.step()
+
+
+@pytest.mark.parametrize("direction", ["grad", "adam"])
+@pytest.mark.parametrize("granularity", ["element", "class", "tensor", "global"])
+def test_gamma_zero_is_plain_adam(granularity, direction):
+    batches = _batches(5)
+    ref = _model()
+    _train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), None, batches)
+
+    # apply="grad": alpha stays exactly 1, so gradients are multiplied by 1: bit for bit.
+    model = _model()
+    fgh = _make_fgh(model, granularity, gamma=0.0, direction=direction)
+    _train(model, torch.optim.Adam(model.parameters(), lr=1e-2), fgh, batches)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+    # apply="update": p <- snapshot + 1 * (p - snapshot) only rounds.
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    fgh = _make_fgh(model, granularity, gamma=0.0, direction=direction, apply="update").attach(opt)
+    _train(model, opt, fgh, batches)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p, q, atol=1e-6, rtol=1e-5)
+
+
+ROUND_TRIP_MODES = [
+    ("element", "grad", "grad"),
+    ("class", "adam", "grad"),
+    ("tensor", "adam", "update"),
+    ("global", "grad", "update"),
+]
+
+
+@pytest.mark.parametrize(("granularity", "direction", "apply"), ROUND_TRIP_MODES)
+def test_state_dict_round_trip_continues_identically(granularity, direction, apply):
+    options = {"gamma": 0.05, "direction": direction, "apply": apply}
+    batches = _batches(6)
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    fgh = _make_fgh(model, granularity, **options)
+    if apply == "update":
+        fgh.attach(opt)
+    _train(model, opt, fgh, batches[:3])
+
+    buffer = io.BytesIO()
+    torch.save({"fgh": fgh.state_dict(), "opt": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    twin = copy.deepcopy(model)
+    twin_opt = torch.optim.Adam(twin.parameters(), lr=1e-2)
+    twin_opt.load_state_dict(saved["opt"])
+    twin_fgh = _make_fgh(twin, granularity, gamma=0.9)  # options come from the state_dict
+    twin_fgh.load_state_dict(saved["fgh"])
+    assert twin_fgh.param_groups[-1]["gamma"] == 0.05 and twin_fgh.num_steps == 3
+    if apply == "update":
+        twin_fgh.attach(twin_opt)
+
+    _train(model, opt, fgh, batches[3:])
+    _train(twin, twin_opt, twin_fgh, batches[3:])
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    for name, alpha in fgh.coefficients().items():
+        assert torch.equal(alpha, twin_fgh.coefficients()[name])
+    assert not torch.equal(fgh.coefficients()["2.weight"], torch.ones(3, 5))  # alpha did move
+
+
+def test_load_state_dict_rejects_mismatches():
+    model = _model()
+    fgh = FineGrainedHypergradients(model.named_parameters())
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.1), fgh, _batches(2))
+    saved = fgh.state_dict()
+
+    renamed = FineGrainedHypergradients([(f"x.{n}", p) for n, p in _model().named_parameters()])
+    with pytest.raises(ValueError, match="names differ"):
+        renamed.load_state_dict(saved)
+
+    torch.manual_seed(0)
+    wider = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 3))
+    with pytest.raises(ValueError, match=r"state\['0.weight'\]\['alpha'\] has shape \(5, 6\)"):
+        FineGrainedHypergradients(wider.named_parameters()).load_state_dict(saved)
+
+    two_groups = _make_fgh(_model(), "class")
+    with pytest.raises(ValueError, match="2 param groups"):
+        FineGrainedHypergradients(_model().named_parameters()).load_state_dict(
+            two_groups.state_dict()
+        )
+
+
+def test_rebind_carries_state_to_a_new_parameter_object():
+    model = nn.Linear(3, 2, bias=False)
+    fgh = FineGrainedHypergradients(model.named_parameters(), gamma=0.1)
+    for g in (1.0, 2.0):
+        model.weight.grad = torch.full((2, 3), g)
+        fgh.step()
+    # alpha = 1 + 0.1 * (2 * 1) = 1.2
+    new = nn.Parameter(model.weight.detach().clone())
+    model.weight = new
+    fgh.rebind(model.named_parameters())
+    assert fgh.param_groups[0]["params"][0] is new
+    torch.testing.assert_close(fgh.coefficients()["weight"], torch.full((2, 3), 1.2))
+    new.grad = torch.ones(2, 3)
+    fgh.step()
+    # h = 1 * prev(2) = 2 -> alpha = 1.4, the new Parameter's grad = 1.4
+    torch.testing.assert_close(new.grad, torch.full((2, 3), 1.4))
+    with pytest.raises(ValueError, match="unknown parameter name 'bias'"):
+        fgh.rebind([("bias", nn.Parameter(torch.zeros(2)))])
+    with pytest.raises(ValueError, match="shape"):
+        fgh.rebind([("weight", nn.Parameter(torch.zeros(4, 3)))])
+
+
+@pytest.mark.parametrize(("granularity", "direction", "apply"), MODES)
+def test_foreach_matches_single_tensor_reference(granularity, direction, apply):
+    gen = torch.Generator().manual_seed(3)
+    shapes = {"fc.weight": (3, 4), "fc.bias": (3,), "e": (2, 3), "f": (4,)}
+    grads = [{n: torch.randn(s, generator=gen) for n, s in shapes.items()} for _ in range(4)]
+    grads[1]["f"] = None  # a param without gradient for one step
+    runs = []
+    for foreach in (False, True):
+        params = {n: nn.Parameter(torch.zeros(s)) for n, s in shapes.items()}
+        fc = [(n, params[n]) for n in ("fc.weight", "fc.bias")]
+        rest = [(n, params[n]) for n in ("e", "f")]
+        fgh = FineGrainedHypergradients(
+            [
+                {"params": fc, "granularity": granularity},
+                {
+                    "params": rest,
+                    "granularity": "tensor" if granularity == "class" else granularity,
+                },
+            ],
+            gamma=0.5 if direction == "grad" else 0.05,
+            direction=direction,
+            apply=apply,
+            foreach=foreach,
+        )
+        opt = torch.optim.SGD(params.values(), lr=0.1, momentum=0.9)
+        if apply == "update":
+            fgh.attach(opt)
+        trace = []
+        for step_grads in grads:
+            for n, g in step_grads.items():
+                params[n].grad = None if g is None else g.clone()
+            fgh.step()
+            opt.step()
+            trace.append([p.detach().clone() for p in params.values()])
+            trace.append([p.grad.clone() for p in params.values() if p.grad is not None])
+            trace.append([alpha.clone() for alpha in fgh.coefficients().values()])
+        trace.append([v for s in fgh.state.values() for v in s.values() if torch.is_tensor(v)])
+        runs.append(trace)
+    single, fast = runs
+    assert len(single) == len(fast)
+    for a, b in zip(single, fast):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    assert not torch.equal(single[-2][0], torch.ones(3, 4))  # alpha did move
+
+
+# --------------------------------------------------------------------------- API and errors
+
+
+def test_docstring_example_runs():
+    doc = fgh_module.__doc__
+    start = doc.index("Example (plain PyTorch, no PILOT)::")
+    block = doc[start:].split("\n\n")[1]
+    code = "\n".join(line[4:] for line in block.splitlines())
+    assert "fgh.step(); opt.step()" in code
+    namespace = {"torch": torch, "FineGrainedHypergradients": FineGrainedHypergradients}
+    namespace["x"] = torch.randn(8, 10)
+    exec(code, namespace)
+    fgh, model = namespace["fgh"], namespace["model"]
+    assert fgh.num_steps == 1
+    assert set(fgh.state) == {"weight", "bias"}
+    assert torch.equal(fgh.state["weight"]["alpha"], torch.ones(3, 10))  # first step
+    assert model.weight.grad is not None
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"granularity": "row"}, "valid choices: element, class, tensor, global"),
+        ({"direction": "sgd"}, "valid choices: grad, adam"),
+        ({"apply": "lr"}, "valid choices: grad, update"),
+        ({"clamp": (1.0, 1.0)}, "0 <= lo < hi"),
+        ({"clamp": (-0.5, 1.0)}, "0 <= lo < hi"),
+        ({"clamp": (0.0, math.inf)}, "finite pair"),
+        ({"clamp": (0.0,)}, "pair"),
+        ({"gamma": -1.0}, ">= 0"),
+        ({"betas": (0.9, 1.0)}, r"\[0, 1\)"),
+    ],
+)
+def test_bad_options_raise(options, message):
+    with pytest.raises(ValueError, match=message):
+        FineGrainedHypergradients(nn.Linear(2, 2).named_parameters(), **options)
+
+
+def test_bad_params_raise():
+    with pytest.raises(TypeError, match="named_parameters"):
+        FineGrainedHypergradients(nn.Linear(2, 2).parameters())
+    with pytest.raises(ValueError, match="no parameters"):
+        FineGrainedHypergradients([])
+    p = nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match="more than one group"):
+        FineGrainedHypergradients([{"params": [("p", p)]}, {"params": [("q", p)]}])
+    with pytest.raises(ValueError, match="unknown param group option"):
+        FineGrainedHypergradients([{"params": [("p", p)], "lr": 0.1}])
+    two_layers = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2))
+    with pytest.raises(ValueError, match="exactly one 2-D weight"):
+        FineGrainedHypergradients(two_layers.named_parameters(), granularity="class")
+
+
+def test_update_mode_needs_attach_and_detach_removes_the_hooks():
+    model = nn.Linear(2, 1)
+    fgh = FineGrainedHypergradients(model.named_parameters(), apply="update")
+    model(torch.ones(1, 2)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"fgh\.attach\(optimizer\)"):
+        fgh.step()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fgh.attach(opt)
+    fgh.step()
+    opt.step()
+    assert "u" in fgh.state["weight"]
+    fgh.detach()
+    before = {n: s["u"] for n, s in fgh.state.items()}
+    opt.step()  # no hook: u is not rewritten
+    assert all(fgh.state[n]["u"] is u for n, u in before.items())
+    with pytest.raises(RuntimeError, match="attach"):
+        fgh.step()
