@@ -1,4 +1,4 @@
-"""The ``pilot-online`` command: setup | run | check-config | report | demo."""
+"""The ``pilot-online`` command: setup | run | sweep | check-config | report | demo."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import json
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from . import patching
 from .config import ConfigError, key_reference, load_json, resolve_config
+from .sweep import add_sweep_arguments, run_sweep
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -81,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--pilot-root", help="patched PILOT checkout (default: $PILOT_ROOT, then .)")
     run.set_defaults(func=_cmd_run)
 
+    sweep = sub.add_parser("sweep", help="a grid of runs (LR, variants, streams...) + table")
+    add_sweep_arguments(sweep)
+    sweep.set_defaults(func=run_sweep)
+
     check = sub.add_parser("check-config", help="validate configs without PILOT")
     check.add_argument("configs", nargs="*", type=Path)
     check.add_argument("--keys", action="store_true", help="print the config-key reference")
@@ -94,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(func=_cmd_report)
 
     demo = sub.add_parser("demo", help="core-only demo: synthetic stream, small timm ViT, P + FGH")
-    demo.add_argument("--train-per-class", type=int, default=50, help="stream length knob")
+    demo.add_argument("--train-per-class", type=int, default=100, help="stream length knob")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--output", type=Path, default=Path("runs/demo"), help="results folder")
     demo.set_defaults(func=_cmd_demo)
@@ -103,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # timm 0.6 calls torch.jit.script at import, which recent torch deprecates loudly.
+    warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=FutureWarning)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

@@ -87,6 +87,8 @@ class SyntheticSpec:
 DATASETS: dict[str, SyntheticSpec] = {
     "synthetic": SyntheticSpec(),
     "synthetic_small": SyntheticSpec(num_classes=20, train_per_class=40, test_per_class=10),
+    # For end-to-end tests through PILOT: two tasks of four classes, four steps of 40.
+    "synthetic_tiny": SyntheticSpec(num_classes=8, train_per_class=20, test_per_class=5),
 }
 
 

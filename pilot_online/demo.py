@@ -2,7 +2,8 @@
 
 It uses the same loop, session, metrics and results file as the PILOT learners, with a plain timm
 model instead of a PILOT network, so it runs without PILOT (``pilot-online demo``). The ViT has
-random weights (nothing is downloaded); its last block, final norm and head train online.
+random weights (nothing is downloaded) and stays frozen except its final norm and head, which train
+online: a stand-in for a frozen pretrained backbone with a trainable classifier.
 """
 
 from __future__ import annotations
@@ -26,26 +27,24 @@ logger = logging.getLogger(__name__)
 
 
 class TimmViTAdapter(MethodAdapter):
-    """A tiny timm ViT at 32 px whose last block and head train (not a PILOT method)."""
+    """A 6-block ViT-Tiny (timm) at 32 px whose final norm and head train (not PILOT)."""
 
     base_model_name: ClassVar[str] = "timm_vit"
 
     def build_network(self, args: dict) -> nn.Module:
-        import timm
+        from timm.models.vision_transformer import VisionTransformer
 
-        network = timm.create_model(
-            "vit_tiny_patch16_224",
-            pretrained=False,
-            img_size=32,
-            patch_size=4,
+        network = VisionTransformer(
+            img_size=32, patch_size=4, embed_dim=192, depth=6, num_heads=3,
             num_classes=args["nb_classes"],
         )
         network.requires_grad_(False)
-        for module in (network.blocks[-1], network.norm, network.head):
+        for module in (network.norm, network.head):
             module.requires_grad_(True)
         return network
 
     def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
+        x = (x - 0.5) / 0.25  # roughly standardised pixels: random patch embeddings need spread
         features = network.forward_head(network.forward_features(x), pre_logits=True)
         return StepOutput(network.head(features), features)
 
@@ -60,11 +59,11 @@ DEMO_VARIANTS = {
 
 
 def run_demo(
-    train_per_class: int = 50, seed: int = 0, output: Path = Path("runs/demo")
+    train_per_class: int = 100, seed: int = 0, output: Path = Path("runs/demo")
 ) -> dict[str, dict]:
     """Run both variants on the same stream and print their accuracy matrices, AP and A_T."""
     torch.manual_seed(seed)
-    arrays = make_synthetic(seed=seed, train_per_class=train_per_class)
+    arrays = make_synthetic(seed=seed, num_classes=50, train_per_class=train_per_class)
     stream = clear_stream(arrays["train_y"], init_cls=10, increment=10, batch_size=100, seed=seed)
     data = ArrayDataSource(arrays["train_x"], arrays["train_y"], arrays["test_x"], arrays["test_y"])
     num_classes = int(arrays["train_y"].max()) + 1
@@ -75,7 +74,7 @@ def run_demo(
         config = {key: spec.default for key, spec in ONLINE_KEYS.items()}
         config.update(
             variant,
-            init_lr=5e-3,
+            init_lr=1e-2,
             optimizer="adam",
             weight_decay=0.0,
             model_name="demo_timm_vit",

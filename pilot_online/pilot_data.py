@@ -51,9 +51,10 @@ class SyntheticIData:
         self.spec = dataset_spec(name)
         self.class_order = list(range(self.spec.num_classes))
         # Images are generated at the backbone's size: no resizing, no augmentation to undo.
+        # Roughly standardised pixels give randomly initialised patch embeddings some spread.
         self.train_trsf: list = []
         self.test_trsf: list = []
-        self.common_trsf = [transforms.ToTensor()]
+        self.common_trsf = [transforms.ToTensor(), transforms.Normalize((0.5,) * 3, (0.25,) * 3)]
 
     def download_data(self) -> None:
         arrays = make_synthetic(self.spec)

@@ -44,6 +44,7 @@ def collect(paths: Iterable[Path]) -> list[dict[str, Any]]:
             continue
         results = load_results(file)
         config, metrics = results["config"], results["metrics"]
+        imbalance = results["extra"].get("gradient_imbalance", {})
         rows.append(
             {
                 "file": str(file),
@@ -54,7 +55,7 @@ def collect(paths: Iterable[Path]) -> list[dict[str, Any]]:
                 "variant": variant_label(config),
                 "seed": config.get("seed"),
                 **{m: metrics.get(m) for m in METRIC_COLUMNS},
-                "G_n": results.get("gradient_imbalance", {}).get("task_grad_norm_normalized"),
+                "G_n": imbalance.get("task_grad_norm_normalized"),
             }
         )
     return rows

@@ -64,6 +64,7 @@ class OnlineSession:
     ) -> None:
         self.loop, self.stream, self.data, self.config = loop, stream, data, config
         self.results_path = results_path
+        self.written_path: Path | None = None
         self.progress = progress
         num_classes = loop.num_classes
         for name, labels in (("training", stream.labels), ("test", data.test_labels)):
@@ -234,7 +235,6 @@ class OnlineSession:
 
         Returns the results; ``self.written_path`` is where they went (None without a path)."""
         results = self.results(status, error)
-        self.written_path = self.results_path
         if self.results_path is None:
             return results
         path = self.results_path
@@ -247,7 +247,7 @@ class OnlineSession:
             with open(tmp, "wb") as handle:
                 np.save(handle, trace.astype(np.float32))
             tmp.replace(trace_path)
-            results["gradient_imbalance"]["trace_file"] = trace_path.name
+            results["extra"]["gradient_imbalance"]["trace_file"] = trace_path.name
         write_results(path, results, overwrite=status != "complete")
         self.written_path = path
         logger.info("results written to %s", path)
@@ -284,10 +284,10 @@ class ArrayDataSource:
 
     def train_batches(self, batches: Sequence[np.ndarray]) -> Batches:
         for indices in batches:
-            index = torch.from_numpy(np.asarray(indices))
+            index = torch.from_numpy(np.array(indices))  # a copy: stream arrays are read-only
             yield self._train_x[index], self._train_y[index]
 
     def test_batches(self, indices: np.ndarray) -> Batches:
         for start in range(0, len(indices), self.eval_batch_size):
-            index = torch.from_numpy(np.asarray(indices[start : start + self.eval_batch_size]))
+            index = torch.from_numpy(np.array(indices[start : start + self.eval_batch_size]))
             yield self._test_x[index], self._test_y[index]

@@ -1,0 +1,136 @@
+"""``pilot-online sweep``: a grid of runs from one config, each in its own process.
+
+The paper's tables are grids: methods x {base, + P, + FGH, + P + FGH} x {clear, Si-Blurry} x
+learning rates (x gamma). A sweep writes one derived config per grid point (so every run can be
+re-run alone), runs them one after another through PILOT's trainer in fresh processes (PILOT
+configures logging once per process), keeps going when one fails, and prints the report table.
+
+    pilot-online sweep --config exps/coda_online_fgh.json --grid variant=base,p,fgh_only,fgh \\
+        --grid stream=clear,si_blurry --grid init_lr=5e-5,5e-3 --out runs/coda_table
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError, load_json, resolve_config
+
+PAPER_FGH = {"gamma": 1, "granularity": "element", "direction": "grad", "apply": "grad"}
+
+#: ``variant`` is a pseudo-key: the paper's ablation rows.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "base": {"online_prototypes": False, "fgh": None},
+    "p": {"online_prototypes": True, "fgh": None},
+    "fgh_only": {"online_prototypes": False, "fgh": PAPER_FGH},
+    "fgh": {"online_prototypes": True, "fgh": PAPER_FGH},
+}
+
+
+def parse_grid(items: list[str]) -> dict[str, list[Any]]:
+    """``["init_lr=5e-5,5e-3", "fgh.gamma=0.1,1"]`` -> {key: [JSON-parsed values]}."""
+    grid: dict[str, list[Any]] = {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        if not sep or not values:
+            raise ConfigError(f"--grid {item!r}: write KEY=V1,V2 (e.g. init_lr=5e-5,5e-3)")
+        parsed = []
+        for value in values.split(","):
+            try:
+                parsed.append(json.loads(value))
+            except json.JSONDecodeError:
+                parsed.append(value)  # bare strings: clear, si_blurry, base...
+        grid[key.strip()] = parsed
+    return grid
+
+
+def apply_point(base: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
+    """The config of one grid point (``variant`` expands; ``fgh.gamma`` sets a nested key)."""
+    config = json.loads(json.dumps(base))
+    for key, value in point.items():
+        if key == "variant":
+            if value not in VARIANTS:
+                raise ConfigError(f"variant {value!r}: choose one of {', '.join(VARIANTS)}")
+            config.update(json.loads(json.dumps(VARIANTS[value])))
+        elif key.startswith("fgh."):
+            if not config.get("fgh"):
+                raise ConfigError(f"{key}: this grid point has no FGH (fgh is null)")
+            config["fgh"][key.removeprefix("fgh.")] = value
+        else:
+            config[key] = value
+    return config
+
+
+def point_name(point: dict[str, Any]) -> str:
+    return "__".join(f"{k}-{v}" for k, v in point.items()) or "base"
+
+
+def build_configs(base: dict[str, Any], grid: dict[str, list[Any]], out: Path) -> list[Path]:
+    """Write and validate every grid point's config (all are checked before any run starts)."""
+    paths: list[Path] = []
+    keys = list(grid)
+    for values in itertools.product(*(grid[k] for k in keys)):
+        point = dict(zip(keys, values))
+        if apply_point(base, {k: v for k, v in point.items() if k == "variant"}).get("fgh") is None:
+            point = {k: v for k, v in point.items() if not k.startswith("fgh.")}  # no FGH: no axis
+        config = apply_point(base, point)
+        name = point_name(point)
+        path = out / "configs" / f"{name}.json"
+        if path in paths:
+            continue
+        config["prefix"] = name
+        config["results_dir"] = str((out / "results").resolve())
+        resolve_config(config)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(config, indent=4) + "\n")
+        paths.append(path)
+    return paths
+
+
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, type=Path, help="the base config")
+    parser.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="a grid axis (repeatable); variant=base,p,fgh_only,fgh expands to "
+        "the paper's ablation rows; fgh.gamma=... sets FGH options",
+    )
+    parser.add_argument("--out", type=Path, required=True, help="folder for configs and results")
+    parser.add_argument("--pilot-root", help="patched PILOT checkout (default: $PILOT_ROOT, .)")
+    parser.add_argument("--dry-run", action="store_true", help="write and check configs only")
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    from .report import collect, format_table
+
+    paths = build_configs(load_json(args.config), parse_grid(args.grid), args.out)
+    print(f"{len(paths)} runs; configs in {args.out / 'configs'}")
+    failed = []
+    for i, path in enumerate(paths, 1):
+        print(f"[{i}/{len(paths)}] {path.stem}", flush=True)
+        if args.dry_run:
+            continue
+        command = [sys.executable, "-m", "pilot_online.cli", "run", "--config", str(path)]
+        if args.pilot_root:
+            command += ["--pilot-root", args.pilot_root]
+        log = path.with_suffix(".log")
+        with open(log, "w") as handle:
+            code = subprocess.call(command, stdout=handle, stderr=subprocess.STDOUT, cwd=args.out)
+        if code:
+            failed.append(path.stem)
+            print(f"    failed (exit {code}); log: {log}", flush=True)
+    if not args.dry_run and (args.out / "results").is_dir():
+        rows = collect([args.out / "results"])
+        if rows:
+            print(format_table(rows))
+    if failed:
+        print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,47 @@
+"""The smoke matrix: 3 methods x {base, + P, + FGH, + P + FGH} x {clear, Si-Blurry} through PILOT.
+
+    PILOT_ROOT=/path/to/patched/LAMDA-PILOT python scripts/smoke_matrix.py [--out runs/smoke]
+
+Each method's smoke config (synthetic data, 32 px, random weights, CPU) is swept with
+``pilot-online sweep``; the AP/A_T table of all 24 runs is printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+EXPS = Path(__file__).resolve().parent.parent / "exps"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/smoke_matrix"))
+    parser.add_argument("--methods", default="coda,l2p,dualprompt")
+    args = parser.parse_args()
+    status = 0
+    for method in args.methods.split(","):
+        status |= subprocess.call(
+            [
+                sys.executable,
+                "-m",
+                "pilot_online.cli",
+                "sweep",
+                "--config",
+                str(EXPS / f"smoke_{method}_online.json"),
+                "--grid",
+                "variant=base,p,fgh_only,fgh",
+                "--grid",
+                "stream=clear,si_blurry",
+                "--out",
+                str(args.out / method),
+            ]
+        )
+    subprocess.call([sys.executable, "-m", "pilot_online.cli", "report", str(args.out)])
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""End-to-end runs through a real, patched PILOT checkout (``PILOT_ROOT``, commit 5240714).
+
+Every run goes through PILOT's own ``main.py`` (via ``pilot_driver.py``, which adds probes) in a
+patched temporary copy of the checkout, on the synthetic dataset at 32 px with random weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pilot_online.config import load_json
+from pilot_online.patching import apply
+from pilot_online.results import load_results
+
+PILOT_ROOT = os.environ.get("PILOT_ROOT")
+pytestmark = pytest.mark.skipif(
+    not PILOT_ROOT,
+    reason="PILOT_ROOT is not set: point it at a LAMDA-PILOT checkout (commit 5240714) to run "
+    "PILOT integration tests",
+)
+HERE = Path(__file__).resolve().parent
+EXPS = HERE.parent / "exps"
+DRIVER = HERE / "pilot_driver.py"
+METHODS = ("coda", "l2p", "dualprompt")
+
+
+@pytest.fixture(scope="module")
+def pilot(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("pilot") / "LAMDA-PILOT"
+    shutil.copytree(PILOT_ROOT, root, ignore=shutil.ignore_patterns(".git", "logs", "data"))
+    apply(root)
+    return root
+
+
+def offline_env(tmp_path: Path) -> dict[str, str]:
+    """No network (a closed loopback proxy) and an empty weights cache."""
+    env = dict(os.environ, TORCH_HOME=str(tmp_path / "torch-home"), PYTHONUNBUFFERED="1")
+    for key in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        env[key] = "http://127.0.0.1:9"
+    return env
+
+
+def tiny_config(method: str, variant: str, stream: str, results_dir: Path) -> dict:
+    config = load_json(EXPS / f"smoke_{method}_online.json")
+    config.update(
+        dataset="synthetic_tiny",
+        init_cls=4,
+        increment=4,
+        batch_size=40,
+        eval_batch_size=40,
+        stream=stream,
+        prefix=f"{variant}_{stream}",
+        results_dir=str(results_dir),
+    )
+    if variant == "base":
+        config.update(online_prototypes=False, fgh=None)
+    if stream == "si_blurry":
+        config["eval_period"] = 80
+    return config
+
+
+def run_driver(pilot: Path, config: dict, tmp_path: Path) -> tuple[dict, dict]:
+    config_path, report_path = tmp_path / "config.json", tmp_path / "report.json"
+    config_path.write_text(json.dumps(config))
+    done = subprocess.run(
+        [sys.executable, str(DRIVER), str(config_path), str(report_path)],
+        cwd=pilot,
+        env=offline_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    return report, load_results(report["results_path"])
+
+
+@pytest.mark.parametrize("stream", ["clear", "si_blurry"])
+@pytest.mark.parametrize("variant", ["base", "p_fgh"])
+@pytest.mark.parametrize("method", METHODS)
+def test_online_run_through_pilot_main(pilot, tmp_path, method, variant, stream):
+    config = tiny_config(method, variant, stream, tmp_path / "results")
+    report, results = run_driver(pilot, config, tmp_path)
+    counters, tasks = results["counters"], results["stream"]["tasks"]
+
+    # One pass: every streamed sample once, one optimizer step per batch.
+    sizes = [t["num_samples"] for t in tasks]
+    assert counters["samples_seen"] == counters["stream_length"] == sum(sizes) > 0
+    assert counters["optimizer_steps"] == sum(math.ceil(n / 40) for n in sizes)
+    assert counters["skipped_nonfinite_steps"] == 0
+
+    # Task-free: no upstream task-boundary hook ran, no task id reached a prompt network.
+    assert report["boundary_calls"] == []
+    assert set(report["task_ids"]) <= {-1}
+    assert report["learner_calls"] == ["eval_task"] * 2
+
+    # Prompts and classifier trained; every frozen parameter is untouched.
+    changed = report["changed"]
+    trainable = {n for n, c in changed.items() if c["trainable"]}
+    assert trainable and all(changed[n]["changed"] for n in trainable), trainable
+    assert not [n for n, c in changed.items() if not c["trainable"] and c["changed"]]
+    prompt_names = [n for n in trainable if "prompt" in n or n.startswith("prompt.")]
+    classifier_names = [n for n in trainable if n.endswith(("head.weight", "fc.weight"))]
+    assert prompt_names and classifier_names
+
+    # The results file holds the full 2 x 2 accuracy matrix and the paper's metrics.
+    matrix = results["metrics"]["accuracy_matrix"]
+    assert len(matrix) == 2 and all(len(row) == 2 for row in matrix)
+    assert matrix[1][0] is None
+    new_classes = [t["new_classes"] for t in tasks]
+    for task in range(2):
+        for after in range(task, 2):
+            assert (matrix[task][after] is not None) == bool(new_classes[task])
+    assert results["metrics"]["AP"] is not None and results["metrics"]["A_T"] is not None
+    if stream == "si_blurry":
+        assert len(results["extra"]["periodic_evaluations"]) == sum(sizes) // 80
+        assert results["metrics"]["A_auc"] is not None
+
+    diagnostics = results["extra"]["diagnostics"]
+    if variant == "p_fgh":
+        alphas = diagnostics["fgh"]["alpha"]
+        assert alphas and any(a["min"] != 1.0 or a["max"] != 1.0 for a in alphas.values())
+        assert diagnostics["prototypes"]["samples"] == sum(sizes)
+    else:
+        assert "fgh" not in diagnostics and "prototypes" not in diagnostics
+
+
+def test_paper_config_fails_only_for_missing_data(pilot, tmp_path):
+    done = subprocess.run(
+        [sys.executable, "main.py", "--config", "exps/coda_online_fgh.json"],
+        cwd=pilot,
+        env=offline_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode != 0
+    assert "DatasetUnavailableError: dataset 'cifar224' could not be loaded" in done.stderr
+    assert "cifar-100-python" in done.stderr
+
+
+def test_missing_weights_say_what_to_do(pilot, tmp_path):
+    config = tiny_config("coda", "base", "clear", tmp_path / "results")
+    config["pretrained"] = True
+    config_path = tmp_path / "weights.json"
+    config_path.write_text(json.dumps(config))
+    done = subprocess.run(
+        [sys.executable, "main.py", "--config", str(config_path)],
+        cwd=pilot,
+        env=offline_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode != 0
+    assert "WeightsUnavailableError" in done.stderr and "pretrained_path" in done.stderr
+
+
+def test_cli_run_from_elsewhere_writes_one_results_file_per_seed(pilot, tmp_path):
+    config = tiny_config("coda", "base", "clear", tmp_path / "results")
+    config["seed"] = [1, 2]
+    config_path = tmp_path / "seeds.json"
+    config_path.write_text(json.dumps(config))
+    workdir = tmp_path / "elsewhere"
+    workdir.mkdir()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pilot_online.cli",
+            "run",
+            "--config",
+            str(config_path),
+            "--pilot-root",
+            str(pilot),
+        ],
+        cwd=workdir,
+        env=offline_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    files = sorted((tmp_path / "results").glob("*.results.json"))
+    assert [f.name.split("_")[2] for f in files] == ["1", "2"]
+    seeds = [load_results(f)["config"]["seed"] for f in files]
+    assert seeds == [1, 2]
+    assert (workdir / "logs").is_dir()  # PILOT's log folder follows the working directory
+
+
+def test_cli_run_refuses_an_unpatched_checkout(tmp_path):
+    unpatched = tmp_path / "LAMDA-PILOT"
+    shutil.copytree(PILOT_ROOT, unpatched, ignore=shutil.ignore_patterns(".git", "logs", "data"))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pilot_online.cli",
+            "run",
+            "--config",
+            str(EXPS / "smoke_coda_online.json"),
+            "--pilot-root",
+            str(unpatched),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "pilot-online setup" in done.stderr
