@@ -49,9 +49,12 @@ def timm_overrides(
         pretrained = kwargs.get("pretrained", args[0] if args else False)
         if pretrained and pretrained_path:
             kwargs["pretrained_cfg"] = {**_pretrained_cfg_for(model_name), "file": pretrained_path}
+        # A download fails with OSError (urllib's URLError is one); a bad local file with
+        # whatever numpy or torch raise while reading it.
+        failures = (OSError, ValueError, KeyError, RuntimeError) if pretrained_path else OSError
         try:
             return original(model_name, *args, **kwargs)
-        except OSError as err:  # urllib's URLError is an OSError
+        except failures as err:
             if not pretrained:
                 raise
             source = pretrained_path or "the timm download URL"

@@ -39,6 +39,8 @@ class OnlineLearner(BaseLearner):
     def __init__(self, args: dict[str, Any], adapter_cls: type[MethodAdapter]) -> None:
         super().__init__(args)
         self.config = resolve_config(args)
+        if len(self._multiple_gpus) > 1:
+            logger.warning("online learners use one device: training on %s only", self._device)
         self.adapter = adapter_cls(args=self.config)
         with timm_overrides(self.config["backbone_kwargs"], self.config["pretrained_path"]):
             network = self.adapter.build_network(self.config)
@@ -109,7 +111,11 @@ class OnlineLearner(BaseLearner):
         self._total_classes = int(self.loop.seen.sum())
 
     def eval_task(self):
-        cnn_accy = self.session.evaluate_task_end(self._cur_task)
+        try:
+            cnn_accy = self.session.evaluate_task_end(self._cur_task)
+        except BaseException as err:
+            self.session.write(status="failed", error=f"{type(err).__name__}: {err}")
+            raise
         logger.info("accuracy after segment %d: %s", self._cur_task, cnn_accy["grouped"])
         if self._cur_task == self.session.stream.num_tasks - 1:
             results = self.session.write()

@@ -20,7 +20,7 @@ def variant_label(config: dict[str, Any]) -> str:
     if config.get("online_prototypes"):
         parts.append("P")
     fgh = config.get("fgh")
-    if fgh:
+    if fgh is not None:  # {} is FGH with its defaults (build_loop enables it), not "base"
         options = [
             f"{k}={v}"
             for k, v in sorted(fgh.items())

@@ -240,6 +240,11 @@ class OnlineSession:
         path = self.results_path
         if status != "complete":
             path = path.with_name(path.name.replace(".results.json", ".partial.results.json"))
+        elif path.exists():  # before the trace: a refused write must not replace its sidecar
+            raise FileExistsError(
+                f"results file {path} already exists; refusing to overwrite a finished run's "
+                "results and gradient trace. Use another prefix/log_dir or delete the file."
+            )
         trace = self.loop.gradient_statistics().get("trace")
         if trace is not None:
             trace_path = path.with_name(path.name.replace(".json", ".gradtrace.npy"))
@@ -256,10 +261,13 @@ class OnlineSession:
 
 def unique_results_path(path: Path) -> Path:
     """``path`` itself, or a timestamped sibling if a finished run already wrote there."""
-    if not path.exists():
-        return path
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    return path.with_name(path.name.replace(".results.json", f".{stamp}.results.json"))
+    candidate, attempt = path, 1
+    while candidate.exists():
+        suffix = stamp if attempt == 1 else f"{stamp}-{attempt}"
+        candidate = path.with_name(path.name.replace(".results.json", f".{suffix}.results.json"))
+        attempt += 1
+    return candidate
 
 
 class ArrayDataSource:

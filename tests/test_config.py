@@ -128,3 +128,17 @@ def test_check_config_cli(tmp_path, capsys):
     assert main(["check-config", str(ROOT / "exps" / "coda_online_fgh.json"), str(bad)]) == 1
     out = capsys.readouterr().out
     assert "ok      " in out and "unknown config key 'fhg'" in out
+
+
+def test_readme_documents_every_online_key():
+    from pilot_online.config import ONLINE_KEYS
+
+    readme = (ROOT / "README.md").read_text()
+    missing = [key for key in ONLINE_KEYS if f"`{key}`" not in readme]
+    assert not missing, f"README's configuration reference lacks {missing}"
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    assert "make test " in readme.split("## The first two commands")[1].split("##")[0]
+    assert (ROOT / ".ci" / "run").read_text().strip().endswith("make test")

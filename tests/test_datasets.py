@@ -101,7 +101,9 @@ def test_named_specs() -> None:
         10,
         3,
     )
-    assert set(DATASETS) == {"synthetic", "synthetic_small"}
+    assert set(DATASETS) == {"synthetic", "synthetic_small", "synthetic_tiny"}
+    tiny = dataset_spec("synthetic_tiny")
+    assert (tiny.num_classes, tiny.train_per_class, tiny.test_per_class) == (8, 20, 5)
     with pytest.raises(ValueError, match="synthetic_small"):
         dataset_spec("cifar224")
 

@@ -166,7 +166,7 @@ def test_missing_weights_say_what_to_do(pilot, tmp_path):
 
 def test_cli_run_from_elsewhere_writes_one_results_file_per_seed(pilot, tmp_path):
     config = tiny_config("coda", "base", "clear", tmp_path / "results")
-    config["seed"] = [1, 2]
+    config["seed"] = [1, 2, 1]  # seed 1 twice: reproducible, and the rerun keeps both files
     config_path = tmp_path / "seeds.json"
     config_path.write_text(json.dumps(config))
     workdir = tmp_path / "elsewhere"
@@ -189,10 +189,14 @@ def test_cli_run_from_elsewhere_writes_one_results_file_per_seed(pilot, tmp_path
         timeout=900,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    files = sorted((tmp_path / "results").glob("*.results.json"))
-    assert [f.name.split("_")[2] for f in files] == ["1", "2"]
-    seeds = [load_results(f)["config"]["seed"] for f in files]
-    assert seeds == [1, 2]
+    files = sorted((tmp_path / "results").glob("*.results.json"), key=lambda f: f.stat().st_mtime)
+    results = [load_results(f) for f in files]
+    assert [r["config"]["seed"] for r in results] == [1, 2, 1]
+    assert files[0].name != files[2].name  # the first seed-1 run was not overwritten
+    first, rerun = results[0], results[2]
+    assert first["metrics"] == rerun["metrics"]  # same seed, same numbers on CPU
+    assert first["stream"] == rerun["stream"]
+    assert first["counters"] == rerun["counters"]
     assert (workdir / "logs").is_dir()  # PILOT's log folder follows the working directory
 
 

@@ -1,0 +1,530 @@
+"""The online loop (loop.py) and its mixins, driven by a tiny two-layer model instead of PILOT.
+
+Model: ``features = relu(body(x))``, ``logits = fc(features)``. Expected values come from the
+stream's sizes, from the paper's equations (Eq. 1 running means, Eq. 2 prototype CE) or from the
+cross-entropy gradient written out by hand, never from the loop's own output.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pilot_online.adapter import MethodAdapter, StepOutput
+from pilot_online.fgh import FGHMixin
+from pilot_online.loop import NonFiniteLossError, OnlineLoop, build_loop
+from pilot_online.prototypes import PrototypeMixin
+from pilot_online.session import OnlineSession
+from pilot_online.streams import clear_stream
+
+D_IN, HIDDEN, C = 5, 8, 6
+# Training samples per class. Clear stream, init_cls=2, increment=2, batch_size=4:
+#   task 0 = classes {0, 1}: 5 + 3 = 8  samples -> ceil(8 / 4)  = 2 batches
+#   task 1 = classes {2, 3}: 4 + 6 = 10 samples -> ceil(10 / 4) = 3 batches
+#   task 2 = classes {4, 5}: 2 + 7 = 9  samples -> ceil(9 / 4)  = 3 batches
+#   in all 27 samples and 8 optimizer steps.
+TRAIN_COUNTS = [5, 3, 4, 6, 2, 7]
+TEST_COUNTS = [2, 1, 1, 1, 1, 1]
+BASE_CONFIG = {"optimizer": "adam", "init_lr": 0.05, "logit_mask": "batch"}
+
+
+class TinyNet(nn.Module):
+    def __init__(self, frozen_body: bool = False) -> None:
+        super().__init__()
+        self.body = nn.Linear(D_IN, HIDDEN)
+        self.fc = nn.Linear(HIDDEN, C)
+        if frozen_body:
+            self.body.requires_grad_(False)
+
+
+class TinyAdapter(MethodAdapter):
+    """features = relu(body(x)); fc is the classifier."""
+
+    base_model_name = "tiny"
+
+    def build_network(self, args: dict) -> nn.Module:
+        return TinyNet(frozen_body=bool(args.get("frozen_body", False)))
+
+    def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
+        features = torch.relu(network.body(x))
+        return StepOutput(network.fc(features), features)
+
+    def classifier(self, network: nn.Module) -> nn.Linear:
+        return network.fc
+
+
+class NaNAdapter(TinyAdapter):
+    """Returns NaN logits on the training forward passes listed in ``nan_calls`` (0-based)."""
+
+    nan_calls: frozenset = frozenset()
+    train_calls = 0
+
+    def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
+        out = super().forward(network, x, train)
+        if train:
+            call, self.train_calls = self.train_calls, self.train_calls + 1
+            if call in self.nan_calls:
+                out.logits = out.logits * float("nan")
+        return out
+
+
+class VectorSource:
+    """A DataSource over float vectors (no images needed)."""
+
+    def __init__(self, train_x, train_y, test_x, test_y, eval_batch_size: int = 4) -> None:
+        self.train_x, self.train_y = train_x, torch.as_tensor(train_y)
+        self.test_x, self.test_y = test_x, torch.as_tensor(test_y)
+        self.test_labels = np.asarray(test_y)
+        self.eval_batch_size = eval_batch_size
+
+    def train_batches(self, batches):
+        for indices in batches:
+            index = torch.from_numpy(np.array(indices))
+            yield self.train_x[index], self.train_y[index]
+
+    def test_batches(self, indices):
+        for start in range(0, len(indices), self.eval_batch_size):
+            index = torch.from_numpy(np.array(indices[start : start + self.eval_batch_size]))
+            yield self.test_x[index], self.test_y[index]
+
+
+class Recorder:
+    """A mixin that calls super() in every hook and records what it saw."""
+
+    def setup(self) -> None:
+        self.events: list[str] = []
+        self.terms: list[dict[str, torch.Tensor]] = []
+        self.snapshots: list[dict[str, torch.Tensor]] = []
+        self.grads: list[dict[str, torch.Tensor]] = []
+        self.after: list[tuple[torch.Tensor, torch.Tensor]] = []
+        super().setup()
+        self.events.append("setup")
+
+    def loss_terms(self, out, labels):
+        terms = super().loss_terms(out, labels)
+        self.events.append("loss_terms")
+        self.terms.append({k: v.detach().clone() for k, v in terms.items()})
+        fc = self.adapter.classifier(self.network)
+        self.snapshots.append(
+            {
+                "features": out.features.detach().clone(),
+                "labels": labels.clone(),
+                "weight": fc.weight.detach().clone(),
+                "bias": fc.bias.detach().clone(),
+            }
+        )
+        return terms
+
+    def transform_gradients(self) -> None:
+        super().transform_gradients()
+        self.events.append("transform_gradients")
+        self.grads.append(
+            {n: p.grad.clone() for n, p in self.named_parameters if p.grad is not None}
+        )
+
+    def after_step(self, out, labels) -> None:
+        super().after_step(out, labels)
+        self.events.append("after_step")
+        self.after.append((out.features.detach().clone(), labels.clone()))
+
+
+def make_data(seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    train_y = np.repeat(np.arange(C), TRAIN_COUNTS)
+    test_y = np.repeat(np.arange(C), TEST_COUNTS)
+    centers = 2 * torch.randn(C, D_IN, generator=generator)
+    train_x = centers[train_y] + torch.randn(len(train_y), D_IN, generator=generator)
+    test_x = centers[test_y] + torch.randn(len(test_y), D_IN, generator=generator)
+    return train_x, train_y, test_x, test_y
+
+
+def make_stream(train_y):
+    return clear_stream(train_y, init_cls=2, increment=2, batch_size=4, seed=0)
+
+
+def make_loop(config, mixins=(), seed: int = 0, frozen_body: bool = False, adapter=None):
+    torch.manual_seed(seed)
+    adapter = adapter or TinyAdapter()
+    network = TinyNet(frozen_body=frozen_body)
+    if mixins:
+        loop_cls = type("TestLoop", (*mixins, OnlineLoop), {})
+        return loop_cls(adapter, network, config, C)
+    return build_loop(adapter, network, config, C)
+
+
+def run_stream(loop, stream, train_x, train_y):
+    """Drive the loop over every batch of the stream, in stream order."""
+    labels = torch.as_tensor(train_y)
+    stats = []
+    for batch in stream.batches():
+        index = torch.from_numpy(np.array(batch.indices))
+        stats.append(loop.train_step(train_x[index], labels[index]))
+    return stats
+
+
+def params(loop) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in loop.network.named_parameters()}
+
+
+# --------------------------------------------------------------------------- one pass
+
+
+def test_one_pass_consumes_each_sample_once_and_steps_once_per_batch() -> None:
+    train_x, train_y, test_x, test_y = make_data()
+    stream = make_stream(train_y)
+    task_sizes = [len(t) for t in stream.tasks]
+    assert task_sizes == [8, 10, 9]  # see TRAIN_COUNTS
+    expected_steps = sum(math.ceil(n / 4) for n in task_sizes)
+    assert expected_steps == 2 + 3 + 3
+
+    loop = make_loop(BASE_CONFIG)
+    session = OnlineSession(
+        loop, stream, VectorSource(train_x, train_y, test_x, test_y), BASE_CONFIG, progress=False
+    )
+    for task in range(stream.num_tasks):
+        session.train_task(task)
+    assert loop.samples_seen == len(stream) == 27
+    assert loop.optimizer_steps == expected_steps
+    assert session.tasks_trained == 3
+    assert loop.seen.tolist() == [True] * C
+
+
+# --------------------------------------------------------------------------- logit masks
+
+
+def _one_step_grads(mask: str, batches: list[list[int]]):
+    loop = make_loop({**BASE_CONFIG, "logit_mask": mask}, mixins=(Recorder,))
+    generator = torch.Generator().manual_seed(1)
+    for labels in batches:
+        x = torch.randn(len(labels), D_IN, generator=generator)
+        loop.train_step(x, torch.tensor(labels))
+    return loop.grads[-1]
+
+
+def test_batch_mask_zeroes_classifier_gradient_of_absent_classes() -> None:
+    grads = _one_step_grads("batch", [[0, 2, 0, 2]])
+    absent = [1, 3, 4, 5]
+    # Masked logits are -inf: softmax gives them p = 0 and they are not targets, so
+    # dL/dz_j = 0 for every sample, hence zero rows of dL/dW and dL/db.
+    assert torch.all(grads["fc.weight"][absent] == 0)
+    assert torch.all(grads["fc.bias"][absent] == 0)
+    assert torch.all(grads["fc.bias"][[0, 2]] != 0)
+    assert torch.all(grads["fc.weight"][[0, 2]].abs().sum(1) > 0)
+
+
+def test_no_mask_gives_every_class_a_gradient() -> None:
+    grads = _one_step_grads("none", [[0, 2, 0, 2]])
+    # Without a mask an absent class j gets dL/db_j = mean_i p_ij > 0.
+    assert torch.all(grads["fc.bias"][[1, 3, 4, 5]] > 0)
+    assert torch.all(grads["fc.weight"].abs().sum(1) > 0)
+
+
+def test_seen_mask_keeps_every_class_seen_so_far() -> None:
+    grads = _one_step_grads("seen", [[0, 2], [1, 1]])
+    # Second step: seen = {0, 2} from step 1 plus {1} from this batch; 3, 4, 5 stay masked.
+    assert torch.all(grads["fc.bias"][[0, 1, 2]] != 0)
+    assert torch.all(grads["fc.bias"][[3, 4, 5]] == 0)
+    assert torch.all(grads["fc.weight"][[3, 4, 5]] == 0)
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+def test_hooks_run_in_order_and_after_step_gets_pre_update_features() -> None:
+    loop = make_loop(BASE_CONFIG, mixins=(Recorder,))
+    assert loop.events == ["setup"]
+    generator = torch.Generator().manual_seed(2)
+    for step in range(3):
+        x = torch.randn(4, D_IN, generator=generator)
+        labels = torch.tensor([0, 1, 2, step])
+        before = copy.deepcopy(loop.network)
+        stats = loop.train_step(x, labels)
+        features, seen_labels = loop.after[-1]
+        with torch.no_grad():
+            expected = torch.relu(before.body(x))
+            after_update = torch.relu(loop.network.body(x))
+            logits = before.fc(expected)
+        torch.testing.assert_close(features, expected, rtol=0, atol=0)
+        assert not torch.equal(features, after_update)  # the body did move: not vacuous
+        assert torch.equal(seen_labels, labels)
+        # The step's loss is the CE over the batch-masked logits of the pre-update model.
+        present = torch.zeros(C, dtype=torch.bool)
+        present[labels] = True
+        expected_ce = F.cross_entropy(logits.masked_fill(~present, float("-inf")), labels)
+        torch.testing.assert_close(stats.loss, expected_ce)
+    per_step = ["loss_terms", "transform_gradients", "after_step"]
+    assert loop.events == ["setup", *per_step * 3]
+
+
+def test_loss_terms_are_added_to_the_loss() -> None:
+    class Extra:
+        def loss_terms(self, out, labels):
+            terms = super().loss_terms(out, labels)
+            terms["extra"] = torch.tensor(2.5)
+            return terms
+
+    loop = make_loop(BASE_CONFIG, mixins=(Extra,))
+    x = torch.randn(3, D_IN, generator=torch.Generator().manual_seed(3))
+    labels = torch.tensor([0, 1, 1])
+    with torch.no_grad():
+        logits = loop.network.fc(torch.relu(loop.network.body(x)))
+    mask = torch.tensor([True, True, False, False, False, False])
+    ce = F.cross_entropy(logits.masked_fill(~mask, float("-inf")), labels)
+    stats = loop.train_step(x, labels)
+    torch.testing.assert_close(stats.loss, ce + 2.5)
+
+
+# --------------------------------------------------------------------------- prototypes
+
+
+def test_prototypes_with_frozen_body_are_class_means_and_loss_is_eq2() -> None:
+    train_x, train_y, _, _ = make_data()
+    stream = make_stream(train_y)
+    loop = make_loop(BASE_CONFIG, mixins=(Recorder, PrototypeMixin), frozen_body=True)
+    assert [n for n, _ in loop.named_parameters] == ["fc.weight", "fc.bias"]
+    body = copy.deepcopy(loop.network.body)
+    stats = run_stream(loop, stream, train_x, train_y)
+    assert torch.equal(loop.network.body.weight, body.weight)  # frozen: features are fixed
+
+    with torch.no_grad():
+        features = torch.relu(body(train_x)).double()
+    labels = torch.as_tensor(train_y)
+    # Eq. 1 applied over a whole stream is the arithmetic mean of each class's features.
+    expected_means = torch.stack([features[labels == c].mean(0) for c in range(C)])
+    torch.testing.assert_close(loop.prototypes.means.double(), expected_means)
+    assert loop.prototypes.counts.tolist() == TRAIN_COUNTS
+
+    batches = [np.array(b.indices) for b in stream.batches()]
+    assert len(loop.terms) == len(batches) == 8
+    assert all("prototypes" in terms for terms in loop.terms)
+    assert loop.terms[0]["prototypes"].item() == 0.0  # step 1: no prototype yet
+    for step in range(1, len(batches)):
+        streamed = np.concatenate(batches[:step])
+        seen = sorted(set(train_y[streamed].tolist()))
+        means = torch.stack(
+            [features[streamed[train_y[streamed] == c]].mean(0) for c in seen]
+        )  # Eq. 1 before this step
+        snap = loop.snapshots[step]  # classifier as it is at this step (before its update)
+        logits = means @ snap["weight"].double().T + snap["bias"].double()
+        # Eq. 2 with the logit mask: CE of fc(p_c) over the seen classes' logits only.
+        seen_logits = logits[:, seen]
+        expected = (seen_logits.logsumexp(1) - seen_logits.diagonal()).mean()
+        torch.testing.assert_close(loop.terms[step]["prototypes"].double(), expected)
+        # The step's loss = batch-masked CE of the batch + L_P.
+        batch_labels = snap["labels"]
+        z = snap["features"].double() @ snap["weight"].double().T + snap["bias"].double()
+        present = torch.zeros(C, dtype=torch.bool)
+        present[batch_labels] = True
+        ce = F.cross_entropy(z.masked_fill(~present, float("-inf")), batch_labels)
+        torch.testing.assert_close(stats[step].loss.double(), ce + expected)
+    assert loop.report()["prototypes"] == {"classes": C, "samples": 27}
+
+
+# --------------------------------------------------------------------------- FGH
+
+
+def test_fgh_gamma_zero_is_bit_identical_to_the_plain_loop() -> None:
+    train_x, train_y, _, _ = make_data()
+    stream = make_stream(train_y)
+    plain = make_loop(BASE_CONFIG)
+    start = params(plain)
+    run_stream(plain, stream, train_x, train_y)
+    fgh = make_loop({**BASE_CONFIG, "fgh": {"gamma": 0}})
+    assert isinstance(fgh, FGHMixin)
+    run_stream(fgh, stream, train_x, train_y)
+    for name, value in params(plain).items():
+        assert not torch.equal(value, start[name])  # training moved every tensor
+        assert torch.equal(value, params(fgh)[name]), name
+    alphas = fgh.report()["fgh"]["alpha"]
+    assert all(a["min"] == a["max"] == 1.0 for a in alphas.values())
+
+
+def test_fgh_gamma_one_moves_alpha_and_counts_steps() -> None:
+    train_x, train_y, _, _ = make_data()
+    loop = make_loop({**BASE_CONFIG, "fgh": {"gamma": 1.0}})
+    run_stream(loop, make_stream(train_y), train_x, train_y)
+    report = loop.report()["fgh"]
+    assert report["steps"] == loop.optimizer_steps == 8
+    assert set(report["alpha"]) == {"body.weight", "body.bias", "fc.weight", "fc.bias"}
+    assert any(a["min"] != 1.0 or a["max"] != 1.0 for a in report["alpha"].values())
+    assert report["options"]["gamma"] == 1.0
+
+
+def test_fgh_class_granularity_covers_only_the_classifier() -> None:
+    train_x, train_y, _, _ = make_data()
+    loop = make_loop({**BASE_CONFIG, "fgh": {"gamma": 1.0, "granularity": "class"}})
+    assert [n for n, _ in loop.named_parameters] == [
+        "body.weight",
+        "body.bias",
+        "fc.weight",
+        "fc.bias",
+    ]
+    assert [g["names"] for g in loop.fgh.param_groups] == [["fc.weight", "fc.bias"]]
+    run_stream(loop, make_stream(train_y), train_x, train_y)
+    alpha = loop.fgh.state["fc.weight"]["alpha"]
+    assert alpha.shape == (C,)
+    assert torch.any(alpha != 1)
+
+
+# --------------------------------------------------------------------------- composition
+
+
+@pytest.mark.parametrize(
+    ("config", "has_p", "has_fgh"),
+    [
+        ({}, False, False),
+        ({"online_prototypes": True, "fgh": None}, True, False),
+        ({"online_prototypes": False, "fgh": {"gamma": 1}}, False, True),
+        ({"online_prototypes": True, "fgh": {"gamma": 1}}, True, True),
+        ({"fgh": {}}, False, True),  # an empty FGH object means FGH with its defaults
+    ],
+)
+def test_build_loop_composes_the_requested_mixins(config, has_p, has_fgh) -> None:
+    loop = make_loop({**BASE_CONFIG, **config})
+    mro = type(loop).__mro__
+    assert (PrototypeMixin in mro) is has_p
+    assert (FGHMixin in mro) is has_fgh
+    assert isinstance(loop, OnlineLoop)
+    if not has_p and not has_fgh:
+        assert type(loop) is OnlineLoop
+    if has_p and has_fgh:
+        assert mro.index(PrototypeMixin) < mro.index(FGHMixin) < mro.index(OnlineLoop)
+        assert type(loop).__name__ == "PrototypeFGHOnlineLoop"
+
+
+def test_unknown_optimizer_is_rejected() -> None:
+    with pytest.raises(ValueError, match="adam, adamw or sgd"):
+        make_loop({**BASE_CONFIG, "optimizer": "rmsprop"})
+
+
+# --------------------------------------------------------------------------- non-finite
+
+
+def test_non_finite_step_is_skipped() -> None:
+    adapter = NaNAdapter()
+    adapter.nan_calls = frozenset({1})
+    loop = make_loop(BASE_CONFIG, mixins=(Recorder,), adapter=adapter)
+    generator = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(4, D_IN, generator=generator), torch.tensor([0, 1, 2, 3]))] * 3
+
+    loop.train_step(*batches[0])
+    after_first = params(loop)
+    stats = loop.train_step(*batches[1])
+    assert stats.skipped
+    assert loop.skipped_nonfinite_steps == 1
+    assert loop.optimizer_steps == 1
+    assert loop.samples_seen == 8  # the batch was consumed, only the update was dropped
+    for name, value in params(loop).items():
+        assert torch.equal(value, after_first[name]), name
+    # The skipped step stopped before backward: no gradient hook, no after_step.
+    assert loop.events[-1] == "loss_terms"
+    assert len(loop.grads) == len(loop.after) == 1
+
+    stats = loop.train_step(*batches[2])
+    assert not stats.skipped
+    assert loop.optimizer_steps == 2
+    assert loop.gradient_statistics()["trace"].shape == (2, C)
+    adam_state = loop.optimizer.state[loop.network.fc.weight]
+    assert int(adam_state["step"]) == 2
+
+
+def test_isolated_non_finite_steps_do_not_stop_training() -> None:
+    adapter = NaNAdapter()
+    adapter.nan_calls = frozenset({0, 1, 3, 4})  # streaks of 2, broken by a finite step
+    loop = make_loop({**BASE_CONFIG, "max_nonfinite_steps": 2}, adapter=adapter)
+    x, labels = torch.randn(4, D_IN), torch.tensor([0, 1, 0, 1])
+    for _ in range(5):
+        loop.train_step(x, labels)
+    assert loop.skipped_nonfinite_steps == 4
+    assert loop.optimizer_steps == 1
+
+
+def test_too_many_consecutive_non_finite_steps_raise() -> None:
+    adapter = NaNAdapter()
+    adapter.nan_calls = frozenset(range(10))
+    loop = make_loop({**BASE_CONFIG, "max_nonfinite_steps": 2}, adapter=adapter)
+    x, labels = torch.randn(4, D_IN), torch.tensor([0, 1, 0, 1])
+    loop.train_step(x, labels)  # streak 1 <= 2
+    loop.train_step(x, labels)  # streak 2 <= 2
+    with pytest.raises(NonFiniteLossError, match="init_lr"):
+        loop.train_step(x, labels)  # streak 3 > 2
+    assert loop.optimizer_steps == 0
+
+
+# --------------------------------------------------------------------------- gradient statistics
+
+
+def _hand_fc_gradient(snapshot):
+    """dL/dW and dL/db of the batch-masked CE, written out: dz = (softmax_masked(z) - y) / B."""
+    h = snapshot["features"].double()
+    labels = snapshot["labels"]
+    weight, bias = snapshot["weight"].double(), snapshot["bias"].double()
+    z = h @ weight.T + bias
+    present = torch.zeros(C, dtype=torch.bool)
+    present[labels] = True
+    z = z.masked_fill(~present, float("-inf"))
+    p = torch.softmax(z, dim=1)
+    dz = (p - F.one_hot(labels, C).double()) / len(labels)
+    return dz.T @ h, dz.sum(0)
+
+
+def test_gradient_statistics_are_mean_per_class_gradient_norms() -> None:
+    train_x, train_y, _, _ = make_data()
+    loop = make_loop(BASE_CONFIG, mixins=(Recorder,))
+    run_stream(loop, make_stream(train_y), train_x, train_y)
+    per_step = []
+    for snapshot, grads in zip(loop.snapshots, loop.grads):
+        grad_w, grad_b = _hand_fc_gradient(snapshot)
+        torch.testing.assert_close(grads["fc.weight"].double(), grad_w)  # the hand formula holds
+        # ||g_t^j|| = sqrt(sum_d dW[j, d]^2 + db[j]^2)
+        per_step.append((grad_w.pow(2).sum(1) + grad_b.pow(2)).sqrt())
+    per_step = torch.stack(per_step)
+    stats = loop.gradient_statistics()
+    assert stats["trace"].shape == (8, C)
+    np.testing.assert_allclose(stats["trace"], per_step.numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(stats["mean"], per_step.mean(0).numpy(), rtol=1e-5, atol=1e-7)
+    # Batch mask: a class absent from a batch has a zero row that step (task 0 never sees 2..5).
+    assert np.all(stats["trace"][:2, 2:] == 0)
+
+
+def test_gradient_trace_can_be_switched_off() -> None:
+    loop = make_loop({**BASE_CONFIG, "grad_trace": False})
+    loop.train_step(torch.randn(2, D_IN), torch.tensor([0, 1]))
+    stats = loop.gradient_statistics()
+    assert "trace" not in stats
+    assert stats["mean"].shape == (C,)
+
+
+# --------------------------------------------------------------------------- reproducibility
+
+
+def _full_run(seed: int):
+    train_x, train_y, test_x, test_y = make_data()
+    stream = make_stream(train_y)
+    loop = make_loop({**BASE_CONFIG, "online_prototypes": True, "fgh": {"gamma": 1}}, seed=seed)
+    source = VectorSource(train_x, train_y, test_x, test_y)
+    session = OnlineSession(loop, stream, source, BASE_CONFIG, progress=False)
+    for task in range(stream.num_tasks):
+        session.train_task(task)
+        session.evaluate_task_end(task)
+    results = session.results()
+    return params(loop), results, loop.gradient_statistics()["trace"]
+
+
+def test_same_seed_gives_identical_parameters_and_metrics() -> None:
+    params_a, results_a, trace_a = _full_run(seed=0)
+    params_b, results_b, trace_b = _full_run(seed=0)
+    params_c, _, _ = _full_run(seed=1)
+    for name in params_a:
+        assert torch.equal(params_a[name], params_b[name]), name
+    assert any(not torch.equal(params_a[n], params_c[n]) for n in params_a)  # seed matters
+    assert results_a["metrics"] == results_b["metrics"]
+    assert results_a["counters"] == results_b["counters"]
+    assert results_a["extra"]["diagnostics"] == results_b["extra"]["diagnostics"]
+    assert np.array_equal(trace_a, trace_b)

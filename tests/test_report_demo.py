@@ -1,0 +1,227 @@
+"""Reports over results files written by real (tiny) sessions, the CLI's report command, and the
+core-only demo."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from pilot_online import cli
+from pilot_online.adapter import MethodAdapter, StepOutput
+from pilot_online.loop import build_loop
+from pilot_online.report import collect, format_table, plot_gradient_imbalance, variant_label
+from pilot_online.results import load_results
+from pilot_online.session import OnlineSession
+from pilot_online.streams import clear_stream
+
+C, D_IN, HIDDEN = 6, 5, 8
+SEEDS = (0, 1, 2)
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+class TinyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(D_IN, HIDDEN)
+        self.fc = nn.Linear(HIDDEN, C)
+
+
+class TinyAdapter(MethodAdapter):
+    base_model_name = "tiny"
+
+    def build_network(self, args: dict) -> nn.Module:
+        return TinyNet()
+
+    def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
+        features = torch.relu(network.body(x))
+        return StepOutput(network.fc(features), features)
+
+    def classifier(self, network: nn.Module) -> nn.Linear:
+        return network.fc
+
+
+class VectorSource:
+    def __init__(self, train_x, train_y, test_x, test_y) -> None:
+        self.train_x, self.train_y = train_x, torch.tensor(train_y)
+        self.test_x, self.test_y = test_x, torch.tensor(test_y)
+        self.test_labels = np.asarray(test_y)
+
+    def train_batches(self, batches):
+        for indices in batches:
+            index = torch.from_numpy(np.array(indices))
+            yield self.train_x[index], self.train_y[index]
+
+    def test_batches(self, indices):
+        index = torch.from_numpy(np.array(indices))
+        yield self.test_x[index], self.test_y[index]
+
+
+def run_session(folder: Path, seed: int, variant: dict | None = None, status="complete") -> Path:
+    """One tiny run (3 tasks of 2 classes) that writes its results file; returns its path."""
+    generator = torch.Generator().manual_seed(100)  # the same data for every seed
+    train_y, test_y = np.repeat(np.arange(C), 10), np.repeat(np.arange(C), 5)
+    centers = 1.5 * torch.randn(C, D_IN, generator=generator)
+    train_x = centers[train_y] + torch.randn(len(train_y), D_IN, generator=generator)
+    test_x = centers[test_y] + torch.randn(len(test_y), D_IN, generator=generator)
+    stream = clear_stream(train_y, init_cls=2, increment=2, batch_size=5, seed=0)
+    config = {
+        "model_name": "tiny_online",
+        "dataset": "blobs",
+        "stream": "clear",
+        "init_lr": 0.05,
+        "optimizer": "adam",
+        "seed": seed,
+        "online_prototypes": False,
+        "fgh": None,
+        **(variant or {}),
+    }
+    torch.manual_seed(seed)  # the seed changes the initial weights only
+    adapter = TinyAdapter(args=config)
+    loop = build_loop(adapter, TinyNet(), config, C)
+    name = "partial" if status != "complete" else f"tiny_{seed}"
+    path = folder / f"{name}.results.json"
+    source = VectorSource(train_x, train_y, test_x, test_y)
+    session = OnlineSession(loop, stream, source, config, path, progress=False)
+    for task in range(stream.num_tasks):
+        session.train_task(task)
+        session.evaluate_task_end(task)
+    session.write(status=status)
+    return session.written_path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, list[Path]]:
+    folder = tmp_path_factory.mktemp("runs")
+    paths = [run_session(folder, seed) for seed in SEEDS]
+    run_session(folder, 9, status="failed")  # a partial file: reports must skip it
+    return folder, paths
+
+
+def _table_rows(table: str) -> list[list[str]]:
+    """Split a format_table output into cells (columns are separated by >= 2 spaces)."""
+    lines = table.splitlines()
+    assert set(lines[1].replace(" ", "")) == {"-"}  # the rule under the header
+    return [re.split(r"\s{2,}", line.strip()) for line in [lines[0], *lines[2:]]]
+
+
+def test_grouped_table_gives_mean_and_std_over_seeds(runs) -> None:
+    folder, paths = runs
+    assert (folder / "partial.partial.results.json").exists()
+    rows = collect([folder])
+    assert sorted(row["seed"] for row in rows) == list(SEEDS)  # the partial run is skipped
+    ap = [load_results(path)["metrics"]["AP"] for path in paths]
+    a_t = [load_results(path)["metrics"]["A_T"] for path in paths]
+    assert len(set(ap)) > 1  # the seeds really differ, so the std is not trivially 0
+
+    header, *lines = _table_rows(format_table(rows))
+    assert header == [
+        "method", "dataset", "stream", "lr", "variant", "runs", "AP", "A_T", "forgetting", "A_auc",
+    ]  # fmt: skip
+    assert len(lines) == 1
+    cells = dict(zip(header, lines[0]))
+    assert cells["method"] == "tiny_online" and cells["variant"] == "base"
+    assert cells["lr"] == "0.05"
+    assert cells["runs"] == "3"
+    assert cells["AP"] == f"{np.mean(ap):.2f}±{np.std(ap):.2f}"
+    assert cells["A_T"] == f"{np.mean(a_t):.2f}±{np.std(a_t):.2f}"
+    assert cells["A_auc"] == "-"  # no periodic evaluation in these runs
+
+
+def test_per_seed_table_has_one_row_per_run(runs) -> None:
+    folder, paths = runs
+    header, *lines = _table_rows(format_table(collect([folder]), group=False))
+    assert len(lines) == 3
+    by_seed = {dict(zip(header, line))["runs"]: dict(zip(header, line)) for line in lines}
+    assert set(by_seed) == {"seed 0", "seed 1", "seed 2"}
+    for seed, path in zip(SEEDS, paths):
+        assert by_seed[f"seed {seed}"]["AP"] == f"{load_results(path)['metrics']['AP']:.2f}"
+
+
+def test_collect_accepts_files_and_separates_variants(tmp_path, runs) -> None:
+    _, paths = runs
+    p_fgh = run_session(tmp_path, 0, {"online_prototypes": True, "fgh": {"gamma": 1.0}})
+    rows = collect([*paths, p_fgh])
+    assert [row["variant"] for row in rows] == ["base"] * 3 + ["+ P + FGH"]
+    _, *lines = _table_rows(format_table(rows))
+    assert len(lines) == 2  # two configurations, two grouped rows
+
+
+@pytest.mark.parametrize(
+    ("config", "label"),
+    [
+        ({"online_prototypes": False, "fgh": None}, "base"),
+        ({"online_prototypes": True, "fgh": None}, "+ P"),
+        ({"online_prototypes": False, "fgh": {"gamma": 1, "granularity": "element"}}, "+ FGH"),
+        (
+            {
+                "online_prototypes": True,
+                "fgh": {"gamma": 1, "granularity": "element", "direction": "grad", "apply": "grad"},
+            },
+            "+ P + FGH",
+        ),
+        ({"fgh": {}}, "+ FGH"),  # build_loop enables FGH (defaults) for an empty object
+        ({"fgh": {"gamma": 0.5}}, "+ FGH γ=0.5"),
+        (
+            {"fgh": {"gamma": 1, "granularity": "class", "direction": "adam"}},
+            "+ FGH(direction=adam, granularity=class)",
+        ),
+    ],
+)
+def test_variant_label(config: dict, label: str) -> None:
+    assert variant_label(config) == label
+
+
+def test_gradient_imbalance_plot_is_a_png(tmp_path, runs) -> None:
+    folder, _ = runs
+    output = plot_gradient_imbalance(collect([folder]), tmp_path / "plots" / "imbalance.png")
+    assert output.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_cli_report(tmp_path, runs, capsys) -> None:
+    folder, _ = runs
+    assert cli.main(["report", str(folder)]) == 0
+    out = capsys.readouterr().out
+    header = ["method", "dataset", "stream", "lr", "variant", "runs"]
+    assert out.splitlines()[0].split()[:6] == header
+    assert "tiny_online" in out and "base" in out
+
+    plot = tmp_path / "cli.png"
+    assert cli.main(["report", str(folder), "--per-seed", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert all(f"seed {seed}" in out for seed in SEEDS)
+    assert plot.read_bytes()[:8] == PNG_MAGIC
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main(["report", str(empty)]) == 1
+    assert "no results files found" in capsys.readouterr().err
+
+
+def test_demo_runs_both_variants(tmp_path, monkeypatch, capsys) -> None:
+    pytest.importorskip("timm", reason="the demo's ViT comes from timm (pip install timm)")
+    from pilot_online import datasets, demo
+
+    # Fewer test images keep the test fast; the stream (50 classes x 10 images) is untouched.
+    def small_test_set(**kwargs):
+        return datasets.make_synthetic(**{**kwargs, "test_per_class": 2})
+
+    monkeypatch.setattr(demo, "make_synthetic", small_test_set)
+    summaries = demo.run_demo(train_per_class=10, output=tmp_path)
+    out = capsys.readouterr().out
+    assert "AP" in out and "A_T" in out
+    assert set(summaries) == {"base", "+ P + FGH"}
+    files = sorted(tmp_path.glob("*.results.json"))
+    assert [f.name for f in files] == ["demo_base_0.results.json", "demo_p_fgh_0.results.json"]
+    for file in files:
+        results = load_results(file)
+        assert results["counters"]["samples_seen"] == 50 * 10
+        assert results["counters"]["optimizer_steps"] == 5  # 5 tasks x 100 samples / batch 100
+        assert len(results["metrics"]["accuracy_matrix"]) == 5
+    p_fgh = load_results(tmp_path / "demo_p_fgh_0.results.json")["extra"]["diagnostics"]
+    assert p_fgh["prototypes"] == {"classes": 50, "samples": 500}
+    assert p_fgh["fgh"]["steps"] == 5

@@ -1,0 +1,405 @@
+"""OnlineSession: task-end and periodic evaluation, the accuracy matrix, the results file.
+
+Predictions come from "lookup" adapters whose logits are fixed scores (plus a tiny trainable
+classifier so the loop has something to train), so every accuracy is worked out by hand:
+
+* ``perfect``: a score of 1000 on the true class (encoded in the input's first entry);
+* ``min_class``: score -1000 * c, so the prediction is the smallest allowed class id and the
+  top-k list is the k smallest allowed ids.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from pilot_online import session as session_module
+from pilot_online.adapter import MethodAdapter, StepOutput
+from pilot_online.loop import OnlineLoop
+from pilot_online.results import load_results
+from pilot_online.session import ArrayDataSource, OnlineSession, unique_results_path
+from pilot_online.streams import clear_stream, si_blurry_stream
+
+C, D_IN, HIDDEN = 6, 4, 3
+# Training samples per class; test samples per class (class 0 has two test samples).
+TRAIN_COUNTS = [5, 3, 4, 6, 2, 7]
+TEST_COUNTS = [2, 1, 1, 1, 1, 1]
+TEST_Y = np.repeat(np.arange(C), TEST_COUNTS)  # [0, 0, 1, 2, 3, 4, 5]
+CONFIG = {"optimizer": "adam", "init_lr": 0.01, "logit_mask": "batch", "model_name": "lookup"}
+
+
+class TinyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(D_IN, HIDDEN)
+        self.fc = nn.Linear(HIDDEN, C)
+
+
+def perfect(x: torch.Tensor) -> torch.Tensor:
+    return 1000.0 * nn.functional.one_hot(x[:, 0].round().long(), C).float()
+
+
+def min_class(x: torch.Tensor) -> torch.Tensor:
+    return (-1000.0 * torch.arange(C, dtype=torch.float32)).expand(len(x), C)
+
+
+def boost_class_5(x: torch.Tensor) -> torch.Tensor:
+    """Perfect, except that class 5 always gets a far larger logit."""
+    return perfect(x) + 5000.0 * nn.functional.one_hot(torch.full((len(x),), 5), C).float()
+
+
+class LookupAdapter(MethodAdapter):
+    """logits = fixed scores(x) + fc(features); |fc| << 1000, so the scores decide."""
+
+    base_model_name = "lookup"
+    scores = staticmethod(perfect)
+
+    def build_network(self, args: dict) -> nn.Module:
+        return TinyNet()
+
+    def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
+        features = torch.relu(network.body(x))
+        return StepOutput(network.fc(features) + self.scores(x), features)
+
+    def classifier(self, network: nn.Module) -> nn.Linear:
+        return network.fc
+
+
+class VectorSource:
+    """A DataSource over float vectors whose first entry is the label; records test requests."""
+
+    def __init__(self, train_y: np.ndarray, test_y: np.ndarray = TEST_Y) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.train_x = self._encode(train_y, generator)
+        self.test_x = self._encode(test_y, generator)
+        self.train_y, self.test_y = torch.tensor(train_y), torch.tensor(test_y)
+        self.test_labels = np.asarray(test_y)
+        self.requests: list[np.ndarray] = []
+
+    @staticmethod
+    def _encode(labels: np.ndarray, generator: torch.Generator) -> torch.Tensor:
+        x = torch.randn(len(labels), D_IN, generator=generator)
+        x[:, 0] = torch.tensor(labels, dtype=torch.float32)
+        return x
+
+    def train_batches(self, batches):
+        for indices in batches:
+            index = torch.from_numpy(np.array(indices))
+            yield self.train_x[index], self.train_y[index]
+
+    def test_batches(self, indices):
+        self.requests.append(np.array(indices))
+        for start in range(0, len(indices), 3):
+            index = torch.from_numpy(np.array(indices[start : start + 3]))
+            yield self.test_x[index], self.test_y[index]
+
+
+def train_labels() -> np.ndarray:
+    return np.repeat(np.arange(C), TRAIN_COUNTS)
+
+
+def make_session(stream, scores=perfect, config=None, results_path=None, seed=0, source=None):
+    config = {**CONFIG, **(config or {})}
+    torch.manual_seed(seed)
+    adapter = LookupAdapter()
+    adapter.scores = scores
+    loop = OnlineLoop(adapter, TinyNet(), config, C)
+    source = source or VectorSource(stream.labels)
+    return OnlineSession(loop, stream, source, config, results_path, progress=False)
+
+
+def run_all(session) -> list[dict]:
+    outputs = []
+    for task in range(session.stream.num_tasks):
+        session.train_task(task)
+        outputs.append(session.evaluate_task_end(task))
+    return outputs
+
+
+def two_task_stream():
+    # Tasks: classes {0, 1, 2} (5 + 3 + 4 = 12 samples) and {3, 4, 5} (6 + 2 + 7 = 15).
+    return clear_stream(train_labels(), init_cls=3, increment=3, batch_size=4, seed=0)
+
+
+def three_task_stream():
+    # Tasks: {0, 1} (8 samples), {2, 3} (10), {4, 5} (9); batch 4 -> steps end at cumulative
+    # sample counts 4, 8 | 12, 16, 18 | 22, 26, 27.
+    return clear_stream(train_labels(), init_cls=2, increment=2, batch_size=4, seed=0)
+
+
+# --------------------------------------------------------------------------- task-end evaluation
+
+
+def test_evaluate_task_end_structure_and_values_by_hand() -> None:
+    session = make_session(two_task_stream(), scores=min_class)
+    session.train_task(0)
+    first = session.evaluate_task_end(0)
+    # Exposed {0, 1, 2}: test samples 0, 0, 1, 2; the model predicts 0 -> 2 / 4 = 50 %.
+    # top5 is top-min(5, 3): the three allowed classes always contain the label -> 100 %.
+    assert first == {
+        "grouped": {"task-00": 50.0, "total": 50.0, "old": 0.0, "new": 50.0},
+        "top1": 50.0,
+        "top5": 100.0,
+    }
+    session.train_task(1)
+    second = session.evaluate_task_end(1)
+    # All 7 test samples; predictions 0: task 0 = 2 / 4 = 50, task 1 = 0 / 3 = 0,
+    # total = 2 / 7 = 28.57; top-5 = {0..4} misses only the class-5 sample: 6 / 7 = 85.71.
+    assert second == {
+        "grouped": {"task-00": 50.0, "task-01": 0.0, "total": 28.57, "old": 50.0, "new": 0.0},
+        "top1": 28.57,
+        "top5": 85.71,
+    }
+    metrics = session.results()["metrics"]
+    assert metrics["accuracy_matrix"] == [[50.0, 50.0], [None, 0.0]]
+    assert metrics["A_k"] == [50.0, 25.0]  # (50) and (50 + 0) / 2
+    assert metrics["AP"] == pytest.approx(37.5)
+    assert metrics["A_T"] == pytest.approx(25.0)
+    assert metrics["forgetting"] == pytest.approx(0.0)  # task 0: max(50) - 50
+    assert metrics["A_last"] == pytest.approx(28.57)
+    assert metrics["A_avg"] == pytest.approx((50.0 + 28.57) / 2)
+
+
+def test_only_exposed_classes_are_evaluated() -> None:
+    stream = two_task_stream()
+    source = VectorSource(stream.labels)
+    session = make_session(stream, source=source)
+    session.train_task(0)
+    result = session.evaluate_task_end(0)
+    # Test positions of classes 0, 1, 2 in TEST_Y = [0, 0, 1, 2, 3, 4, 5].
+    assert source.requests[-1].tolist() == [0, 1, 2, 3]
+    assert result["top1"] == 100.0
+    assert "task-01" not in result["grouped"]
+
+
+def test_logits_of_unexposed_classes_never_win() -> None:
+    session = make_session(two_task_stream(), scores=boost_class_5)
+    session.train_task(0)
+    assert session.evaluate_task_end(0)["top1"] == 100.0  # class 5 (huge logit) is masked
+    y_pred, _ = session.loop.predict(
+        session.data.test_batches(np.arange(len(TEST_Y))),
+        torch.tensor([True, True, True, True, True, False]),
+        topk=1,
+    )
+    assert 5 not in y_pred
+    session.train_task(1)
+    result = session.evaluate_task_end(1)
+    # Now class 5 is allowed and wins everywhere: 1 / 7 = 14.29; task 1: 1 / 3 = 33.33.
+    assert result["grouped"] == {
+        "task-00": 0.0,
+        "task-01": 33.33,
+        "total": 14.29,
+        "old": 0.0,
+        "new": 33.33,
+    }
+
+
+def test_accuracy_matrix_of_a_perfect_and_a_constant_model() -> None:
+    perfect_session = make_session(three_task_stream(), scores=perfect)
+    run_all(perfect_session)
+    matrix = perfect_session.results()["metrics"]["accuracy_matrix"]
+    assert matrix == [[100.0, 100.0, 100.0], [None, 100.0, 100.0], [None, None, 100.0]]
+
+    constant = make_session(three_task_stream(), scores=min_class)
+    run_all(constant)
+    metrics = constant.results()["metrics"]
+    # Predicts 0 always: task 0 ({0, 1}: 3 test samples, 2 of class 0) = 66.67; others 0.
+    a = 200 / 3
+    expected = [[a, a, a], [None, 0.0, 0.0], [None, None, 0.0]]
+    for row, expected_row in zip(metrics["accuracy_matrix"], expected):
+        assert row == pytest.approx(expected_row)
+    assert metrics["A_k"] == pytest.approx([a, a / 2, a / 3])
+    assert metrics["AP"] == pytest.approx((a + a / 2 + a / 3) / 3)
+
+
+def _blurry_stream():
+    stream = si_blurry_stream(train_labels(), num_tasks=3, n=50, m=30, seed=3, batch_size=4)
+    exposure = stream.exposure_task()
+    present = [set(stream.labels[t].tolist()) for t in stream.tasks]
+    # Blurry for this seed: some task streams a class first exposed in an earlier task, so
+    # grouping by "classes present" and grouping by first exposure differ.
+    assert any(exposure[c] < t for t, classes in enumerate(present) for c in classes)
+    return stream, exposure
+
+
+def test_si_blurry_grouping_follows_first_exposure() -> None:
+    stream, exposure = _blurry_stream()
+    perfect_session = make_session(stream, scores=perfect)
+    run_all(perfect_session)
+    matrix = perfect_session.results()["metrics"]["accuracy_matrix"]
+    for task in range(3):
+        owns = bool(np.any(exposure == task))
+        for after in range(3):
+            assert matrix[task][after] == (100.0 if owns and task <= after else None)
+
+    constant = make_session(stream, scores=min_class)
+    run_all(constant)
+    matrix = constant.results()["metrics"]["accuracy_matrix"]
+    test_counts = np.array(TEST_COUNTS)
+    for after in range(3):
+        allowed = np.flatnonzero((exposure >= 0) & (exposure <= after))
+        winner = allowed.min()  # the model predicts the smallest allowed class
+        for task in range(3):
+            owned = np.flatnonzero(exposure == task)
+            if task > after or not len(owned):
+                assert matrix[task][after] is None
+                continue
+            # a[task][after] = share of task's test samples whose class is the winner.
+            hits = test_counts[winner] if exposure[winner] == task else 0
+            expected = 100.0 * hits / test_counts[owned].sum()
+            assert matrix[task][after] == pytest.approx(expected)
+
+
+# --------------------------------------------------------------------------- periodic evaluation
+
+
+@pytest.mark.parametrize(
+    ("period", "evaluated_at"),
+    [
+        # Steps end at 4, 8, 12, 16, 18, 22, 26, 27 samples. An evaluation runs after the first
+        # step that reaches the next multiple of the period; one step crossing two multiples
+        # runs one evaluation.
+        (5, [8, 12, 16, 22, 26]),  # floor(27 / 5) = 5
+        (10, [12, 22]),  # floor(27 / 10) = 2
+        (3, [4, 8, 12, 16, 18, 22, 26, 27]),  # 8 < floor(27 / 3) = 9: 12 crosses 9 and 12
+    ],
+)
+def test_periodic_evaluation_count_and_auc(period: int, evaluated_at: list[int]) -> None:
+    stream = three_task_stream()
+    session = make_session(stream, scores=min_class, config={"eval_period": period})
+    run_all(session)
+    assert [p["samples_seen"] for p in session.periodic] == evaluated_at
+
+    # By hand: after a step, allowed = classes streamed so far; prediction = the smallest one.
+    test_counts = np.array(TEST_COUNTS)
+    seen: set[int] = set()
+    done, expected = 0, []
+    for batch in stream.batches():
+        seen |= set(stream.labels[batch.indices].tolist())
+        done += len(batch)
+        if done in evaluated_at:
+            classes = sorted(seen)
+            expected.append(100.0 * test_counts[classes[0]] / test_counts[classes].sum())
+    accuracies = [p["accuracy"] for p in session.periodic]
+    assert accuracies == pytest.approx(expected)
+    results = session.results()
+    assert results["metrics"]["A_auc"] == pytest.approx(float(np.mean(expected)))
+    assert results["extra"]["periodic_evaluations"] == session.periodic
+
+
+def test_no_periodic_evaluation_without_eval_period() -> None:
+    session = make_session(three_task_stream())
+    run_all(session)
+    assert session.periodic == []
+    assert session.results()["metrics"]["A_auc"] is None
+
+
+# --------------------------------------------------------------------------- results file
+
+
+def test_write_complete_partial_and_never_overwrite(tmp_path) -> None:
+    stream = three_task_stream()
+    path = tmp_path / "run_0.results.json"
+    session = make_session(stream, results_path=path)
+    run_all(session)
+    written = session.write()
+    assert session.written_path == path
+    loaded = load_results(path)
+    assert loaded == json.loads(json.dumps(written))
+    assert loaded["status"] == "complete"
+    assert loaded["counters"]["samples_seen"] == len(stream) == 27
+    assert loaded["counters"]["optimizer_steps"] == 8  # 2 + 3 + 3 batches of 4
+    assert loaded["counters"]["tasks_trained"] == 3
+    assert loaded["config"]["model_name"] == "lookup"
+    assert loaded["stream"]["kind"] == "clear" and loaded["stream"]["num_samples"] == 27
+    trace_path = tmp_path / "run_0.results.gradtrace.npy"
+    assert loaded["extra"]["gradient_imbalance"]["trace_file"] == trace_path.name
+    trace = np.load(trace_path)
+    assert trace.shape == (8, C)  # [optimizer_steps, classes]
+    assert trace.dtype == np.float32
+
+    partial = tmp_path / "run_0.partial.results.json"
+    session.write(status="failed", error="boom")
+    assert load_results(partial)["status"] == "failed"
+    assert load_results(partial)["error"] == "boom"
+    session.write(status="failed", error="again")  # partial files may be rewritten
+    assert load_results(partial)["error"] == "again"
+    assert (tmp_path / "run_0.partial.results.gradtrace.npy").exists()
+
+    # A second complete write must not replace the finished run's results or its trace.
+    results_bytes, trace_bytes = path.read_bytes(), trace_path.read_bytes()
+    other = make_session(stream, results_path=path, seed=1)
+    other.train_task(0)
+    with pytest.raises(FileExistsError):
+        other.write()
+    assert path.read_bytes() == results_bytes
+    assert trace_path.read_bytes() == trace_bytes
+
+
+def test_write_without_a_path_returns_the_results() -> None:
+    session = make_session(three_task_stream())
+    session.train_task(0)
+    results = session.write()
+    assert session.written_path is None
+    assert results["counters"]["samples_seen"] == 8  # task 0 only
+    assert results["counters"]["tasks_trained"] == 1
+    # Only column 0 was measured: later columns are None.
+    assert [row[1:] for row in results["metrics"]["accuracy_matrix"]] == [[None, None]] * 3
+
+
+def test_unique_results_path(tmp_path) -> None:
+    path = tmp_path / "run_0.results.json"
+    assert unique_results_path(path) == path
+    path.write_text("{}")
+    other = unique_results_path(path)
+    assert other != path and not other.exists()
+    assert other.parent == tmp_path
+    assert other.name.startswith("run_0.") and other.name.endswith(".results.json")
+
+
+def test_unique_results_path_never_returns_an_existing_file(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(session_module.time, "strftime", lambda *args: "STAMP")
+    path = tmp_path / "run_0.results.json"
+    path.write_text("{}")
+    stamped = tmp_path / "run_0.STAMP.results.json"
+    assert unique_results_path(path) == stamped
+    stamped.write_text("{}")  # a second run within the same second
+    third = unique_results_path(path)
+    assert third not in (path, stamped) and not third.exists()
+    assert third.name.endswith(".results.json")
+
+
+# --------------------------------------------------------------------------- input checks
+
+
+def test_labels_outside_the_model_raise_at_construction() -> None:
+    stream = two_task_stream()
+    adapter = LookupAdapter()
+    loop = OnlineLoop(adapter, TinyNet(), CONFIG, num_classes=C - 1)  # labels go up to 5
+    with pytest.raises(ValueError, match="training labels"):
+        OnlineSession(loop, stream, VectorSource(stream.labels), CONFIG, progress=False)
+    loop = OnlineLoop(adapter, TinyNet(), CONFIG, num_classes=C)
+    bad_test = VectorSource(stream.labels, test_y=np.array([0, 1, -1]))
+    with pytest.raises(ValueError, match="test labels"):
+        OnlineSession(loop, stream, bad_test, CONFIG, progress=False)
+    bad_test = VectorSource(stream.labels, test_y=np.array([0, 6]))
+    with pytest.raises(ValueError, match="test labels"):
+        OnlineSession(loop, stream, bad_test, CONFIG, progress=False)
+
+
+def test_array_data_source_yields_stream_batches_in_order() -> None:
+    images = np.arange(5 * 2 * 2 * 3, dtype=np.uint8).reshape(5, 2, 2, 3)
+    labels = np.array([0, 1, 2, 3, 4])
+    source = ArrayDataSource(images, labels, images[:3], labels[:3], eval_batch_size=2)
+    batches = list(source.train_batches([np.array([3, 1]), np.array([4])]))
+    assert [y.tolist() for _, y in batches] == [[3, 1], [4]]
+    x, _ = batches[0]
+    assert x.shape == (2, 3, 2, 2)  # NCHW
+    # Pixel (h=0, w=0, channel 1) of image 3: byte 3 * 12 + 1 = 37 -> 37 / 255.
+    assert x[0, 1, 0, 0].item() == pytest.approx(37 / 255)
+    test = list(source.test_batches(np.array([0, 1, 2])))
+    assert [y.tolist() for _, y in test] == [[0, 1], [2]]
