@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import time
 from collections.abc import Callable
 from itertools import product
 
 import torch
+from timing import interleaved_medians  # benchmarks/timing.py
 from torch import nn
 
 from pilot_online.fgh import FineGrainedHypergradients
@@ -39,52 +39,6 @@ CLASSIFIER_PREFIX = "fc."  # names of the classifier layer (the class granularit
 
 
 # --------------------------------------------------------------------------- timing
-
-
-def _time_block(fn: Callable[[], object], calls: int, device: torch.device) -> float:
-    """Seconds per call of ``fn``, over ``calls`` back-to-back calls (CUDA: event timing)."""
-    if device.type == "cuda":
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / calls
-    begin = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - begin) / calls
-
-
-def interleaved_medians(
-    fns: dict[str, Callable[[], object]],
-    device: torch.device,
-    repeats: int,
-    warmup: int,
-    min_block_s: float = 1e-2,
-) -> dict[str, float]:
-    """Median seconds per call of each function, measured round-robin.
-
-    Each repeat times every function once (in a rotated order), so load from other processes
-    affects all variants alike; a block repeats a fast call until it lasts ``min_block_s``.
-    """
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    calls = {
-        name: max(1, min(1000, math.ceil(min_block_s / max(_time_block(fn, 1, device), 1e-7))))
-        for name, fn in fns.items()
-    }
-    names = list(fns)
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for repeat in range(repeats):
-        shift = repeat % len(names)
-        for name in names[shift:] + names[:shift]:
-            samples[name].append(_time_block(fns[name], calls[name], device))
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 # --------------------------------------------------------------------------- parameter sets
@@ -154,7 +108,11 @@ def make_variant(
     if granularity == "class":
         covered = [(n, p) for n, p in named if n.startswith(CLASSIFIER_PREFIX)]
     fgh = FineGrainedHypergradients(
-        covered, gamma=0.0, granularity=granularity, direction=direction, apply=apply,
+        covered,
+        gamma=0.0,
+        granularity=granularity,
+        direction=direction,
+        apply=apply,
         foreach=foreach,
     )
     if apply == "update":
@@ -171,7 +129,9 @@ def _combined(adam: torch.optim.Adam, fgh: FineGrainedHypergradients) -> Callabl
 
 
 def time_config(
-    named: NamedParams, config: tuple[str, str, str], args: argparse.Namespace,
+    named: NamedParams,
+    config: tuple[str, str, str],
+    args: argparse.Namespace,
     device: torch.device,
 ) -> dict[str, float]:
     """Seconds per step: Adam alone, Adam+FGH (foreach, reference), FGH alone (apply=grad)."""
@@ -195,7 +155,9 @@ def time_config(
 
 
 def memory_config(
-    named: NamedParams, config: tuple[str, str, str], args: argparse.Namespace,
+    named: NamedParams,
+    config: tuple[str, str, str],
+    args: argparse.Namespace,
     device: torch.device,
 ) -> dict[str, float]:
     """FGH state bytes after a few steps; on CUDA also allocated-memory deltas vs Adam alone."""
@@ -247,16 +209,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sets", type=_csv(("coda", "l2p", "small")), default=["coda", "l2p", "small"]
     )
     parser.add_argument(
-        "--granularities", type=_csv(("element", "class", "tensor", "global")),
+        "--granularities",
+        type=_csv(("element", "class", "tensor", "global")),
         default=["element", "class", "global"],
     )
     parser.add_argument("--directions", type=_csv(("grad", "adam")), default=["grad", "adam"])
     parser.add_argument(
-        "--applies", type=_csv(("grad", "update")), default=["grad", "update"],
+        "--applies",
+        type=_csv(("grad", "update")),
+        default=["grad", "update"],
         help="apply='update' is timed for granularity=element only (memory: all)",
     )
     parser.add_argument(
-        "--adam-foreach", choices=("default", "true", "false"), default="default",
+        "--adam-foreach",
+        choices=("default", "true", "false"),
+        default="default",
         help="torch.optim.Adam's foreach flag (default: torch's choice, single-tensor on CPU)",
     )
     parser.add_argument("--dim", type=int, default=768, help="embedding width D")
@@ -268,7 +235,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--small-count", type=int, default=200)
     parser.add_argument("--small-size", type=int, default=1000)
     parser.add_argument(
-        "--threads", type=int, default=1,
+        "--threads",
+        type=int,
+        default=1,
         help="torch.set_num_threads; 1 (default) keeps ratios stable on a shared machine, "
         "0 keeps torch's default",
     )
@@ -282,7 +251,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def report_timing(
-    named: NamedParams, configs: list[tuple[str, str, str]], args: argparse.Namespace,
+    named: NamedParams,
+    configs: list[tuple[str, str, str]],
+    args: argparse.Namespace,
     device: torch.device,
 ) -> list[tuple[str, float, float]]:
     """Print the timing table of one parameter set; return (config, ratio, foreach speed-up)."""
@@ -315,7 +286,9 @@ def report_timing(
 
 
 def report_memory(
-    named: NamedParams, configs: list[tuple[str, str, str]], args: argparse.Namespace,
+    named: NamedParams,
+    configs: list[tuple[str, str, str]],
+    args: argparse.Namespace,
     device: torch.device,
 ) -> float:
     """Print the memory table of one parameter set; return element/grad/grad's state ratio."""
@@ -386,15 +359,20 @@ def main(argv: list[str] | None = None) -> None:
 
     print("\nkey ratios (foreach path; ranges over the configurations above)")
     for set_name, rows, element_ratio in summary:
+        if not rows:
+            print(f"  {set_name:<6} nothing timed (no configuration applies to this set)")
+            continue
         ratios = {label: ratio for label, ratio, _ in rows}
         speedups = [speedup for _, _, speedup in rows]
-        default = ratios.get("element/grad/grad", float("nan"))
-        print(
-            f"  {set_name:<6} (Adam+FGH)/Adam: element/grad/grad {default:.2f}, all "
-            f"{min(ratios.values()):.2f}-{max(ratios.values()):.2f};  foreach speed-up over "
-            f"reference {min(speedups):.2f}-{max(speedups):.2f};  element/grad/grad state "
-            f"{element_ratio:.4f} x trainable bytes"
-        )
+        parts = [
+            f"(Adam+FGH)/Adam {min(ratios.values()):.2f}-{max(ratios.values()):.2f}",
+            f"foreach speed-up over reference {min(speedups):.2f}-{max(speedups):.2f}",
+        ]
+        if "element/grad/grad" in ratios:
+            parts[0] += f" (element/grad/grad {ratios['element/grad/grad']:.2f})"
+        if not math.isnan(element_ratio):
+            parts.append(f"element/grad/grad state = {element_ratio:.4f} x trainable bytes")
+        print(f"  {set_name:<6} " + ";  ".join(parts))
     print(f"total {time.perf_counter() - started:.1f} s")
 
 

@@ -18,13 +18,12 @@ on means, equal counts, close losses and classifier gradients).
 from __future__ import annotations
 
 import argparse
-import math
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from timing import interleaved_medians  # benchmarks/timing.py
 from torch import nn
 
 from pilot_online.prototypes import PrototypeBank
@@ -33,52 +32,6 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 # --------------------------------------------------------------------------- timing
-
-
-def _time_block(fn: Callable[[], object], calls: int, device: torch.device) -> float:
-    """Seconds per call of ``fn``, over ``calls`` back-to-back calls (CUDA: event timing)."""
-    if device.type == "cuda":
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / calls
-    begin = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - begin) / calls
-
-
-def interleaved_medians(
-    fns: dict[str, Callable[[], object]],
-    device: torch.device,
-    repeats: int,
-    warmup: int,
-    min_block_s: float = 1e-2,
-) -> dict[str, float]:
-    """Median seconds per call of each function, measured round-robin.
-
-    Each repeat times every function once (in a rotated order), so load from other processes
-    affects all variants alike; a block repeats a fast call until it lasts ``min_block_s``.
-    """
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    calls = {
-        name: max(1, min(1000, math.ceil(min_block_s / max(_time_block(fn, 1, device), 1e-7))))
-        for name, fn in fns.items()
-    }
-    names = list(fns)
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for repeat in range(repeats):
-        shift = repeat % len(names)
-        for name in names[shift:] + names[:shift]:
-            samples[name].append(_time_block(fns[name], calls[name], device))
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 # --------------------------------------------------------------------------- the naive baseline
@@ -214,7 +167,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=15, help="timed repeats (median)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per variant")
     parser.add_argument(
-        "--classes", type=lambda text: [int(c) for c in text.split(",")], default=[100, 200],
+        "--classes",
+        type=lambda text: [int(c) for c in text.split(",")],
+        default=[100, 200],
         help="comma-separated class counts C",
     )
     parser.add_argument("--dim", type=int, default=768, help="feature width D (ViT-B: 768)")
@@ -222,7 +177,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, default=8, help="distinct batches cycled")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--threads", type=int, default=1,
+        "--threads",
+        type=int,
+        default=1,
         help="torch.set_num_threads; 1 (default) keeps ratios stable on a shared machine, "
         "0 keeps torch's default",
     )

@@ -15,10 +15,11 @@ from .adapter import ConfigKey
 from .l2p import PROMPT_POOL_KEYS, L2POnline
 from .registry import register_method
 
+# In upstream exps/dualprompt.json's order (later duplicates keep their first position).
+_HEAD = ("get_original_backbone", "global_pool", "head_type", "freeze")
 DUALPROMPT_KEYS: dict[str, ConfigKey] = {
-    **PROMPT_POOL_KEYS,
+    **{key: PROMPT_POOL_KEYS[key] for key in _HEAD},
     "head_type": ConfigKey("token", "what the head reads"),
-    "top_k": ConfigKey(1, "E-prompts selected per sample"),
     "use_g_prompt": ConfigKey(True, "general (task-shared) prompt"),
     "g_prompt_length": ConfigKey(5, "G-prompt length (paper: 5)"),
     "g_prompt_layer_idx": ConfigKey([0, 1], "layers that get the G-prompt"),
@@ -26,6 +27,8 @@ DUALPROMPT_KEYS: dict[str, ConfigKey] = {
     "use_e_prompt": ConfigKey(True, "expert prompt pool"),
     "e_prompt_layer_idx": ConfigKey([2, 3, 4], "layers that get E-prompts"),
     "use_prefix_tune_for_e_prompt": ConfigKey(True, "prefix-tune the E-prompts"),
+    **{key: spec for key, spec in PROMPT_POOL_KEYS.items() if key not in _HEAD},
+    "top_k": ConfigKey(1, "E-prompts selected per sample"),
     "same_key_value": ConfigKey(False, "share prefix keys and values"),
 }
 

@@ -162,11 +162,15 @@ def _named_pairs(items: Iterable[Any], where: str) -> list[tuple[str, Tensor]]:
 
 
 def _finite_or_zero_(hypergrad: Tensor, num_skipped: Tensor) -> Tensor:
-    """Zero non-finite hypergradient entries in place and count them on the device (no sync)."""
-    bad = torch.isfinite(hypergrad).logical_not_()
-    count = bad.sum()
+    """Zero non-finite hypergradient entries in place and count them on the device (no sync).
+
+    ``count_nonzero`` + ``nan_to_num_`` rather than a bool mask, ``sum`` and ``masked_fill_``:
+    the same result in fewer passes over the tensor (bench_fgh.py measured the mask on CPU).
+    """
+    finite = torch.isfinite(hypergrad).count_nonzero()
+    count = hypergrad.numel() - finite
     num_skipped.add_(count if count.device == num_skipped.device else count.to(num_skipped.device))
-    return hypergrad.masked_fill_(bad, 0)
+    return hypergrad.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _sum_into_blocks(

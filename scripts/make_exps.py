@@ -16,68 +16,20 @@ from pathlib import Path
 
 EXPS = Path(__file__).resolve().parent.parent / "exps"
 
+#: short name -> (model_name, backbone_type). Method keys come from the adapters' ``config_keys``
+#: defaults (the paper's task-free settings), so configs and code cannot disagree.
 METHODS = {
-    # short name: (model_name, backbone_type, method keys in upstream PILOT's order)
-    "coda": ("coda_online", "vit_base_patch16_224_coda_prompt", {"prompt_param": [100, 8, 0.0]}),
-    "l2p": (
-        "l2p_online",
-        "vit_base_patch16_224_l2p",
-        {
-            "get_original_backbone": True,
-            "global_pool": "token",
-            "head_type": "prompt",
-            "freeze": ["blocks", "patch_embed", "cls_token", "norm", "pos_embed"],
-            "prompt_pool": True,
-            "size": 10,
-            "length": 5,
-            "top_k": 5,
-            "initializer": "uniform",
-            "prompt_key": True,
-            "prompt_key_init": "uniform",
-            "use_prompt_mask": False,
-            "shared_prompt_pool": False,
-            "shared_prompt_key": False,
-            "batchwise_prompt": True,
-            "embedding_key": "cls",
-            "predefined_key": "",
-            "pull_constraint": True,
-            "pull_constraint_coeff": 0.1,
-        },
-    ),
-    "dualprompt": (
-        "dualprompt_online",
-        "vit_base_patch16_224_dualprompt",
-        {
-            "get_original_backbone": True,
-            "global_pool": "token",
-            "head_type": "token",
-            "freeze": ["blocks", "patch_embed", "cls_token", "norm", "pos_embed"],
-            "use_g_prompt": True,
-            "g_prompt_length": 5,
-            "g_prompt_layer_idx": [0, 1],
-            "use_prefix_tune_for_g_prompt": True,
-            "use_e_prompt": True,
-            "e_prompt_layer_idx": [2, 3, 4],
-            "use_prefix_tune_for_e_prompt": True,
-            "prompt_pool": True,
-            "size": 10,
-            "length": 5,
-            "top_k": 1,
-            "initializer": "uniform",
-            "prompt_key": True,
-            "prompt_key_init": "uniform",
-            "use_prompt_mask": False,
-            "shared_prompt_pool": False,
-            "shared_prompt_key": False,
-            "batchwise_prompt": True,
-            "embedding_key": "cls",
-            "predefined_key": "",
-            "pull_constraint": True,
-            "pull_constraint_coeff": 0.1,
-            "same_key_value": False,
-        },
-    ),
+    "coda": ("coda_online", "vit_base_patch16_224_coda_prompt"),
+    "l2p": ("l2p_online", "vit_base_patch16_224_l2p"),
+    "dualprompt": ("dualprompt_online", "vit_base_patch16_224_dualprompt"),
 }
+
+
+def method_keys(model_name: str) -> dict:
+    from pilot_online.registry import get_method
+
+    return {key: spec.default for key, spec in get_method(model_name).config_keys.items()}
+
 
 # The paper's ablation rows: suffix -> (online_prototypes, fgh)
 PAPER_FGH = {"gamma": 1, "granularity": "element", "direction": "grad", "apply": "grad"}
@@ -90,7 +42,7 @@ VARIANTS = {
 
 
 def paper_config(method: str, variant: str, blurry: bool) -> dict:
-    model_name, backbone, method_keys = METHODS[method]
+    model_name, backbone = METHODS[method]
     prototypes, fgh = VARIANTS[variant]
     return {
         "prefix": variant + ("_blurry" if blurry else ""),
@@ -112,7 +64,7 @@ def paper_config(method: str, variant: str, blurry: bool) -> dict:
         "pretrained": True,
         "drop": 0.0,
         "drop_path": 0.0,
-        **method_keys,
+        **method_keys(model_name),
         "stream": "si_blurry" if blurry else "clear",
         "si_blurry_n": 50,
         "si_blurry_m": 10,
