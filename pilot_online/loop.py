@@ -127,11 +127,16 @@ class OnlineLoop:
         correct = (logits.detach().argmax(1) == labels).sum()
         self.samples_seen += len(labels)
 
-        # One host sync per step, as GradScaler does: a NaN step must not reach the weights.
-        if not torch.isfinite(loss):
+        loss.backward()
+        # One host sync per step, as GradScaler does: a NaN/inf loss or gradient must reach
+        # neither the weights nor FGH's stored signals.
+        grads = [p.grad for _, p in self.named_parameters if p.grad is not None]
+        finite = torch.isfinite(loss)
+        if grads:
+            finite = finite & torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()
+        if not finite:
             return self._skip_nonfinite(loss, correct, len(labels), terms)
         self._nonfinite_streak = 0
-        loss.backward()
         self.transform_gradients()
         self._record_gradient_norms()
         self.optimizer.step()
@@ -142,14 +147,19 @@ class OnlineLoop:
     def _skip_nonfinite(self, loss, correct, samples, terms) -> StepStats:
         self.skipped_nonfinite_steps += 1
         self._nonfinite_streak += 1
-        bad = [name for name, t in terms.items() if not torch.isfinite(t).all()]
-        logger.warning(
-            "non-finite loss (terms %s) at sample %d: step skipped", bad, self.samples_seen
-        )
+        bad = [f"loss term {name}" for name, t in terms.items() if not torch.isfinite(t).all()]
+        bad = bad or [
+            f"gradient of {name}"
+            for name, p in self.named_parameters
+            if p.grad is not None and not torch.isfinite(p.grad).all()
+        ]
+        self.optimizer.zero_grad(set_to_none=True)
+        logger.warning("non-finite %s at sample %d: step skipped", bad, self.samples_seen)
         if self._nonfinite_streak > self.max_nonfinite_steps:
             raise NonFiniteLossError(
-                f"the loss was non-finite for {self._nonfinite_streak} consecutive steps "
-                f"(terms {bad}, stream sample {self.samples_seen}): training diverged. Lower "
+                f"the loss or its gradients were non-finite for {self._nonfinite_streak} "
+                f"consecutive steps ({', '.join(bad)}; stream sample {self.samples_seen}): "
+                "training diverged. Lower "
                 f"init_lr (now {self.config.get('init_lr')}) or the FGH gamma, or check the inputs "
                 "for NaNs; raise max_nonfinite_steps to tolerate longer streaks"
             )

@@ -422,7 +422,7 @@ def test_non_finite_step_is_skipped() -> None:
     assert loop.samples_seen == 8  # the batch was consumed, only the update was dropped
     for name, value in params(loop).items():
         assert torch.equal(value, after_first[name]), name
-    # The skipped step stopped before backward: no gradient hook, no after_step.
+    # The skipped step stopped before the gradient transform: no FGH hook, no after_step.
     assert loop.events[-1] == "loss_terms"
     assert len(loop.grads) == len(loop.after) == 1
 
@@ -432,6 +432,29 @@ def test_non_finite_step_is_skipped() -> None:
     assert loop.gradient_statistics()["trace"].shape == (2, C)
     adam_state = loop.optimizer.state[loop.network.fc.weight]
     assert int(adam_state["step"]) == 2
+
+
+class NaNGradientAdapter(TinyAdapter):
+    """A finite loss whose backward pass puts NaN into the body's gradient."""
+
+    def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
+        out = super().forward(network, x, train)
+        if train:
+            out.features.register_hook(lambda grad: grad * float("nan"))
+        return out
+
+
+def test_non_finite_gradient_with_finite_loss_is_skipped_and_named() -> None:
+    loop = make_loop({**BASE_CONFIG, "max_nonfinite_steps": 1}, adapter=NaNGradientAdapter())
+    before = params(loop)
+    x, labels = torch.randn(4, D_IN), torch.tensor([0, 1, 0, 1])
+    stats = loop.train_step(x, labels)
+    assert stats.skipped and torch.isfinite(stats.loss)
+    assert loop.optimizer_steps == 0
+    assert all(torch.equal(value, before[name]) for name, value in params(loop).items())
+    assert all(p.grad is None for _, p in loop.named_parameters)  # nothing left for a later step
+    with pytest.raises(NonFiniteLossError, match=r"gradient of body\.weight"):
+        loop.train_step(x, labels)
 
 
 def test_isolated_non_finite_steps_do_not_stop_training() -> None:
