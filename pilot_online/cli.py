@@ -48,7 +48,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .report import collect, format_table, plot_gradient_imbalance
+    from .report import collect, format_table, plot_gradient_imbalance, plot_task_gradient_trace
 
     rows = collect(args.paths)
     if not rows:
@@ -56,9 +56,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
         return 1
     print(format_table(rows, group=not args.per_seed))
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(rows, indent=2, default=str))
     if args.plot:
         print(f"gradient-imbalance plot: {plot_gradient_imbalance(rows, Path(args.plot))}")
+    if args.plot_trace:
+        png = plot_task_gradient_trace(rows, args.trace_task - 1, Path(args.plot_trace))
+        print(f"gradient trace of task {args.trace_task}: {png}")
     return 0
 
 
@@ -97,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--per-seed", action="store_true", help="one row per run")
     report.add_argument("--json", action="store_true", help="also print the rows as JSON")
     report.add_argument("--plot", metavar="PNG", help="plot normalised task gradient norms G^k_n")
+    report.add_argument("--plot-trace", metavar="PNG", help="plot one task's G^k over the steps")
+    report.add_argument(
+        "--trace-task", type=int, default=2, help="task k for --plot-trace (1-based)"
+    )
     report.set_defaults(func=_cmd_report)
 
     demo = sub.add_parser("demo", help="core-only demo: synthetic stream, small timm ViT, P + FGH")

@@ -56,6 +56,10 @@ def collect(paths: Iterable[Path]) -> list[dict[str, Any]]:
                 "seed": config.get("seed"),
                 **{m: metrics.get(m) for m in METRIC_COLUMNS},
                 "G_n": imbalance.get("task_grad_norm_normalized"),
+                "trace": file.parent / imbalance["trace_file"]
+                if imbalance.get("trace_file")
+                else None,
+                "task_classes": [t["new_classes"] for t in results["stream"]["tasks"]],
             }
         )
     return rows
@@ -109,13 +113,7 @@ def format_table(rows: list[dict[str, Any]], group: bool = True) -> str:
 
 def plot_gradient_imbalance(rows: list[dict[str, Any]], output: Path) -> Path:
     """Bars of G^k_n per task for each configuration (paper Fig. 1), averaged over seeds."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise RuntimeError("plots need matplotlib: pip install 'pilot-online[plots]'") from err
+    plt = _pyplot()
     groups: dict[tuple, list[np.ndarray]] = {}
     for row in rows:
         if row["G_n"] is not None:
@@ -132,9 +130,53 @@ def plot_gradient_imbalance(rows: list[dict[str, Any]], output: Path) -> Path:
         ax.bar(tasks + (i - (len(groups) - 1) / 2) * width, mean, width, label=f"{key[0]} {key[4]}")
     ax.set_xlabel("task k")
     ax.set_ylabel("normalised gradient norm $G^k_n$")
+    ax.set_title("Gradient imbalance: classifier rows per task, after FGH reweighting")
     ax.legend(fontsize="small")
-    fig.tight_layout()
+    return _save(fig, output)
+
+
+def plot_task_gradient_trace(rows: list[dict[str, Any]], task: int, output: Path) -> Path:
+    """Per-step mean gradient norm of the classifier rows of task ``task``'s classes (paper
+    Fig. 2: gradients on an old task keep flowing with prototypes, more so with FGH)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    plotted = 0
+    for row in rows:
+        if row["trace"] is None or not Path(row["trace"]).is_file():
+            continue
+        classes = row["task_classes"][task] if task < len(row["task_classes"]) else []
+        if not classes:
+            continue
+        trace = np.load(row["trace"])[:, classes].mean(axis=1)
+        ax.plot(
+            np.arange(1, len(trace) + 1),
+            trace,
+            label=f"{row['method']} {row['variant']} seed {row['seed']}",
+        )
+        plotted += 1
+    if not plotted:
+        raise RuntimeError(f"no results file has a gradient trace with classes in task {task}")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(f"$G^{{{task + 1}}}$ (mean row gradient norm)")
+    ax.set_title(f"Classifier gradients of task {task + 1}'s classes over the stream")
+    ax.legend(fontsize="small")
+    return _save(fig, output)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise RuntimeError("plots need matplotlib: pip install 'pilot-online[plots]'") from err
+    return plt
+
+
+def _save(fig, output: Path) -> Path:
     output.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
     fig.savefig(output, dpi=120)
-    plt.close(fig)
+    fig.canvas.figure.clf()
     return output

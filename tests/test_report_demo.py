@@ -14,7 +14,13 @@ from torch import nn
 from pilot_online import cli
 from pilot_online.adapter import MethodAdapter, StepOutput
 from pilot_online.loop import build_loop
-from pilot_online.report import collect, format_table, plot_gradient_imbalance, variant_label
+from pilot_online.report import (
+    collect,
+    format_table,
+    plot_gradient_imbalance,
+    plot_task_gradient_trace,
+    variant_label,
+)
 from pilot_online.results import load_results
 from pilot_online.session import OnlineSession
 from pilot_online.streams import clear_stream
@@ -225,3 +231,14 @@ def test_demo_runs_both_variants(tmp_path, monkeypatch, capsys) -> None:
     p_fgh = load_results(tmp_path / "demo_p_fgh_0.results.json")["extra"]["diagnostics"]
     assert p_fgh["prototypes"] == {"classes": 50, "samples": 500}
     assert p_fgh["fgh"]["steps"] == 5
+
+
+def test_task_gradient_trace_plot_reads_the_sidecar_trace(tmp_path, runs) -> None:
+    folder, _ = runs
+    rows = collect([folder])
+    trace = np.load(rows[0]["trace"])
+    assert trace.shape[0] == load_results(rows[0]["file"])["counters"]["optimizer_steps"]
+    png = plot_task_gradient_trace(rows, 0, tmp_path / "trace.png")
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    with pytest.raises(RuntimeError, match="task 99"):
+        plot_task_gradient_trace(rows, 99, tmp_path / "none.png")
