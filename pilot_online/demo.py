@@ -35,7 +35,11 @@ class TimmViTAdapter(MethodAdapter):
         from timm.models.vision_transformer import VisionTransformer
 
         network = VisionTransformer(
-            img_size=32, patch_size=4, embed_dim=192, depth=6, num_heads=3,
+            img_size=32,
+            patch_size=4,
+            embed_dim=192,
+            depth=6,
+            num_heads=3,
             num_classes=args["nb_classes"],
         )
         network.requires_grad_(False)

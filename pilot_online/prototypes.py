@@ -108,11 +108,12 @@ class PrototypeBank(torch.nn.Module):
         """Eq. 2: cross-entropy of ``classifier(prototypes)`` against their class ids.
 
         As in the Adam pseudo-code's "FC recalibration", logits of classes without a prototype
-        are masked to ``-inf``. Eq. 2 writes the normaliser as ``1/c``; both pseudo-codes (what
-        the authors ran) use ``cross_entropy``'s mean over the seen prototypes, and so do we.
+        are masked out (to the most negative finite value: the probabilities of ``-inf``, without
+        NaN while no class is seen). Eq. 2 writes the normaliser as ``1/c``; both pseudo-codes
+        (what the authors ran) use ``cross_entropy``'s mean over the seen prototypes, as we do.
         The prototypes are buffers, so gradients reach the classifier and never the bank. With
-        no class seen yet the result is a constant zero scalar on the bank's device, safe to add
-        to a loss. The classifier receives the bank's dtype; cast inside it if it differs.
+        no class seen yet the result is zero (with zero gradient), safe to add to a loss. The
+        classifier receives the bank's dtype; cast inside it if it differs.
         """
         # Every class's row goes through the classifier and unseen rows are dropped with a
         # mask, instead of selecting the seen rows: the same value without a host sync per step.

@@ -33,11 +33,9 @@ echo "== patching $PILOT_ROOT"
 pilot-online setup "$PILOT_ROOT"
 
 echo "== running exps/$CONFIG through PILOT's main.py (offline)"
-RESULTS="$REPO/runs/quickstart"
-mkdir -p "$RESULTS"
 cd "$PILOT_ROOT"
 "$PYTHON" main.py --config "exps/$CONFIG"
 cd "$REPO"
 echo
-echo "== results"
-pilot-online report "$PILOT_ROOT/logs"
+echo "== results (every smoke run in $PILOT_ROOT/logs)"
+pilot-online report "$PILOT_ROOT"/logs/*/synthetic_small

@@ -26,8 +26,9 @@ def test_create_model_is_restored_afterwards():
 def test_pretrained_path_is_the_file_timm_loads(tmp_path):
     weights = tmp_path / "B_16.npz"
     weights.write_bytes(b"not an npz archive")
-    with pytest.raises(WeightsUnavailableError) as caught, timm_overrides(
-        pretrained_path=str(weights)
+    with (
+        pytest.raises(WeightsUnavailableError) as caught,
+        timm_overrides(pretrained_path=str(weights)),
     ):
         timm.create_model("vit_tiny_patch16_224", pretrained=True, img_size=32)
     # timm read our (corrupt) file, not a URL: numpy's complaint about it is the cause.
