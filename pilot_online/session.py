@@ -80,9 +80,8 @@ class OnlineSession:
         self.exposure = exposure  # class -> task of first exposure (-1: never streamed)
         self.columns: list[np.ndarray] = []
         self.class_history: list[np.ndarray] = []
-        self.end_of_task: list[
-            float
-        ] = []  # sample-level accuracy at each task end (Si-Blurry A_avg)
+        # Sample-level accuracy at each task end (Si-Blurry's A_avg and A_last).
+        self.end_of_task: list[float] = []
         self.periodic: list[dict[str, float]] = []
         self.train_seconds = 0.0
         self.eval_seconds = 0.0
@@ -98,22 +97,23 @@ class OnlineSession:
         bar = tqdm(total=len(segments), desc=f"task {task}", disable=not self.progress, leave=False)
         loss_sum = torch.zeros((), device=self.loop.device)
         correct_sum = torch.zeros((), device=self.loop.device, dtype=torch.long)
-        seen_in_window = 0
+        seen_in_window = steps_in_window = 0
         start = time.perf_counter()
         for step, (inputs, labels) in enumerate(self.data.train_batches(segments), start=1):
             stats = self.loop.train_step(inputs, labels)
             if not stats.skipped:
                 loss_sum += stats.loss
+                steps_in_window += 1
             correct_sum += stats.correct
             seen_in_window += stats.samples
-            if step % interval == 0 or step == len(segments):
+            if step % interval == 0 or step == len(segments):  # the only device reads
                 bar.set_postfix(
-                    loss=f"{loss_sum.item() / interval:.3f}",
+                    loss=f"{loss_sum.item() / max(steps_in_window, 1):.3f}",
                     acc=f"{100.0 * correct_sum.item() / seen_in_window:.1f}",
                 )
                 bar.update(step - bar.n)
                 loss_sum.zero_(), correct_sum.zero_()
-                seen_in_window = 0
+                seen_in_window = steps_in_window = 0
             if self._next_periodic is not None and self.loop.samples_seen >= self._next_periodic:
                 self.train_seconds += time.perf_counter() - start
                 self._periodic_evaluation()
