@@ -29,7 +29,7 @@ from collections.abc import Callable
 from itertools import product
 
 import torch
-from timing import interleaved_medians  # benchmarks/timing.py
+from timing import add_device_arguments, interleaved_medians, setup_device  # benchmarks/timing.py
 from torch import nn
 
 from pilot_online.fgh import FineGrainedHypergradients
@@ -201,7 +201,7 @@ def _csv(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    add_device_arguments(parser)
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats (median)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per variant (>= 2)")
     parser.add_argument("--seed", type=int, default=0)
@@ -234,13 +234,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--l2p-length", type=int, default=5)
     parser.add_argument("--small-count", type=int, default=200)
     parser.add_argument("--small-size", type=int, default=1000)
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch.set_num_threads; 1 (default) keeps ratios stable on a shared machine, "
-        "0 keeps torch's default",
-    )
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 2:
         parser.error("--repeats must be >= 1 and --warmup >= 2 (FGH's first step is special)")
@@ -330,9 +323,7 @@ def report_memory(
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = setup_device(args)
     started = time.perf_counter()
     print(
         f"bench_fgh: device={device}, torch {torch.__version__}, threads "

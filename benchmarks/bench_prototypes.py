@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from timing import interleaved_medians  # benchmarks/timing.py
+from timing import add_device_arguments, interleaved_medians, setup_device  # benchmarks/timing.py
 from torch import nn
 
 from pilot_online.prototypes import PrototypeBank
@@ -163,7 +163,7 @@ def step_functions(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    add_device_arguments(parser)
     parser.add_argument("--repeats", type=int, default=15, help="timed repeats (median)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per variant")
     parser.add_argument(
@@ -176,13 +176,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=100, help="samples per online step")
     parser.add_argument("--batches", type=int, default=8, help="distinct batches cycled")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch.set_num_threads; 1 (default) keeps ratios stable on a shared machine, "
-        "0 keeps torch's default",
-    )
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0 or args.batches < 1 or min(args.classes) < 1:
         parser.error("--repeats, --batches and --classes must be >= 1, --warmup >= 0")
@@ -193,9 +186,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = setup_device(args)
     started = time.perf_counter()
     print(
         f"bench_prototypes: device={device}, torch {torch.__version__}, threads "

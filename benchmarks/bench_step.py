@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
-from timing import interleaved_medians  # benchmarks/timing.py
+from timing import add_device_arguments, interleaved_medians, setup_device  # benchmarks/timing.py
 from torch import nn
 
 from pilot_online.adapter import MethodAdapter, StepOutput
@@ -151,7 +151,7 @@ def step_function(loop: OnlineLoop, batches: list[tuple[torch.Tensor, ...]]) -> 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     has_timm = importlib.util.find_spec("timm") is not None
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    add_device_arguments(parser)
     parser.add_argument(
         "--model",
         choices=("vit", "mlp"),
@@ -179,13 +179,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--fgh-direction", choices=("grad", "adam"), default="grad")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch.set_num_threads; 1 (default) keeps ratios stable on a shared machine, "
-        "0 keeps torch's default",
-    )
     args = parser.parse_args(argv)
     if args.repeats is None:
         args.repeats = 5 if args.model == "vit" else 20
@@ -208,9 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.model == "vit" and not args.has_timm:
         print("bench_step: --model vit needs timm (pip install timm); skipped. Try --model mlp.")
         return
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = setup_device(args)
     started = time.perf_counter()
     loops = make_loops(args, device)
     batches = make_batches(args, device)

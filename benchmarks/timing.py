@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 import time
@@ -54,3 +55,22 @@ def interleaved_medians(
         for name in names[shift:] + names[:shift]:
             samples[name].append(_time_block(fns[name], calls[name], device))
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--threads``, shared by every benchmark."""
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads; 1 (default) keeps ratios stable on a shared machine, "
+        "0 keeps torch's default",
+    )
+
+
+def setup_device(args: argparse.Namespace) -> torch.device:
+    """Apply ``--threads`` and return the ``--device`` to time on."""
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    return torch.device(args.device)

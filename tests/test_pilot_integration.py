@@ -67,17 +67,27 @@ def tiny_config(method: str, variant: str, stream: str, results_dir: Path) -> di
     return config
 
 
-def run_driver(pilot: Path, config: dict, tmp_path: Path) -> tuple[dict, dict]:
-    config_path, report_path = tmp_path / "config.json", tmp_path / "report.json"
-    config_path.write_text(json.dumps(config))
-    done = subprocess.run(
-        [sys.executable, str(DRIVER), str(config_path), str(report_path)],
-        cwd=pilot,
+def run(command: list[str], cwd: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    """``python COMMAND`` in ``cwd``, offline, with its output captured."""
+    return subprocess.run(
+        [sys.executable, *command],
+        cwd=cwd,
         env=offline_env(tmp_path),
         capture_output=True,
         text=True,
         timeout=900,
     )
+
+
+def write_config(config: dict, path: Path) -> Path:
+    path.write_text(json.dumps(config))
+    return path
+
+
+def run_driver(pilot: Path, config: dict, tmp_path: Path) -> tuple[dict, dict]:
+    config_path = write_config(config, tmp_path / "config.json")
+    report_path = tmp_path / "report.json"
+    done = run([str(DRIVER), str(config_path), str(report_path)], pilot, tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(report_path.read_text())
     return report, load_results(report["results_path"])
@@ -134,14 +144,7 @@ def test_online_run_through_pilot_main(pilot, tmp_path, method, variant, stream)
 
 
 def test_paper_config_fails_only_for_missing_data(pilot, tmp_path):
-    done = subprocess.run(
-        [sys.executable, "main.py", "--config", "exps/coda_online_fgh.json"],
-        cwd=pilot,
-        env=offline_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = run(["main.py", "--config", "exps/coda_online_fgh.json"], pilot, tmp_path)
     assert done.returncode != 0
     assert "DatasetUnavailableError: dataset 'cifar224' could not be loaded" in done.stderr
     assert "cifar-100-python" in done.stderr
@@ -150,16 +153,8 @@ def test_paper_config_fails_only_for_missing_data(pilot, tmp_path):
 def test_missing_weights_say_what_to_do(pilot, tmp_path):
     config = tiny_config("coda", "base", "clear", tmp_path / "results")
     config["pretrained"] = True
-    config_path = tmp_path / "weights.json"
-    config_path.write_text(json.dumps(config))
-    done = subprocess.run(
-        [sys.executable, "main.py", "--config", str(config_path)],
-        cwd=pilot,
-        env=offline_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    config_path = write_config(config, tmp_path / "weights.json")
+    done = run(["main.py", "--config", str(config_path)], pilot, tmp_path)
     assert done.returncode != 0
     assert "WeightsUnavailableError" in done.stderr and "pretrained_path" in done.stderr
 
@@ -167,26 +162,13 @@ def test_missing_weights_say_what_to_do(pilot, tmp_path):
 def test_cli_run_from_elsewhere_writes_one_results_file_per_seed(pilot, tmp_path):
     config = tiny_config("coda", "base", "clear", tmp_path / "results")
     config["seed"] = [1, 2, 1]  # seed 1 twice: reproducible, and the rerun keeps both files
-    config_path = tmp_path / "seeds.json"
-    config_path.write_text(json.dumps(config))
+    config_path = write_config(config, tmp_path / "seeds.json")
     workdir = tmp_path / "elsewhere"
     workdir.mkdir()
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pilot_online.cli",
-            "run",
-            "--config",
-            str(config_path),
-            "--pilot-root",
-            str(pilot),
-        ],
-        cwd=workdir,
-        env=offline_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=900,
+    done = run(
+        ["-m", "pilot_online.cli", "run", "--config", str(config_path), "--pilot-root", str(pilot)],
+        workdir,
+        tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     files = sorted((tmp_path / "results").glob("*.results.json"), key=lambda f: f.stat().st_mtime)
@@ -203,9 +185,8 @@ def test_cli_run_from_elsewhere_writes_one_results_file_per_seed(pilot, tmp_path
 def test_cli_run_refuses_an_unpatched_checkout(tmp_path):
     unpatched = tmp_path / "LAMDA-PILOT"
     shutil.copytree(PILOT_ROOT, unpatched, ignore=shutil.ignore_patterns(".git", "logs", "data"))
-    done = subprocess.run(
+    done = run(
         [
-            sys.executable,
             "-m",
             "pilot_online.cli",
             "run",
@@ -214,9 +195,8 @@ def test_cli_run_refuses_an_unpatched_checkout(tmp_path):
             "--pilot-root",
             str(unpatched),
         ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+        tmp_path,
+        tmp_path,
     )
     assert done.returncode == 2
     assert "pilot-online setup" in done.stderr
