@@ -189,6 +189,7 @@ class OnlineSession:
             end_of_task=self.end_of_task or None,
         )
         gradients = loop.gradient_statistics()
+        diagnostics = loop.report()
         task_classes = [s.new_classes for s in self.stream.summary()]
         g, g_n = metrics.task_gradient_norms(gradients["mean"], task_classes)
         config = {k: (str(v) if k == "device" else v) for k, v in self.config.items()}
@@ -210,9 +211,9 @@ class OnlineSession:
                 "stream_length": len(self.stream),
                 "tasks_trained": self.tasks_trained,
                 "skipped_nonfinite_steps": loop.skipped_nonfinite_steps,
-                "skipped_nonfinite_hypergradients": loop.report()
-                .get("fgh", {})
-                .get("skipped_nonfinite", 0),
+                "skipped_nonfinite_hypergradients": diagnostics.get("fgh", {}).get(
+                    "skipped_nonfinite", 0
+                ),
             },
             extra={
                 "periodic_evaluations": self.periodic,
@@ -222,7 +223,7 @@ class OnlineSession:
                     "task_grad_norm": g,
                     "task_grad_norm_normalized": g_n,
                 },
-                "diagnostics": loop.report(),
+                "diagnostics": diagnostics,
             },
         )
         results["status"] = status
