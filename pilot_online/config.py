@@ -78,6 +78,16 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
     "log_interval": ConfigKey(10, "steps between progress-bar updates (each one syncs the device)"),
 }
 
+#: The paper's FGH setting (Eq. 8, gamma 1) and its four ablation rows: base, + P, + FGH and
+#: + P + FGH ("ours"). exps/, ``pilot-online sweep --grid variant=...`` and the demo use these.
+PAPER_FGH = {"gamma": 1, "granularity": "element", "direction": "grad", "apply": "grad"}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "base": {"online_prototypes": False, "fgh": None},
+    "p": {"online_prototypes": True, "fgh": None},
+    "fgh_only": {"online_prototypes": False, "fgh": PAPER_FGH},
+    "fgh": {"online_prototypes": True, "fgh": PAPER_FGH},
+}
+
 #: Keys PILOT's own scripts put into ``args`` (argparse, trainer), never written by users.
 INJECTED_KEYS = ("config", "nb_classes", "nb_tasks")
 

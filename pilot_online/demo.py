@@ -8,6 +8,7 @@ online: a stand-in for a frozen pretrained backbone with a trainable classifier.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from pathlib import Path
@@ -17,9 +18,10 @@ import torch
 from torch import nn
 
 from .adapter import MethodAdapter, StepOutput
-from .config import ONLINE_KEYS
+from .config import ONLINE_KEYS, VARIANTS
 from .datasets import make_synthetic
 from .loop import build_loop
+from .report import variant_label
 from .session import ArrayDataSource, OnlineSession
 from .streams import clear_stream
 
@@ -56,10 +58,8 @@ class TimmViTAdapter(MethodAdapter):
         return network.head
 
 
-DEMO_VARIANTS = {
-    "base": {"online_prototypes": False, "fgh": None},
-    "+ P + FGH": {"online_prototypes": True, "fgh": {"gamma": 1.0}},
-}
+#: Results-file name -> the paper's ablation row (``config.VARIANTS``) it runs.
+DEMO_VARIANTS = {"base": "base", "p_fgh": "fgh"}
 
 
 def run_demo(
@@ -73,8 +73,10 @@ def run_demo(
     num_classes = int(arrays["train_y"].max()) + 1
     output.mkdir(parents=True, exist_ok=True)
     summaries = {}
-    for label, variant in DEMO_VARIANTS.items():
+    for name, row in DEMO_VARIANTS.items():
         torch.manual_seed(seed)
+        variant = copy.deepcopy(VARIANTS[row])
+        label = variant_label(variant)
         config = {key: spec.default for key, spec in ONLINE_KEYS.items()}
         config.update(
             variant,
@@ -89,7 +91,6 @@ def run_demo(
         )
         adapter = TimmViTAdapter(args=config)
         loop = build_loop(adapter, adapter.build_network(config), config, num_classes, "cpu")
-        name = "base" if label == "base" else "p_fgh"
         path = output / f"demo_{name}_{seed}.results.json"
         path.unlink(missing_ok=True)  # the demo overwrites its own previous output
         session = OnlineSession(loop, stream, data, config, path, progress=False)

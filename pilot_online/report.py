@@ -178,5 +178,5 @@ def _save(fig, output: Path) -> Path:
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(output, dpi=120)
-    fig.canvas.figure.clf()
+    _pyplot().close(fig)  # else pyplot keeps every figure a long session draws
     return output

@@ -12,6 +12,7 @@ configures logging once per process), keeps going when one fails, and prints the
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
 import subprocess
@@ -19,21 +20,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, load_json, resolve_config
-
-PAPER_FGH = {"gamma": 1, "granularity": "element", "direction": "grad", "apply": "grad"}
-
-#: ``variant`` is a pseudo-key: the paper's ablation rows.
-VARIANTS: dict[str, dict[str, Any]] = {
-    "base": {"online_prototypes": False, "fgh": None},
-    "p": {"online_prototypes": True, "fgh": None},
-    "fgh_only": {"online_prototypes": False, "fgh": PAPER_FGH},
-    "fgh": {"online_prototypes": True, "fgh": PAPER_FGH},
-}
+from .config import VARIANTS, ConfigError, load_json, resolve_config
 
 
 def parse_grid(items: list[str]) -> dict[str, list[Any]]:
-    """``["init_lr=5e-5,5e-3", "fgh.gamma=0.1,1"]`` -> {key: [JSON-parsed values]}."""
+    """``["init_lr=5e-5,5e-3", "fgh.gamma=0.1,1"]`` -> {key: [JSON-parsed values]}.
+
+    Values are comma-separated scalars (numbers, true/false/null, bare strings)."""
     grid: dict[str, list[Any]] = {}
     for item in items:
         key, sep, values = item.partition("=")
@@ -50,13 +43,14 @@ def parse_grid(items: list[str]) -> dict[str, list[Any]]:
 
 
 def apply_point(base: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
-    """The config of one grid point (``variant`` expands; ``fgh.gamma`` sets a nested key)."""
-    config = json.loads(json.dumps(base))
+    """The config of one grid point (``variant`` expands to a row of ``config.VARIANTS``;
+    ``fgh.gamma`` sets a nested key)."""
+    config = copy.deepcopy(base)
     for key, value in point.items():
         if key == "variant":
             if value not in VARIANTS:
                 raise ConfigError(f"variant {value!r}: choose one of {', '.join(VARIANTS)}")
-            config.update(json.loads(json.dumps(VARIANTS[value])))
+            config.update(copy.deepcopy(VARIANTS[value]))
         elif key.startswith("fgh."):
             if not config.get("fgh"):
                 raise ConfigError(f"{key}: this grid point has no FGH (fgh is null)")
@@ -110,8 +104,9 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
 def run_sweep(args: argparse.Namespace) -> int:
     from .report import collect, format_table
 
-    paths = build_configs(load_json(args.config), parse_grid(args.grid), args.out)
-    print(f"{len(paths)} runs; configs in {args.out / 'configs'}")
+    out = args.out.resolve()  # each run's process works in ``out``: hand it absolute paths
+    paths = build_configs(load_json(args.config), parse_grid(args.grid), out)
+    print(f"{len(paths)} runs; configs in {out / 'configs'}")
     failed = []
     for i, path in enumerate(paths, 1):
         print(f"[{i}/{len(paths)}] {path.stem}", flush=True)
@@ -119,15 +114,15 @@ def run_sweep(args: argparse.Namespace) -> int:
             continue
         command = [sys.executable, "-m", "pilot_online.cli", "run", "--config", str(path)]
         if args.pilot_root:
-            command += ["--pilot-root", args.pilot_root]
+            command += ["--pilot-root", str(Path(args.pilot_root).resolve())]
         log = path.with_suffix(".log")
         with open(log, "w") as handle:
-            code = subprocess.call(command, stdout=handle, stderr=subprocess.STDOUT, cwd=args.out)
+            code = subprocess.call(command, stdout=handle, stderr=subprocess.STDOUT, cwd=out)
         if code:
             failed.append(path.stem)
             print(f"    failed (exit {code}); log: {log}", flush=True)
-    if not args.dry_run and (args.out / "results").is_dir():
-        rows = collect([args.out / "results"])
+    if not args.dry_run and (out / "results").is_dir():
+        rows = collect([out / "results"])
         if rows:
             print(format_table(rows))
     if failed:

@@ -10,6 +10,7 @@ committed; this script is their single source, and tests/test_exps.py fails if t
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -31,19 +32,11 @@ def method_keys(model_name: str) -> dict:
     return {key: spec.default for key, spec in get_method(model_name).config_keys.items()}
 
 
-# The paper's ablation rows: suffix -> (online_prototypes, fgh)
-PAPER_FGH = {"gamma": 1, "granularity": "element", "direction": "grad", "apply": "grad"}
-VARIANTS = {
-    "base": (False, None),
-    "p": (True, None),
-    "fgh_only": (False, PAPER_FGH),
-    "fgh": (True, PAPER_FGH),  # "+ ours": prototypes and FGH
-}
-
-
 def paper_config(method: str, variant: str, blurry: bool) -> dict:
+    from pilot_online.config import VARIANTS
+
     model_name, backbone = METHODS[method]
-    prototypes, fgh = VARIANTS[variant]
+    row = copy.deepcopy(VARIANTS[variant])  # the paper's ablation row: P and FGH on or off
     return {
         "prefix": variant + ("_blurry" if blurry else ""),
         "dataset": "cifar224",
@@ -68,8 +61,8 @@ def paper_config(method: str, variant: str, blurry: bool) -> dict:
         "stream": "si_blurry" if blurry else "clear",
         "si_blurry_n": 50,
         "si_blurry_m": 10,
-        "online_prototypes": prototypes,
-        "fgh": fgh,
+        "online_prototypes": row["online_prototypes"],
+        "fgh": row["fgh"],
         "logit_mask": "batch",
     }
 
@@ -97,6 +90,8 @@ def smoke_config(method: str) -> dict:
 
 def all_configs() -> dict[str, dict]:
     configs = {}
+    from pilot_online.config import VARIANTS
+
     for method in METHODS:
         for variant in VARIANTS:
             for blurry in (False, True):
