@@ -32,7 +32,7 @@ import torch
 from timing import add_device_arguments, interleaved_medians, setup_device  # benchmarks/timing.py
 from torch import nn
 
-from pilot_online.fgh import FineGrainedHypergradients
+from pilot_online.core.fgh import FineGrainedHypergradients
 
 NamedParams = list[tuple[str, nn.Parameter]]
 CLASSIFIER_PREFIX = "fc."  # names of the classifier layer (the class granularity's group)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from timing import add_device_arguments, interleaved_medians, setup_device  # benchmarks/timing.py
 from torch import nn
 
-from pilot_online.prototypes import PrototypeBank
+from pilot_online.core.prototypes import PrototypeBank
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -1,7 +1,7 @@
 """Cost of a whole online training step with prototypes (P) and FGH, relative to the base step.
 
 Run ``python benchmarks/bench_step.py --device cpu`` (or ``--device cuda``). It builds four online
-loops with :func:`pilot_online.loop.build_loop` (the paper's ablation rows: base, + P, + FGH,
+loops with :func:`pilot_online.engine.loop.build_loop` (the paper's ablation rows: base, + P, + FGH,
 + P + FGH) around the same adapter and identically initialised networks, feeds every loop the
 same batches (random images ``[B, 3, 32, 32]``, labels in 10 classes), and times
 ``loop.train_step`` interleaved round-robin, so machine load hits every variant alike. It prints
@@ -9,9 +9,9 @@ steps/s and each variant's time relative to base: the paper claims P and FGH cos
 
 Adapters (``--model``):
 
-* ``vit``: the demo's :class:`pilot_online.demo.TimmViTAdapter` (a 6-block ViT-Tiny at 32 px with
-  random weights, frozen except its final norm and head; needs timm). Like the prompt methods,
-  the trainable set is small next to the frozen forward pass.
+* ``vit``: the demo's :class:`pilot_online.cli.demo.TimmViTAdapter` (a 6-block ViT-Tiny at
+  32 px with random weights, frozen except its final norm and head; needs timm). Like the prompt
+  methods, the trainable set is small next to the frozen forward pass.
 * ``mlp``: a small torch MLP defined here, every weight trainable, so FGH covers all ~1.8 M
   parameters and its cost is visible next to a cheap forward pass (a worst case for FGH).
 """
@@ -28,9 +28,9 @@ import torch
 from timing import add_device_arguments, interleaved_medians, setup_device  # benchmarks/timing.py
 from torch import nn
 
-from pilot_online.adapter import MethodAdapter, StepOutput
-from pilot_online.config import ONLINE_KEYS
-from pilot_online.loop import OnlineLoop, build_loop
+from pilot_online.engine.adapter import MethodAdapter, StepOutput
+from pilot_online.engine.config import ONLINE_KEYS
+from pilot_online.engine.loop import OnlineLoop, build_loop
 
 VARIANTS = {
     "base": {"online_prototypes": False, "fgh": None},
@@ -79,7 +79,7 @@ class MLPAdapter(MethodAdapter):
 
 def make_adapter(model: str, config: dict) -> MethodAdapter:
     if model == "vit":
-        from pilot_online.demo import TimmViTAdapter
+        from pilot_online.cli.demo import TimmViTAdapter
 
         return TimmViTAdapter(args=config)
     return MLPAdapter(args=config)

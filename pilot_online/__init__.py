@@ -11,9 +11,11 @@ The PILOT learners (``l2p_online``, ``dualprompt_online``, ``coda_online``) are 
 :func:`create_learner`, which PILOT's patched factory calls.
 """
 
-from .fgh import FineGrainedHypergradients, class_grad_norms
-from .prototypes import PrototypeBank
-from .registry import create_learner, get_method, list_methods, register_method
+from . import methods  # noqa: F401  (importing it registers the built-in methods)
+from .core.fgh import FineGrainedHypergradients, class_grad_norms
+from .core.prototypes import PrototypeBank
+from .engine.registry import get_method, list_methods, register_method
+from .pilot import create_learner
 from .version import __version__
 
 __all__ = [

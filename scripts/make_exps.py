@@ -27,13 +27,13 @@ METHODS = {
 
 
 def method_keys(model_name: str) -> dict:
-    from pilot_online.registry import get_method
+    from pilot_online.engine.registry import get_method
 
     return {key: spec.default for key, spec in get_method(model_name).config_keys.items()}
 
 
 def paper_config(method: str, variant: str, blurry: bool) -> dict:
-    from pilot_online.config import VARIANTS
+    from pilot_online.engine.config import VARIANTS
 
     model_name, backbone = METHODS[method]
     row = copy.deepcopy(VARIANTS[variant])  # the paper's ablation row: P and FGH on or off
@@ -90,7 +90,7 @@ def smoke_config(method: str) -> dict:
 
 def all_configs() -> dict[str, dict]:
     configs = {}
-    from pilot_online.config import VARIANTS
+    from pilot_online.engine.config import VARIANTS
 
     for method in METHODS:
         for variant in VARIANTS:

@@ -22,7 +22,7 @@ import models.dualprompt  # noqa: E402
 import models.l2p  # noqa: E402
 import utils.inc_net  # noqa: E402
 
-import pilot_online.learner  # noqa: E402
+import pilot_online.pilot.learner  # noqa: E402
 
 report: dict = {"boundary_calls": [], "task_ids": [], "changed": {}, "learner_calls": []}
 
@@ -52,7 +52,7 @@ def forward_probe(self, x, task_id=-1, train=False):
 
 utils.inc_net.PromptVitNet.forward = forward_probe
 
-Learner = pilot_online.learner.OnlineLearner
+Learner = pilot_online.pilot.learner.OnlineLearner
 learner_init, learner_eval = Learner.__init__, Learner.eval_task
 initial: dict[str, torch.Tensor] = {}
 

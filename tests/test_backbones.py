@@ -6,7 +6,7 @@ import pytest
 
 timm = pytest.importorskip("timm", reason="timm is not installed (pip install -e .)")
 
-from pilot_online.backbones import WeightsUnavailableError, timm_overrides  # noqa: E402
+from pilot_online.pilot.backbones import WeightsUnavailableError, timm_overrides  # noqa: E402
 
 
 def test_backbone_kwargs_reach_every_create_model_call():

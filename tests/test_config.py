@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pilot_online.adapter import MethodAdapter
-from pilot_online.config import ConfigError, key_reference, load_json, resolve_config
-from pilot_online.registry import get_method, list_methods, register_method
+from pilot_online.engine.adapter import MethodAdapter
+from pilot_online.engine.config import ConfigError, key_reference, load_json, resolve_config
+from pilot_online.engine.registry import get_method, list_methods, register_method
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPS = sorted((ROOT / "exps").glob("*.json"))
@@ -121,7 +121,7 @@ def test_key_reference_lists_every_method_key():
 
 
 def test_check_config_cli(tmp_path, capsys):
-    from pilot_online.cli import main
+    from pilot_online.cli.main import main
 
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(smoke(fhg=None)))
@@ -131,7 +131,7 @@ def test_check_config_cli(tmp_path, capsys):
 
 
 def test_readme_documents_every_online_key():
-    from pilot_online.config import ONLINE_KEYS
+    from pilot_online.engine.config import ONLINE_KEYS
 
     readme = (ROOT / "README.md").read_text()
     missing = [key for key in ONLINE_KEYS if f"`{key}`" not in readme]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pilot_online.datasets import DATASETS, SyntheticSpec, dataset_spec, make_synthetic
+from pilot_online.core.datasets import DATASETS, SyntheticSpec, dataset_spec, make_synthetic
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from pilot_online import fgh as fgh_module
-from pilot_online.fgh import FineGrainedHypergradients, class_grad_norms
+from pilot_online.core import fgh as fgh_module
+from pilot_online.core.fgh import FineGrainedHypergradients, class_grad_norms
 
 T = torch.tensor
 

@@ -16,12 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pilot_online.adapter import MethodAdapter, StepOutput
-from pilot_online.fgh import FGHMixin
-from pilot_online.loop import NonFiniteLossError, OnlineLoop, build_loop
-from pilot_online.prototypes import PrototypeMixin
-from pilot_online.session import OnlineSession
-from pilot_online.streams import clear_stream
+from pilot_online.core.streams import clear_stream
+from pilot_online.engine.adapter import MethodAdapter, StepOutput
+from pilot_online.engine.loop import NonFiniteLossError, OnlineLoop, build_loop
+from pilot_online.engine.mixins import FGHMixin, PrototypeMixin
+from pilot_online.engine.session import OnlineSession
 
 D_IN, HIDDEN, C = 5, 8, 6
 # Training samples per class. Clear stream, init_cls=2, increment=2, batch_size=4:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pilot_online.masks import (
+from pilot_online.core.masks import (
     LOGIT_MASKS,
     batch_mask,
     classes_present,

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from pilot_online.metrics import (
+from pilot_online.core.metrics import (
     accuracy_matrix,
     area_under_curve,
     average_accuracy,

@@ -1,4 +1,4 @@
-"""Tests for pilot_online.patching: the diffs against pinned PILOT and the setup command.
+"""Tests for pilot_online.pilot.patching: the diffs against pinned PILOT and the setup command.
 
 The first half needs no PILOT. The second half works on a copy of a real LAMDA-PILOT checkout
 named by $PILOT_ROOT and is skipped without it.
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pilot_online import patching
-from pilot_online.patching import PatchError
+from pilot_online.pilot import patching
+from pilot_online.pilot.patching import PatchError
 
 FAKE_CONFIG = "online_fake.json"
 PILOT_SKIP_REASON = (
@@ -268,7 +268,7 @@ def test_apply_check_revert_round_trip(
     factory = (checkout / "utils/factory.py").read_text()
     data_manager = (checkout / "utils/data_manager.py").read_text()
     assert "assert 0" not in factory
-    assert "from pilot_online.registry import create_learner" in factory
+    assert "from pilot_online.pilot import create_learner" in factory
     assert "idata.download_data()" not in data_manager
     assert "prepare(idata, dataset_name, self.args)" in data_manager
     assert "return get_idata(dataset_name, args)" in data_manager

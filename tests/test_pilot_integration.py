@@ -8,44 +8,21 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import copy_pilot, offline_env, requires_pilot
 
-from pilot_online.config import load_json
-from pilot_online.patching import apply
-from pilot_online.results import load_results
+from pilot_online.core.results import load_results
+from pilot_online.engine.config import load_json
 
-PILOT_ROOT = os.environ.get("PILOT_ROOT")
-pytestmark = pytest.mark.skipif(
-    not PILOT_ROOT,
-    reason="PILOT_ROOT is not set: point it at a LAMDA-PILOT checkout (commit 5240714) to run "
-    "PILOT integration tests",
-)
+pytestmark = requires_pilot
 HERE = Path(__file__).resolve().parent
 EXPS = HERE.parent / "exps"
 DRIVER = HERE / "pilot_driver.py"
 METHODS = ("coda", "l2p", "dualprompt")
-
-
-@pytest.fixture(scope="module")
-def pilot(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("pilot") / "LAMDA-PILOT"
-    shutil.copytree(PILOT_ROOT, root, ignore=shutil.ignore_patterns(".git", "logs", "data"))
-    apply(root)
-    return root
-
-
-def offline_env(tmp_path: Path) -> dict[str, str]:
-    """No network (a closed loopback proxy) and an empty weights cache."""
-    env = dict(os.environ, TORCH_HOME=str(tmp_path / "torch-home"), PYTHONUNBUFFERED="1")
-    for key in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
-        env[key] = "http://127.0.0.1:9"
-    return env
 
 
 def tiny_config(method: str, variant: str, stream: str, results_dir: Path) -> dict:
@@ -183,8 +160,7 @@ def test_cli_run_from_elsewhere_writes_one_results_file_per_seed(pilot, tmp_path
 
 
 def test_cli_run_refuses_an_unpatched_checkout(tmp_path):
-    unpatched = tmp_path / "LAMDA-PILOT"
-    shutil.copytree(PILOT_ROOT, unpatched, ignore=shutil.ignore_patterns(".git", "logs", "data"))
+    unpatched = copy_pilot(tmp_path / "LAMDA-PILOT")
     done = run(
         [
             "-m",

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pilot_online.prototypes import PrototypeBank
+from pilot_online.core.prototypes import PrototypeBank
 
 
 def _tiny_classifier(rows: list[list[float]]) -> torch.nn.Linear:

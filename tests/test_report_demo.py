@@ -12,18 +12,18 @@ import torch
 from torch import nn
 
 from pilot_online import cli
-from pilot_online.adapter import MethodAdapter, StepOutput
-from pilot_online.loop import build_loop
-from pilot_online.report import (
+from pilot_online.cli.report import (
     collect,
     format_table,
     plot_gradient_imbalance,
     plot_task_gradient_trace,
     variant_label,
 )
-from pilot_online.results import load_results
-from pilot_online.session import OnlineSession
-from pilot_online.streams import clear_stream
+from pilot_online.core.results import load_results
+from pilot_online.core.streams import clear_stream
+from pilot_online.engine.adapter import MethodAdapter, StepOutput
+from pilot_online.engine.loop import build_loop
+from pilot_online.engine.session import OnlineSession
 
 C, D_IN, HIDDEN = 6, 5, 8
 SEEDS = (0, 1, 2)
@@ -210,7 +210,8 @@ def test_cli_report(tmp_path, runs, capsys) -> None:
 
 def test_demo_runs_both_variants(tmp_path, monkeypatch, capsys) -> None:
     pytest.importorskip("timm", reason="the demo's ViT comes from timm (pip install timm)")
-    from pilot_online import datasets, demo
+    from pilot_online.cli import demo
+    from pilot_online.core import datasets
 
     # Fewer test images keep the test fast; the stream (50 classes x 10 images) is untouched.
     def small_test_set(**kwargs):

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pilot_online import results as results_module
-from pilot_online.results import (
+from pilot_online.core import results as results_module
+from pilot_online.core.results import (
     SCHEMA_VERSION,
     build_results,
     load_results,

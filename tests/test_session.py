@@ -17,12 +17,12 @@ import pytest
 import torch
 from torch import nn
 
-from pilot_online import session as session_module
-from pilot_online.adapter import MethodAdapter, StepOutput
-from pilot_online.loop import OnlineLoop
-from pilot_online.results import load_results
-from pilot_online.session import ArrayDataSource, OnlineSession, unique_results_path
-from pilot_online.streams import clear_stream, si_blurry_stream
+from pilot_online.core.results import load_results
+from pilot_online.core.streams import clear_stream, si_blurry_stream
+from pilot_online.engine import session as session_module
+from pilot_online.engine.adapter import MethodAdapter, StepOutput
+from pilot_online.engine.loop import OnlineLoop
+from pilot_online.engine.session import ArrayDataSource, OnlineSession, unique_results_path
 
 C, D_IN, HIDDEN = 6, 4, 3
 # Training samples per class; test samples per class (class 0 has two test samples).

@@ -1,4 +1,4 @@
-"""Tests for pilot_online.streams: PILOT's clear split and the Si-Blurry stream.
+"""Tests for pilot_online.core.streams: PILOT's clear split and the Si-Blurry stream.
 
 Expected numbers are worked out by hand in the comments (SI_BLURRY.md steps 2 and 6; PILOT
 DataManager's increments), never taken from the code's own output.
@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from pilot_online.streams import (
+from pilot_online.core.streams import (
     STREAMS,
     Batch,
     Stream,

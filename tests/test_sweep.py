@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pilot_online import sweep
-from pilot_online.config import PAPER_FGH, ConfigError, load_json
+from pilot_online.cli import sweep
+from pilot_online.engine.config import PAPER_FGH, ConfigError, load_json
 
 EXPS = Path(__file__).resolve().parent.parent / "exps"
 SMOKE = EXPS / "smoke_coda_online.json"

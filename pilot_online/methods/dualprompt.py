@@ -11,9 +11,9 @@ from typing import ClassVar
 
 from torch import nn
 
-from .adapter import ConfigKey
+from ..engine.adapter import ConfigKey
+from ..engine.registry import register_method
 from .l2p import PROMPT_POOL_KEYS, L2POnline
-from .registry import register_method
 
 # In upstream exps/dualprompt.json's order (later duplicates keep their first position).
 _HEAD = ("get_original_backbone", "global_pool", "head_type", "freeze")

@@ -1,9 +1,9 @@
 """The one online training step, with named phases and a few hooks.
 
 A step runs zero_grad -> forward -> loss -> backward -> transform gradients -> optimizer step ->
-after-step. Mixins (:class:`~pilot_online.prototypes.PrototypeMixin`,
-:class:`~pilot_online.fgh.FGHMixin`) override the hooks and call ``super()``; every hook has a no-op
-default here. Hooks return values (loss terms, report entries) instead of writing shared state.
+after-step. Mixins (``engine/mixins.py``: ``PrototypeMixin``, ``FGHMixin``) override the hooks and
+call ``super()``; every hook has a no-op default here. Hooks return values (loss terms, report
+entries) instead of writing shared state.
 
 This module needs no PILOT: the PILOT learner and the core demo both drive an :class:`OnlineLoop`.
 """
@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.fgh import class_grad_norms
+from ..core.masks import classes_present, mask_logits, training_mask
 from .adapter import MethodAdapter, StepOutput
-from .fgh import class_grad_norms
-from .masks import classes_present, mask_logits, training_mask
 
 logger = logging.getLogger(__name__)
 
@@ -213,8 +213,7 @@ def build_loop(
 ) -> OnlineLoop:
     """An :class:`OnlineLoop` with the mixins the config asks for: the paper's four ablation rows
     (base, + P, + FGH, + P + FGH) are four compositions of the same loop."""
-    from .fgh import FGHMixin
-    from .prototypes import PrototypeMixin
+    from .mixins import FGHMixin, PrototypeMixin
 
     mixins: list[type] = []
     if config.get("online_prototypes"):

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .results import RESULTS_SUFFIX, load_results
+from ..core.results import RESULTS_SUFFIX, load_results
 
 METRIC_COLUMNS = ("AP", "A_T", "forgetting", "A_auc")
 

@@ -10,8 +10,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import patching
-from .config import ConfigError, key_reference, load_json, resolve_config
+from ..engine.config import ConfigError, key_reference, load_json, resolve_config
+from ..pilot import patching
 from .sweep import add_sweep_arguments, run_sweep
 
 

@@ -142,7 +142,7 @@ def _check_fgh(fgh: Any) -> None:
             f"unknown fgh key(s) {unknown}{_suggest(unknown[0], list(FGH_KEYS))}; "
             f"valid: {', '.join(FGH_KEYS)}"
         )
-    from .fgh import validate_options
+    from ..core.fgh import validate_options
 
     try:
         validate_options(**fgh)

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import VARIANTS, ConfigError, load_json, resolve_config
+from ..engine.config import VARIANTS, ConfigError, load_json, resolve_config
 
 
 def parse_grid(items: list[str]) -> dict[str, list[Any]]:

@@ -168,7 +168,7 @@ def validate_results(results: Any) -> None:
     if missing:
         raise ValueError(
             f"results are missing required keys: {', '.join(missing)} "
-            "(see the schema in pilot_online.results)."
+            "(see the schema in pilot_online.core.results)."
         )
 
 

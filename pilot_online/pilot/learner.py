@@ -15,14 +15,14 @@ from typing import Any
 
 from models.base import BaseLearner  # PILOT: this module is imported lazily
 
-from .adapter import MethodAdapter
+from ..core.results import results_path
+from ..core.streams import build_stream
+from ..engine.adapter import MethodAdapter
+from ..engine.config import resolve_config
+from ..engine.loop import build_loop
+from ..engine.session import OnlineSession, unique_results_path
 from .backbones import timm_overrides
-from .config import resolve_config
-from .loop import build_loop
-from .pilot_data import PilotDataSource
-from .results import results_path
-from .session import OnlineSession, unique_results_path
-from .streams import build_stream
+from .data import PilotDataSource
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 PILOT's patched ``utils/data_manager.py`` calls :func:`get_idata` for dataset names it does not know
 and :func:`prepare` instead of ``idata.download_data()``. :class:`PilotDataSource` serves a
-:class:`~pilot_online.session.OnlineSession` from a ``DataManager``'s raw arrays, in stream order
-(``DataManager.get_dataset`` concatenates class by class and would lose the stream's order).
+:class:`~pilot_online.engine.session.OnlineSession` from a ``DataManager``'s raw arrays, in
+stream order (``DataManager.get_dataset`` concatenates class by class and would lose that order).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .datasets import DATASETS, dataset_spec, make_synthetic
+from ..core.datasets import DATASETS, dataset_spec, make_synthetic
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def prepare(idata: Any, dataset_name: str, args: dict[str, Any]) -> None:
 def _base_model_name(args: dict[str, Any] | None) -> str | None:
     if not args or not args.get("model_name"):
         return None
-    from .registry import get_method
+    from ..engine.registry import get_method
 
     try:
         return get_method(str(args["model_name"])).base_model_name

@@ -29,13 +29,10 @@ import logging
 import math
 import numbers
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from .loop import OnlineLoop
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +41,6 @@ __all__ = [
     "DEFAULT_GAMMA",
     "DIRECTIONS",
     "GRANULARITIES",
-    "FGHMixin",
     "FineGrainedHypergradients",
     "class_grad_norms",
     "validate_options",
@@ -818,47 +814,3 @@ def validate_options(**options: Any) -> dict[str, Any]:
         raise TypeError(f"unknown FGH option(s) {unknown}; valid: {', '.join(OPTION_KEYS)}")
     defaults = FineGrainedHypergradients.__init__.__kwdefaults__
     return _check_options({**defaults, **options})
-
-
-class FGHMixin:
-    """Online-loop mixin: FGH reweights the gradients between backward and the optimiser step.
-
-    ``granularity="class"`` covers the classifier layer only (the appendix algorithm); the other
-    granularities cover every trainable parameter (Eq. 8).
-    """
-
-    fgh: FineGrainedHypergradients
-
-    def setup(self: OnlineLoop) -> None:
-        super().setup()
-        options = dict(self.config["fgh"])
-        named = self.named_parameters
-        if options.get("granularity") == "class":
-            layer = {id(p) for p in self.adapter.classifier(self.network).parameters()}
-            named = [(name, p) for name, p in named if id(p) in layer]
-        self.fgh = FineGrainedHypergradients(named, **options)
-        if self.fgh.defaults["apply"] == "update":
-            self.fgh.attach(self.optimizer)
-
-    def transform_gradients(self: OnlineLoop) -> None:
-        super().transform_gradients()
-        self.fgh.step()
-
-    def report(self: OnlineLoop) -> dict[str, Any]:
-        report = super().report()
-        alphas = {}
-        for name, alpha in self.fgh.coefficients().items():
-            alpha = alpha.float()
-            alphas[name] = {
-                "mean": alpha.mean().item(),
-                "std": alpha.std(correction=0).item(),
-                "min": alpha.min().item(),
-                "max": alpha.max().item(),
-            }
-        report["fgh"] = {
-            "options": validate_options(**self.config["fgh"]),
-            "steps": self.fgh.num_steps,
-            "skipped_nonfinite": int(self.fgh.num_skipped),
-            "alpha": alphas,
-        }
-        return report

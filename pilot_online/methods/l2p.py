@@ -17,8 +17,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from .adapter import ConfigKey, MethodAdapter, StepOutput
-from .registry import register_method
+from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.registry import register_method
 
 PROMPT_POOL_KEYS: dict[str, ConfigKey] = {
     "get_original_backbone": ConfigKey(True, "frozen query ViT that selects prompts", forced=True),

@@ -8,16 +8,12 @@ FC layer ("FC recalibration") keeps old classes' logits calibrated without stori
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from .masks import check_labels
-
-if TYPE_CHECKING:
-    from .adapter import StepOutput
-    from .loop import OnlineLoop
 
 _LOG = logging.getLogger(__name__)
 
@@ -133,37 +129,3 @@ class PrototypeBank(torch.nn.Module):
         per_class = F.cross_entropy(logits, targets, reduction="none")
         per_class = torch.where(seen, per_class, torch.zeros_like(per_class))
         return per_class.sum() / seen.sum().clamp(min=1)
-
-
-class PrototypeMixin:
-    """Online-loop mixin: adds L_P (Eq. 2) to the loss and, after the optimiser step, folds the
-    step's features (computed before the update, detached) into the prototypes (Eq. 1)."""
-
-    prototypes: PrototypeBank
-
-    def setup(self: OnlineLoop) -> None:
-        super().setup()
-        layer = self.adapter.classifier(self.network)
-        self.prototypes = PrototypeBank(
-            self.num_classes,
-            layer.in_features,
-            device=layer.weight.device,
-            dtype=layer.weight.dtype,
-        )
-
-    def loss_terms(self: OnlineLoop, out: StepOutput, labels: torch.Tensor) -> dict[str, Any]:
-        terms = super().loss_terms(out, labels)
-        terms["prototypes"] = self.prototypes.loss(self.adapter.classifier(self.network))
-        return terms
-
-    def after_step(self: OnlineLoop, out: StepOutput, labels: torch.Tensor) -> None:
-        super().after_step(out, labels)
-        self.prototypes.update(out.features, labels, validate=False)
-
-    def report(self: OnlineLoop) -> dict[str, Any]:
-        report = super().report()
-        report["prototypes"] = {
-            "classes": int(self.prototypes.seen.sum()),
-            "samples": int(self.prototypes.counts.sum()),
-        }
-        return report

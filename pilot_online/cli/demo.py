@@ -17,13 +17,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from .adapter import MethodAdapter, StepOutput
-from .config import ONLINE_KEYS, VARIANTS
-from .datasets import make_synthetic
-from .loop import build_loop
+from ..core.datasets import make_synthetic
+from ..core.streams import clear_stream
+from ..engine.adapter import MethodAdapter, StepOutput
+from ..engine.config import ONLINE_KEYS, VARIANTS
+from ..engine.loop import build_loop
+from ..engine.session import ArrayDataSource, OnlineSession
 from .report import variant_label
-from .session import ArrayDataSource, OnlineSession
-from .streams import clear_stream
 
 logger = logging.getLogger(__name__)
 

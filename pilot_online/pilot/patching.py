@@ -43,8 +43,8 @@ UPSTREAM_SHA256: dict[str, str] = {
     "utils/data_manager.py": "74601c9c46d1e51ee95ee20c8a261b28325b997586bd3bf6e78a361d41289857",
 }
 PATCHED_SHA256: dict[str, str] = {
-    "utils/factory.py": "f6aca835f4dcde81be65479292bd70b610e3041e1b26b42ee9f2c41c43402120",
-    "utils/data_manager.py": "b40ad2df6437b88aba8d56c8c45bfcd14d0d9a6651a5354db76a0883b26f5505",
+    "utils/factory.py": "e003f1a35a38bc7978997c40c4f0081d1e818c3dd126820d0dd752202b22d2fc",
+    "utils/data_manager.py": "8de062bc17cfee47f938751c088e21f3160f84ec45cf00705c45a96d79c62379",
 }
 
 # Files whose presence tells a LAMDA-PILOT checkout apart from any other folder.
@@ -71,7 +71,7 @@ class PatchError(RuntimeError):
 
 def _repo_dir(name: str) -> Path:
     """A top-level folder of the pilot-online checkout (it ships next to the package)."""
-    path = Path(__file__).resolve().parent.parent / name
+    path = Path(__file__).resolve().parents[2] / name
     if not path.is_dir():
         raise PatchError(
             f"pilot-online's {name}/ folder was not found at {path}: it lives in the source "

@@ -18,8 +18,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from .adapter import ConfigKey, MethodAdapter, StepOutput
-from .registry import register_method
+from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.registry import register_method
 
 
 def orthogonality_penalty(t: torch.Tensor) -> torch.Tensor:

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from . import metrics
+from ..core import metrics
+from ..core.results import build_results, to_jsonable, write_results
+from ..core.streams import Stream
 from .loop import OnlineLoop
-from .results import build_results, to_jsonable, write_results
-from .streams import Stream
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class OnlineSession:
         return metrics.accuracy_matrix(self.columns, self.stream.num_tasks)
 
     def results(self, status: str = "complete", error: str | None = None) -> dict[str, Any]:
-        """Everything the run measured, in the results schema (see :mod:`pilot_online.results`)."""
+        """Everything the run measured, in the results schema (``core/results.py``)."""
         loop = self.loop
         history = np.stack(self.class_history) if self.class_history else None
         summary = metrics.summarize(
