@@ -11,6 +11,10 @@ still separate the classes.
 
 Generation is vectorised numpy, seeded by dedicated ``np.random.Generator`` objects, and
 deterministic: the same ``SyntheticSpec`` always yields identical arrays.
+
+This module also holds the one list of dataset names a config may use: the plugin's synthetic
+``DATASETS`` and ``PILOT_DATASETS``, the names PILOT 5240714's ``utils/data.py`` defines, with the
+folders it reads them from and where the data comes from (plain data: no PILOT import).
 """
 
 from __future__ import annotations
@@ -90,6 +94,77 @@ DATASETS: dict[str, SyntheticSpec] = {
     # For end-to-end tests through PILOT: two tasks of four classes, four steps of 40.
     "synthetic_tiny": SyntheticSpec(num_classes=8, train_per_class=20, test_per_class=5),
 }
+
+
+@dataclass(frozen=True)
+class PilotDataset:
+    """Where PILOT's ``utils/data.py`` reads one dataset: ``folders`` are relative to the working
+    directory PILOT runs in; ``source`` says where the data comes from."""
+
+    folders: tuple[str, ...]
+    source: str
+
+
+_CIFAR_SOURCE = (
+    "torchvision downloads it (download=True) from https://www.cs.toronto.edu/~kriz/cifar.html; "
+    "offline, extract {archive} into ./data"
+)
+_README_SOURCE = (
+    "the {what} split linked in the Datasets section of PILOT's README.md, unpacked as "
+    "ImageFolders (one sub-folder of images per class)"
+)
+_IMAGENET_SOURCE = (
+    "{what} as ImageFolders. PILOT's utils/data.py stops on purpose (`assert 0, \"You should "
+    'specify the folder of your dataset"`) until you edit {cls}.download_data: delete the assert '
+    "and set train_dir/test_dir to your folders, or create the placeholder folders above"
+)
+
+#: Every dataset name PILOT 5240714's ``utils/data.py`` defines (``_get_idata``).
+PILOT_DATASETS: dict[str, PilotDataset] = {
+    "cifar10": PilotDataset(
+        ("data/cifar-10-batches-py",), _CIFAR_SOURCE.format(archive="cifar-10-python.tar.gz")
+    ),
+    "cifar100": PilotDataset(
+        ("data/cifar-100-python",), _CIFAR_SOURCE.format(archive="cifar-100-python.tar.gz")
+    ),
+    "cifar224": PilotDataset(
+        ("data/cifar-100-python",), _CIFAR_SOURCE.format(archive="cifar-100-python.tar.gz")
+    ),
+    "cub": PilotDataset(("data/cub/train", "data/cub/test"), _README_SOURCE.format(what="CUB-200")),
+    "imagenetr": PilotDataset(
+        ("data/imagenet-r/train", "data/imagenet-r/test"),
+        _README_SOURCE.format(what="ImageNet-R"),
+    ),
+    "imageneta": PilotDataset(
+        ("data/imagenet-a/train", "data/imagenet-a/test"),
+        _README_SOURCE.format(what="ImageNet-A"),
+    ),
+    "objectnet": PilotDataset(
+        ("data/objectnet/train", "data/objectnet/test"),
+        _README_SOURCE.format(what="ObjectNet"),
+    ),
+    "omnibenchmark": PilotDataset(
+        ("data/omnibenchmark/train", "data/omnibenchmark/test"),
+        _README_SOURCE.format(what="OmniBenchmark"),
+    ),
+    "vtab": PilotDataset(
+        ("data/vtab-cil/vtab/train", "data/vtab-cil/vtab/test"),
+        _README_SOURCE.format(what="VTAB"),
+    ),
+    "imagenet100": PilotDataset(
+        ("[DATA-PATH]/train", "[DATA-PATH]/val"),
+        _IMAGENET_SOURCE.format(what="ImageNet-100", cls="iImageNet100"),
+    ),
+    "imagenet1000": PilotDataset(
+        ("[DATA-PATH]/train", "[DATA-PATH]/val"),
+        _IMAGENET_SOURCE.format(what="ImageNet-1k (https://image-net.org)", cls="iImageNet1000"),
+    ),
+}
+
+
+def dataset_names() -> dict[str, list[str]]:
+    """Valid ``dataset`` values by owner, sorted: ``{"PILOT": [...], "pilot-online": [...]}``."""
+    return {"PILOT": sorted(PILOT_DATASETS), "pilot-online": sorted(DATASETS)}
 
 
 def dataset_spec(name: str, **overrides: object) -> SyntheticSpec:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..core.datasets import dataset_names
 from .adapter import ConfigKey
 
 LOGIT_MASKS = ("batch", "seen", "none")
@@ -131,6 +132,19 @@ def _check_choice(cfg: Mapping[str, Any], key: str, choices: tuple[str, ...]) ->
         raise ConfigError(f"{key}={cfg[key]!r} is not one of {', '.join(choices)}")
 
 
+def _check_dataset(name: Any) -> None:
+    """PILOT looks names up case-insensitively; an unknown one would fail only after setup."""
+    owners = dataset_names()
+    valid = [n for names in owners.values() for n in names]
+    if not isinstance(name, str) or name.lower() not in valid:
+        listing = "; ".join(
+            f"{owner} datasets: {', '.join(names)}" for owner, names in owners.items()
+        )
+        raise ConfigError(
+            f"unknown dataset {name!r}{_suggest(str(name).lower(), valid)}. {listing}"
+        )
+
+
 def _check_fgh(fgh: Any) -> None:
     if fgh is None:
         return
@@ -190,6 +204,7 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
             f"PILOT needs one containing {adapter.backbone_marker!r}, e.g. "
             f"'vit_base_patch16_224{adapter.backbone_marker}'"
         )
+    _check_dataset(cfg["dataset"])
     _check_choice(cfg, "stream", STREAMS)
     _check_choice(cfg, "si_blurry_selection", BLURRED_SELECTIONS)
     _check_choice(cfg, "logit_mask", LOGIT_MASKS)

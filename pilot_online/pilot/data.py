@@ -8,32 +8,17 @@ stream order (``DataManager.get_dataset`` concatenates class by class and would 
 
 from __future__ import annotations
 
-import inspect
 import logging
-import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..core.datasets import DATASETS, dataset_spec, make_synthetic
+from ..core.datasets import DATASETS, PILOT_DATASETS, dataset_names, dataset_spec, make_synthetic
 
 logger = logging.getLogger(__name__)
-
-#: Where PILOT expects each dataset, for the error a user sees when it is missing.
-DATA_HINTS = {
-    "cifar224": "torchvision downloads CIFAR-100 into ./data; offline, put the extracted "
-    "cifar-100-python/ folder under ./data",
-    "cifar100": "torchvision downloads CIFAR-100 into ./data; offline, put the extracted "
-    "cifar-100-python/ folder under ./data",
-    "cub": "put CUB-200 as ImageFolders under ./data/cub/train and ./data/cub/test",
-    "imagenetr": "put ImageNet-R as ImageFolders under ./data/imagenet-r/train and "
-    "./data/imagenet-r/test",
-    "imageneta": "put ImageNet-A as ImageFolders under ./data/imagenet-a/train and "
-    "./data/imagenet-a/test",
-    "vtab": "put VTAB as ImageFolders under ./data/vtab/train and ./data/vtab/test",
-}
 
 
 class DatasetUnavailableError(RuntimeError):
@@ -67,29 +52,43 @@ def get_idata(dataset_name: str, args: dict[str, Any] | None = None) -> Syntheti
     name = dataset_name.lower()
     if name in DATASETS:
         return SyntheticIData(name)
-    raise NotImplementedError(
-        f"Unknown dataset {dataset_name!r}. PILOT datasets: {', '.join(sorted(DATA_HINTS))}, "
-        f"objectnet, omnibenchmark, imagenet100, imagenet1000, cifar10; "
-        f"pilot-online datasets: {', '.join(sorted(DATASETS))}"
-    )
+    listing = "; ".join(f"{owner} datasets: {', '.join(n)}" for owner, n in dataset_names().items())
+    raise NotImplementedError(f"Unknown dataset {dataset_name!r}. {listing}")
 
 
 def prepare(idata: Any, dataset_name: str, args: dict[str, Any]) -> None:
-    """Load the data (a missing dataset stops with what to fix) and give online learners the
-    transforms upstream gives their base method (PILOT picks CIFAR's CODA transforms by the literal
-    model name ``coda_prompt``)."""
+    """Load the data, and give online learners the transforms upstream gives their base method.
+
+    Called by the patched ``DataManager._setup_data`` instead of ``idata.download_data()``, so a
+    missing dataset stops here, before PILOT's trainer builds any network. PILOT picks some
+    transforms by the literal model name (``coda_prompt`` on cifar224/imagenetr): the iData is
+    rebuilt the way upstream's own ``_get_idata`` builds it, with the base method's name.
+    """
     try:
         idata.download_data()
-    except (OSError, RuntimeError) as err:
-        hint = DATA_HINTS.get(dataset_name.lower(), "see PILOT's utils/data.py for the paths")
-        raise DatasetUnavailableError(
-            f"dataset {dataset_name!r} could not be loaded (working directory {os.getcwd()}): "
-            f'{err}. {hint}. To try the pipeline offline, use "dataset": "synthetic"'
-        ) from err
+    except (AssertionError, OSError, RuntimeError) as err:
+        # ImageFolder raises FileNotFoundError, a failed CIFAR download URLError or RuntimeError,
+        # and PILOT's imagenet100/imagenet1000 an AssertionError until their folders are set.
+        raise DatasetUnavailableError(_unavailable_message(dataset_name, err)) from err
     base = _base_model_name(args)
-    if base and "args" in inspect.signature(type(idata).__init__).parameters:
-        upstream = type(idata)({**args, "model_name": base})
+    if base and dataset_name.lower() not in DATASETS:
+        from utils.data_manager import _get_idata  # PILOT (the caller's own module)
+
+        upstream = _get_idata(dataset_name, {**args, "model_name": base})
         idata.train_trsf, idata.test_trsf = upstream.train_trsf, upstream.test_trsf
+        idata.common_trsf = upstream.common_trsf
+
+
+def _unavailable_message(dataset_name: str, err: BaseException) -> str:
+    cwd = Path.cwd()
+    message = f"dataset {dataset_name!r} could not be loaded (working directory {cwd}): {err}."
+    where = PILOT_DATASETS.get(dataset_name.lower())
+    if where is None:
+        message += " See PILOT's utils/data.py for the folders it reads."
+    else:
+        folders = " and ".join(str(cwd / folder) for folder in where.folders)
+        message += f" PILOT reads it from {folders}: {where.source}."
+    return message + ' To try the pipeline offline, use "dataset": "synthetic".'
 
 
 def _base_model_name(args: dict[str, Any] | None) -> str | None:
