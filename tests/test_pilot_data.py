@@ -377,6 +377,8 @@ def test_folder_dataset_runs_end_to_end_through_pilot_main(pilot, tmp_path):
         batch_size=2,
         eval_batch_size=8,
         results_dir=str(tmp_path / "results"),
+        online_prototypes=False,
+        fgh=None,
     )
     config_path = tmp_path / "config.json"
     config_path.write_text(json.dumps(config))
