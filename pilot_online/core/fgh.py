@@ -393,9 +393,9 @@ class FineGrainedHypergradients:
         foreach: use the ``torch._foreach_*`` path (None: yes).
 
     On a parameter's first step (nothing to pair with yet) alpha stays 1, the gradient is
-    unchanged and the signal is stored. Params whose ``.grad`` is None are skipped, state
-    untouched. Non-finite hypergradient entries are skipped (treated as 0) and counted in
-    ``num_skipped``, a device tensor read without a host sync; alpha never becomes NaN.
+    unchanged and the raw gradient is stored (apply="grad"). Params whose ``.grad`` is None are
+    skipped, state untouched. Non-finite hypergradient entries are skipped (treated as 0) and
+    counted in ``num_skipped``, a device tensor read without a host sync; alpha never becomes NaN.
 
     Where alphas live: ``state[p]["alpha"]`` for element and tensor; the classifier weight's
     state holds the class alphas (shape [C], shared with the bias); the group's first
