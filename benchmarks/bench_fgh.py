@@ -116,7 +116,7 @@ def make_variant(
         foreach=foreach,
     )
     if apply == "update":
-        fgh.attach(adam)
+        fgh.register_optimizer_hooks(adam)
     return adam, fgh
 
 
@@ -178,7 +178,6 @@ def memory_config(
             out[f"{label}_peak"] = torch.cuda.max_memory_allocated(device) - base
         if fgh is not None:
             out["state"] = state_bytes(fgh)
-            fgh.detach()
         del adam, fgh
     return out
 

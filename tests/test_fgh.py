@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from pilot_online.core import fgh as fgh_module
 from pilot_online.core.fgh import FineGrainedHypergradients, class_grad_norms
@@ -28,24 +29,19 @@ G2_W, G2_B = T([[1.0, -1.0], [-1.0, -1.0]]), T([-1.0, 1.0])
 #   tensor:  h_W = 1-1-5-2 = -7     -> 0.3;  h_b = 1+1 = 2 -> 1.2
 #   class:   h_0 = 1-1 + 1 = 1      -> 1.1;  h_1 = -5-2 + 1 = -6 -> 0.4
 #   global:  h = -7 + 2 = -5        -> 0.5
-# direction="adam", betas=(0.5, 0.5), eps=0, gamma=0.3. Per entry, with g1, g2:
-#   step 1: m = 0.5 g1, m_hat = m / 0.5 = g1; v_hat = g1^2; c1 = g1 / |g1| = sign(g1)
-#           -> c1 = W [[1, 1], [1, 1]], b [-1, 1]
-#   step 2: m_hat = (0.25 g1 + 0.5 g2) / 0.75 = (g1 + 2 g2) / 3; v_hat = (g1^2 + 2 g2^2) / 3
-#           (1, 1) -> 1 / 1 = 1;  (1, -1) -> (-1/3) / 1 = -1/3;  (5, -1) -> 1 / sqrt(9) = 1/3;
-#           (2, -1) -> 0;  bias (-1, -1) -> -1, (1, 1) -> 1
-#           -> c2 = W [[1, -1/3], [1/3, 0]], b [-1, 1]
-#   apply="grad": h = c2 * c1 = W [[1, -1/3], [1/3, 0]], b [1, 1]
-#     element: W [[1.3, 0.9], [1.1, 1.0]], b [1.3, 1.3]
-#     tensor:  h_W = 1 - 1/3 + 1/3 + 0 = 1 -> 1.3;  h_b = 2 -> 1.6
-#     class:   h_0 = 1 - 1/3 + 1 = 5/3 -> 1.5;  h_1 = 1/3 + 0 + 1 = 4/3 -> 1.4
-#     global:  h = 1 + 2 = 3 -> 1.9
-#   apply="update" with SGD: u1 = -delta / lr = g1, so
-#     h = c2 * g1 = W [[1, -1/3], [5/3, 0]], b [1, 1]
-#     element: W [[1.3, 0.9], [1.5, 1.0]], b [1.3, 1.3]
-#     tensor:  h_W = 1 - 1/3 + 5/3 = 7/3 -> 1.7;  h_b = 2 -> 1.6
-#     class:   h_0 = 5/3 -> 1.5;  h_1 = 5/3 + 0 + 1 = 8/3 -> 1.8
-#     global:  h = 7/3 + 2 = 13/3 -> 1 + 0.3 * 13/3 = 2.3
+# direction="adam", betas=(0.5, 0.5), eps=0, gamma=0.05 (appendix algorithm):
+#   step 1: nothing to pair with: the RAW g1 is stored, the moments are not touched.
+#   step 2: first moment update, bias correction with count 1: m = 0.5 g2, m_hat = g2,
+#           v_hat = g2^2, c2 = g2 / |g2| = g2 (every entry of g2 is +-1).
+#   apply="grad": h = c2 * g1 = g2 * g1;  apply="update" with SGD: u1 = -delta / lr = g1, so
+#   h = c2 * u1 = g2 * g1 too: W [[1, -1], [-5, -2]], b [1, 1].
+#     element: W [[1.05, 0.95], [0.75, 0.9]], b [1.05, 1.05]
+#     tensor:  h_W = -7 -> 1 - 0.35 = 0.65;  h_b = 2 -> 1.1
+#     class:   h_0 = 1 - 1 + 1 = 1 -> 1.05;  h_1 = -5 - 2 + 1 = -6 -> 0.7
+#     global:  h = -7 + 2 = -5 -> 0.75
+#   (The appendix order matters: the old order, moments from step 1 and c1 = sign(g1) stored,
+#   gives h = c2' * sign(g1) with c2' = (g1 + 2 g2) / sqrt(3 (g1^2 + 2 g2^2)), e.g. 1/3 at W[1,0]
+#   instead of -5. The three-step test below works the moments through.)
 # direction="grad" with apply="update" and SGD: u1 = g1, so the alphas equal apply="grad"'s.
 _GRAD_DIRECTION = {
     "element": ([[1.1, 0.9], [0.5, 0.8]], [1.1, 1.1]),
@@ -53,24 +49,17 @@ _GRAD_DIRECTION = {
     "class": ([[1.1, 1.1], [0.4, 0.4]], [1.1, 0.4]),
     "global": ([[0.5, 0.5], [0.5, 0.5]], [0.5, 0.5]),
 }
+_ADAM_DIRECTION = {
+    "element": ([[1.05, 0.95], [0.75, 0.9]], [1.05, 1.05]),
+    "tensor": ([[0.65, 0.65], [0.65, 0.65]], [1.1, 1.1]),
+    "class": ([[1.05, 1.05], [0.7, 0.7]], [1.05, 0.7]),
+    "global": ([[0.75, 0.75], [0.75, 0.75]], [0.75, 0.75]),
+}
 EXPECTED_ALPHA = {
-    **{(g, "grad", "grad"): v for g, v in _GRAD_DIRECTION.items()},
-    **{(g, "grad", "update"): v for g, v in _GRAD_DIRECTION.items()},
-    ("element", "adam", "grad"): ([[1.3, 0.9], [1.1, 1.0]], [1.3, 1.3]),
-    ("tensor", "adam", "grad"): ([[1.3, 1.3], [1.3, 1.3]], [1.6, 1.6]),
-    ("class", "adam", "grad"): ([[1.5, 1.5], [1.4, 1.4]], [1.5, 1.4]),
-    ("global", "adam", "grad"): ([[1.9, 1.9], [1.9, 1.9]], [1.9, 1.9]),
-    ("element", "adam", "update"): ([[1.3, 0.9], [1.5, 1.0]], [1.3, 1.3]),
-    ("tensor", "adam", "update"): ([[1.7, 1.7], [1.7, 1.7]], [1.6, 1.6]),
-    ("class", "adam", "update"): ([[1.5, 1.5], [1.8, 1.8]], [1.5, 1.8]),
-    ("global", "adam", "update"): ([[2.3, 2.3], [2.3, 2.3]], [2.3, 2.3]),
+    **{(g, "grad", apply): v for g, v in _GRAD_DIRECTION.items() for apply in ("grad", "update")},
+    **{(g, "adam", apply): v for g, v in _ADAM_DIRECTION.items() for apply in ("grad", "update")},
 }
-ALPHA_STATE = {  # where the alpha lives and its shape
-    "element": ("W", (2, 2)),
-    "tensor": ("W", ()),
-    "class": ("W", (2,)),
-    "global": ("group:0", ()),
-}
+ALPHA_SHAPE = {"element": (2, 2), "tensor": (), "class": (2,), "global": ()}
 MODES = list(
     itertools.product(
         ("element", "class", "tensor", "global"), ("grad", "adam"), ("grad", "update")
@@ -82,7 +71,7 @@ LR = 0.5
 def _tiny(granularity: str, direction: str, apply: str, foreach: bool):
     w, b = nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(2))
     extra = (
-        {"gamma": 0.1} if direction == "grad" else {"gamma": 0.3, "betas": (0.5, 0.5), "eps": 0.0}
+        {"gamma": 0.1} if direction == "grad" else {"gamma": 0.05, "betas": (0.5, 0.5), "eps": 0.0}
     )
     fgh = FineGrainedHypergradients(
         [("W", w), ("b", b)],
@@ -94,7 +83,7 @@ def _tiny(granularity: str, direction: str, apply: str, foreach: bool):
     )
     opt = torch.optim.SGD([w, b], lr=LR)
     if apply == "update":
-        fgh.attach(opt)
+        fgh.register_optimizer_hooks(opt)
     return w, b, fgh, opt
 
 
@@ -113,6 +102,9 @@ def test_every_mode_against_hand_values(granularity, direction, apply, foreach):
     fgh.step()
     # First step: nothing to pair with, alpha stays 1 and the gradient is unchanged.
     assert torch.equal(w.grad, G1_W) and torch.equal(b.grad, G1_B)
+    if direction == "adam":  # and the moments start only at step 2
+        assert fgh.state[w]["step"] == 0 and not fgh.state[w]["m"].any()
+        assert not fgh.state[w]["v"].any()
     opt.step()
     w.grad, b.grad = G2_W.clone(), G2_B.clone()
     fgh.step()
@@ -121,8 +113,10 @@ def test_every_mode_against_hand_values(granularity, direction, apply, foreach):
     coeffs = fgh.coefficients()
     torch.testing.assert_close(coeffs["W"], alpha_w, atol=1e-6, rtol=0)
     torch.testing.assert_close(coeffs["b"], alpha_b, atol=1e-6, rtol=0)
-    key, shape = ALPHA_STATE[granularity]
-    assert tuple(fgh.state[key]["alpha"].shape) == shape
+    # The alpha lives in W's state at every granularity (W owns the class rows and is the
+    # group's first param, which holds the global alpha); b has its own only for element/tensor.
+    assert tuple(fgh.state[w]["alpha"].shape) == ALPHA_SHAPE[granularity]
+    assert ("alpha" in fgh.state[b]) == (granularity in ("element", "tensor"))
 
     if apply == "grad":
         # The optimizer receives alpha * g2.
@@ -135,7 +129,7 @@ def test_every_mode_against_hand_values(granularity, direction, apply, foreach):
         torch.testing.assert_close(w.detach(), -LR * G1_W - LR * alpha_w * G2_W, atol=1e-6, rtol=0)
         torch.testing.assert_close(b.detach(), -LR * G1_B - LR * alpha_b * G2_B, atol=1e-6, rtol=0)
         # u2 = -(p2 - p1) / lr is the UNSCALED SGD direction g2.
-        torch.testing.assert_close(fgh.state["W"]["u"], G2_W, atol=1e-6, rtol=0)
+        torch.testing.assert_close(fgh.state[w]["u"], G2_W, atol=1e-6, rtol=0)
     assert fgh.num_steps == 2
 
 
@@ -167,7 +161,7 @@ def test_update_mode_with_adam_is_adam_hd(foreach):
     fgh = FineGrainedHypergradients(
         [("W", w), ("b", b)], gamma=0.1, apply="update", foreach=foreach
     )
-    fgh.attach(opt)
+    fgh.register_optimizer_hooks(opt)
     _drive(w, b, fgh, opt, [(G1_W, G1_B), (G2_W, G2_B)])
     torch.testing.assert_close(
         fgh.coefficients()["W"], T([[1.1, 0.9], [0.9, 0.9]]), atol=1e-6, rtol=0
@@ -175,9 +169,95 @@ def test_update_mode_with_adam_is_adam_hd(foreach):
     torch.testing.assert_close(w.detach(), T([[-0.21, -0.07], [-0.13, -0.1]]), atol=1e-6, rtol=0)
     torch.testing.assert_close(b.detach(), T([0.21, -0.21]), atol=1e-6, rtol=0)
     torch.testing.assert_close(
-        fgh.state["W"]["u"], T([[1.0, -1 / 3], [1 / 3, 0.0]]), atol=1e-6, rtol=0
+        fgh.state[w]["u"], T([[1.0, -1 / 3], [1 / 3, 0.0]]), atol=1e-6, rtol=0
     )
     assert torch.equal(w.grad, G2_W)  # gradients are never scaled in update mode
+
+
+# The appendix's Adam algorithm over three steps, worked by hand. One class of a final layer:
+# W [1, 1] and b [1], so the class row (the appendix's cat([W, b])) holds two entries,
+# (W, b). betas = (0.5, 0.5), eps = 0, gamma = 0.1.
+#   g1 = (0.5, -2),  g2 = (1, -5),  g3 = (-1, -1)
+# step 1: prev_grad is None: store the RAW g1 = (0.5, -2); m = v = 0; no update; grad unchanged.
+# step 2 (count 1): m = 0.5 * 0 + 0.5 * g2 = (0.5, -2.5);  v = 0.5 * g2^2 = (0.5, 12.5)
+#         m_hat = m / (1 - 0.5) = (1, -5);  v_hat = v / 0.5 = (1, 25)
+#         c2 = m_hat / sqrt(v_hat) = (1/1, -5/5) = (1, -1)
+#         h2 = c2 * g1 = (0.5, 2)
+#         element: alpha = 1 + 0.1 h2 = (1.05, 1.2);       grad = alpha * g2 = (1.05, -6)
+#         class:   alpha = 1 + 0.1 (0.5 + 2) = 1.25;       grad = 1.25 * g2 = (1.25, -6.25)
+#         prev = c2 = (1, -1)
+# step 3 (count 2): m = 0.5 (0.5, -2.5) + 0.5 (-1, -1) = (-0.25, -1.75)
+#         v = 0.5 (0.5, 12.5) + 0.5 (1, 1) = (0.75, 6.75)
+#         m_hat = m / (1 - 0.25) = (-1/3, -7/3);  v_hat = v / 0.75 = (1, 9)
+#         c3 = (-1/3, -7/9);  h3 = c3 * c2 = (-1/3, 7/9)
+#         element: alpha = (1.05 - 0.1/3, 1.2 + 0.7/9) = (1.016667, 1.277778)
+#                  grad = alpha * g3 = (-1.016667, -1.277778)
+#         class:   alpha = 1.25 + 0.1 (-1/3 + 7/9) = 1.25 + 0.4/9 = 1.294444
+#                  grad = (-1.294444, -1.294444)
+#         prev = c3 = (-1/3, -7/9)
+# (Moments from step 1 with c1 = sign(g1) stored instead would give h2[W] = sign(0.5) *
+#  (5/6) / sqrt(3/4) = 0.962, not 0.5: the first hypergradient ignored g1's size.)
+ADAM_GRADS = [(0.5, -2.0), (1.0, -5.0), (-1.0, -1.0)]
+ADAM_EXPECTED = {  # per step: (alpha W, alpha b, grad W, grad b, m, v, step count, prev)
+    "element": [
+        (1.0, 1.0, 0.5, -2.0, (0.0, 0.0), (0.0, 0.0), 0, (0.5, -2.0)),
+        (1.05, 1.2, 1.05, -6.0, (0.5, -2.5), (0.5, 12.5), 1, (1.0, -1.0)),
+        (
+            1.05 - 0.1 / 3,
+            1.2 + 0.7 / 9,
+            -(1.05 - 0.1 / 3),
+            -(1.2 + 0.7 / 9),
+            (-0.25, -1.75),
+            (0.75, 6.75),
+            2,
+            (-1 / 3, -7 / 9),
+        ),
+    ],
+    "class": [
+        (1.0, 1.0, 0.5, -2.0, (0.0, 0.0), (0.0, 0.0), 0, (0.5, -2.0)),
+        (1.25, 1.25, 1.25, -6.25, (0.5, -2.5), (0.5, 12.5), 1, (1.0, -1.0)),
+        (
+            1.25 + 0.4 / 9,
+            1.25 + 0.4 / 9,
+            -(1.25 + 0.4 / 9),
+            -(1.25 + 0.4 / 9),
+            (-0.25, -1.75),
+            (0.75, 6.75),
+            2,
+            (-1 / 3, -7 / 9),
+        ),
+    ],
+}
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("granularity", ["element", "class"])
+def test_adam_direction_three_steps_by_hand(granularity, foreach):
+    w, b = nn.Parameter(torch.zeros(1, 1)), nn.Parameter(torch.zeros(1))
+    fgh = FineGrainedHypergradients(
+        [("W", w), ("b", b)],
+        granularity=granularity,
+        direction="adam",
+        gamma=0.1,
+        betas=(0.5, 0.5),
+        eps=0.0,
+        foreach=foreach,
+    )
+    for (gw, gb), expected in zip(ADAM_GRADS, ADAM_EXPECTED[granularity]):
+        alpha_w, alpha_b, grad_w, grad_b, m, v, count, prev = expected
+        w.grad, b.grad = T([[gw]]), T([gb])
+        fgh.step()
+        coeffs = fgh.coefficients()
+        torch.testing.assert_close(coeffs["W"], T([[alpha_w]]), atol=1e-6, rtol=0)
+        torch.testing.assert_close(coeffs["b"], T([alpha_b]), atol=1e-6, rtol=0)
+        torch.testing.assert_close(w.grad, T([[grad_w]]), atol=1e-6, rtol=0)
+        torch.testing.assert_close(b.grad, T([grad_b]), atol=1e-6, rtol=0)
+        for param, i in ((w, 0), (b, 1)):
+            state = fgh.state[param]
+            torch.testing.assert_close(state["m"].flatten(), T([m[i]]), atol=1e-6, rtol=0)
+            torch.testing.assert_close(state["v"].flatten(), T([v[i]]), atol=1e-6, rtol=0)
+            torch.testing.assert_close(state["prev"].flatten(), T([prev[i]]), atol=1e-6, rtol=0)
+            assert state["step"] == count
 
 
 # --------------------------------------------------------------------------- single behaviours
@@ -198,7 +278,7 @@ def test_sign_agreeing_gradients_grow_alpha_disagreeing_shrink_it():
     p, fgh = _vector_fgh(gamma=0.1)
     _steps(p, fgh, [1.0, -1.0], [2.0, 2.0])
     # h = [1*2, -1*2] = [2, -2] -> alpha = [1.2, 0.8]
-    torch.testing.assert_close(fgh.state["p"]["alpha"], T([1.2, 0.8]))
+    torch.testing.assert_close(fgh.state[p]["alpha"], T([1.2, 0.8]))
     torch.testing.assert_close(p.grad, T([2.4, 1.6]))
 
 
@@ -206,12 +286,12 @@ def test_clamp_both_bounds():
     p, fgh = _vector_fgh(gamma=1.0, clamp=(0.5, 1.5))
     _steps(p, fgh, [1.0, 1.0], [3.0, -3.0])
     # 1 + 3 = 4 -> 1.5;  1 - 3 = -2 -> 0.5;  grads [3 * 1.5, -3 * 0.5]
-    assert torch.equal(fgh.state["p"]["alpha"], T([1.5, 0.5]))
+    assert torch.equal(fgh.state[p]["alpha"], T([1.5, 0.5]))
     assert torch.equal(p.grad, T([4.5, -1.5]))
     # Default clamp (0, 10): 1 + 4*4 = 17 -> 10;  1 + 1*(-3) = -2 -> 0 (alpha never negative)
     p, fgh = _vector_fgh(gamma=1.0)
     _steps(p, fgh, [4.0, 1.0], [4.0, -3.0])
-    assert torch.equal(fgh.state["p"]["alpha"], T([10.0, 0.0]))
+    assert torch.equal(fgh.state[p]["alpha"], T([10.0, 0.0]))
     assert torch.equal(p.grad, T([40.0, 0.0]))
 
 
@@ -221,12 +301,11 @@ def test_first_step_leaves_gradient_and_alpha_alone(granularity):
     _steps(p, fgh, [2.0, -4.0])
     assert torch.equal(p.grad, T([2.0, -4.0]))
     assert torch.equal(fgh.coefficients()["p"], T([1.0, 1.0]))
-    # Moments are updated on the first step, with the step count starting at 1:
-    # m = 0.1 g = [0.2, -0.4]; v = 0.001 g^2 = [0.004, 0.016]
-    state = fgh.state["p"]
-    assert state["step"] == 1
-    torch.testing.assert_close(state["m"], T([0.2, -0.4]))
-    torch.testing.assert_close(state["v"], T([0.004, 0.016]))
+    # Appendix algorithm: the raw g1 is stored as the previous signal; the moments wait for step 2.
+    state = fgh.state[p]
+    assert torch.equal(state["prev"], T([2.0, -4.0]))
+    assert state["step"] == 0
+    assert torch.equal(state["m"], T([0.0, 0.0])) and torch.equal(state["v"], T([0.0, 0.0]))
 
 
 def test_coefficients_does_not_create_state():
@@ -236,7 +315,7 @@ def test_coefficients_does_not_create_state():
     fgh.step()
     coeffs = fgh.coefficients()
     assert torch.equal(coeffs["b"], torch.ones(2)) and torch.equal(coeffs["W"], torch.ones(2, 2))
-    assert set(fgh.state) == {"W"}
+    assert len(fgh.state) == 1 and w in fgh.state
 
 
 def test_gamma_none_resolves_per_direction():
@@ -252,12 +331,12 @@ def test_params_without_grad_are_skipped_and_keep_their_state():
     fgh = FineGrainedHypergradients([("a", a), ("b", b)], gamma=0.1, direction="adam")
     a.grad, b.grad = T([1.0, 1.0]), T([1.0, 1.0])
     fgh.step()
-    before = copy.deepcopy(fgh.state["b"])
+    before = copy.deepcopy(fgh.state[b])
     a.grad, b.grad = T([1.0, 1.0]), None
     fgh.step()
-    assert fgh.state["a"]["step"] == 2 and fgh.state["b"]["step"] == 1
+    assert fgh.state[a]["step"] == 1 and fgh.state[b]["step"] == 0  # moment updates
     for field in ("m", "v", "prev", "alpha"):
-        assert torch.equal(fgh.state["b"][field], before[field])
+        assert torch.equal(fgh.state[b][field], before[field])
 
 
 @pytest.mark.parametrize("foreach", [False, True])
@@ -265,15 +344,15 @@ def test_non_finite_hypergradients_are_skipped_and_counted(foreach):
     p, fgh = _vector_fgh(gamma=0.1, foreach=foreach)
     _steps(p, fgh, [1.0, 1.0], [math.nan, 2.0])
     # h = [nan, 2]: entry 0 skipped, entry 1 -> 1.2
-    assert torch.equal(fgh.state["p"]["alpha"], T([1.0, 1.2]))
+    assert torch.equal(fgh.state[p]["alpha"], T([1.0, 1.2]))
     _steps(p, fgh, [math.inf, 1.0])
     # h = [inf * nan = nan, 1 * 2 = 2] -> [1.0, 1.4]
-    torch.testing.assert_close(fgh.state["p"]["alpha"], T([1.0, 1.4]))
+    torch.testing.assert_close(fgh.state[p]["alpha"], T([1.0, 1.4]))
     assert fgh.num_skipped.dtype == torch.int64 and int(fgh.num_skipped) == 2
     # A block alpha (global) skips its whole non-finite sum: h = nan*1 + 2*1 = nan -> alpha stays 1.
     p, fgh = _vector_fgh(gamma=0.1, granularity="global", foreach=foreach)
     _steps(p, fgh, [1.0, 1.0], [math.nan, 2.0])
-    assert torch.equal(fgh.state["group:0"]["alpha"], T(1.0))
+    assert torch.equal(fgh.state[p]["alpha"], T(1.0))
     assert int(fgh.num_skipped) == 1
 
 
@@ -367,7 +446,8 @@ def test_gamma_zero_is_plain_adam(granularity, direction):
     # apply="update": p <- snapshot + 1 * (p - snapshot) only rounds.
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    fgh = _make_fgh(model, granularity, gamma=0.0, direction=direction, apply="update").attach(opt)
+    fgh = _make_fgh(model, granularity, gamma=0.0, direction=direction, apply="update")
+    fgh.register_optimizer_hooks(opt)
     _train(model, opt, fgh, batches)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.allclose(p, q, atol=1e-6, rtol=1e-5)
@@ -389,7 +469,7 @@ def test_state_dict_round_trip_continues_identically(granularity, direction, app
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     fgh = _make_fgh(model, granularity, **options)
     if apply == "update":
-        fgh.attach(opt)
+        fgh.register_optimizer_hooks(opt)
     _train(model, opt, fgh, batches[:3])
 
     buffer = io.BytesIO()
@@ -403,7 +483,7 @@ def test_state_dict_round_trip_continues_identically(granularity, direction, app
     twin_fgh.load_state_dict(saved["fgh"])
     assert twin_fgh.param_groups[-1]["gamma"] == 0.05 and twin_fgh.num_steps == 3
     if apply == "update":
-        twin_fgh.attach(twin_opt)
+        twin_fgh.register_optimizer_hooks(twin_opt)
 
     _train(model, opt, fgh, batches[3:])
     _train(twin, twin_opt, twin_fgh, batches[3:])
@@ -414,48 +494,62 @@ def test_state_dict_round_trip_continues_identically(granularity, direction, app
     assert not torch.equal(fgh.coefficients()["2.weight"], torch.ones(3, 5))  # alpha did move
 
 
+def test_state_is_keyed_by_parameter_and_saved_by_position():
+    model = _model()
+    fgh = _make_fgh(model, "class", direction="adam", gamma=0.05)
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.1), fgh, _batches(2))
+    layer0_w, layer0_b, head_w, head_b = model.parameters()
+    assert all(p in fgh.state for p in (layer0_w, layer0_b, head_w, head_b))
+    assert tuple(fgh.state[head_w]["alpha"].shape) == (3,) and "alpha" not in fgh.state[head_b]
+
+    saved = fgh.state_dict()
+    # torch.optim's layout: params numbered across groups in order, state keyed by position.
+    assert [g["params"] for g in saved["param_groups"]] == [[0, 1], [2, 3]]
+    assert [g["names"] for g in saved["param_groups"]] == [
+        ["0.weight", "0.bias"],
+        ["2.weight", "2.bias"],
+    ]
+    assert sorted(saved["state"]) == [0, 1, 2, 3]
+    assert saved["state"][2]["alpha"] is fgh.state[head_w]["alpha"]  # references, like torch
+    assert saved["state"][0]["step"] == 1  # two steps: one moment update
+
+    # Names are metadata: a model with other names but the same layout loads, by position, and
+    # the tensors are cast to each parameter's dtype.
+    twin = _model().double()
+    renamed = [(f"x.{n}", p) for n, p in twin.named_parameters()]
+    loaded = FineGrainedHypergradients(
+        [{"params": renamed[:2]}, {"params": renamed[2:], "granularity": "class"}]
+    )
+    loaded.load_state_dict(saved)
+    twin_head_w = list(twin.parameters())[2]
+    assert loaded.state[twin_head_w]["alpha"].dtype == torch.float64
+    assert loaded.state[twin_head_w]["alpha"] is not fgh.state[head_w]["alpha"]  # a copy
+    torch.testing.assert_close(
+        loaded.coefficients()["x.2.weight"], fgh.coefficients()["2.weight"].double()
+    )
+    assert loaded.param_groups[1]["direction"] == "adam" and loaded.param_groups[1]["gamma"] == 0.05
+
+
 def test_load_state_dict_rejects_mismatches():
     model = _model()
     fgh = FineGrainedHypergradients(model.named_parameters())
     _train(model, torch.optim.SGD(model.parameters(), lr=0.1), fgh, _batches(2))
     saved = fgh.state_dict()
 
-    renamed = FineGrainedHypergradients([(f"x.{n}", p) for n, p in _model().named_parameters()])
-    with pytest.raises(ValueError, match="names differ"):
-        renamed.load_state_dict(saved)
-
     torch.manual_seed(0)
     wider = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 3))
-    with pytest.raises(ValueError, match=r"state\['0.weight'\]\['alpha'\] has shape \(5, 6\)"):
+    with pytest.raises(ValueError, match=r"state\[0\]\['alpha'\] has shape \(5, 6\)"):
         FineGrainedHypergradients(wider.named_parameters()).load_state_dict(saved)
+
+    fewer = [(n, p) for n, p in _model().named_parameters() if n != "2.bias"]
+    with pytest.raises(ValueError, match="param group 0 has 3 params but the state_dict's has 4"):
+        FineGrainedHypergradients(fewer).load_state_dict(saved)
 
     two_groups = _make_fgh(_model(), "class")
     with pytest.raises(ValueError, match="2 param groups"):
         FineGrainedHypergradients(_model().named_parameters()).load_state_dict(
             two_groups.state_dict()
         )
-
-
-def test_rebind_carries_state_to_a_new_parameter_object():
-    model = nn.Linear(3, 2, bias=False)
-    fgh = FineGrainedHypergradients(model.named_parameters(), gamma=0.1)
-    for g in (1.0, 2.0):
-        model.weight.grad = torch.full((2, 3), g)
-        fgh.step()
-    # alpha = 1 + 0.1 * (2 * 1) = 1.2
-    new = nn.Parameter(model.weight.detach().clone())
-    model.weight = new
-    fgh.rebind(model.named_parameters())
-    assert fgh.param_groups[0]["params"][0] is new
-    torch.testing.assert_close(fgh.coefficients()["weight"], torch.full((2, 3), 1.2))
-    new.grad = torch.ones(2, 3)
-    fgh.step()
-    # h = 1 * prev(2) = 2 -> alpha = 1.4, the new Parameter's grad = 1.4
-    torch.testing.assert_close(new.grad, torch.full((2, 3), 1.4))
-    with pytest.raises(ValueError, match="unknown parameter name 'bias'"):
-        fgh.rebind([("bias", nn.Parameter(torch.zeros(2)))])
-    with pytest.raises(ValueError, match="shape"):
-        fgh.rebind([("weight", nn.Parameter(torch.zeros(4, 3)))])
 
 
 @pytest.mark.parametrize(("granularity", "direction", "apply"), MODES)
@@ -484,7 +578,7 @@ def test_foreach_matches_single_tensor_reference(granularity, direction, apply):
         )
         opt = torch.optim.SGD(params.values(), lr=0.1, momentum=0.9)
         if apply == "update":
-            fgh.attach(opt)
+            fgh.register_optimizer_hooks(opt)
         trace = []
         for step_grads in grads:
             for n, g in step_grads.items():
@@ -519,8 +613,8 @@ def test_docstring_example_runs():
     exec(code, namespace)
     fgh, model = namespace["fgh"], namespace["model"]
     assert fgh.num_steps == 1
-    assert set(fgh.state) == {"weight", "bias"}
-    assert torch.equal(fgh.state["weight"]["alpha"], torch.ones(3, 10))  # first step
+    assert len(fgh.state) == 2 and model.weight in fgh.state and model.bias in fgh.state
+    assert torch.equal(fgh.state[model.weight]["alpha"], torch.ones(3, 10))  # first step
     assert model.weight.grad is not None
 
 
@@ -558,20 +652,33 @@ def test_bad_params_raise():
         FineGrainedHypergradients(two_layers.named_parameters(), granularity="class")
 
 
-def test_update_mode_needs_attach_and_detach_removes_the_hooks():
+def test_update_mode_hooks_are_torch_step_hooks_and_removable():
     model = nn.Linear(2, 1)
     fgh = FineGrainedHypergradients(model.named_parameters(), apply="update")
     model(torch.ones(1, 2)).sum().backward()
-    with pytest.raises(RuntimeError, match=r"fgh\.attach\(optimizer\)"):
+    with pytest.raises(RuntimeError, match=r"fgh\.register_optimizer_hooks\(optimizer\)"):
         fgh.step()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    fgh.attach(opt)
+    handles = fgh.register_optimizer_hooks(opt)
+    assert len(handles) == 2 and all(isinstance(h, RemovableHandle) for h in handles)
+    assert "step" not in vars(opt)  # optimizer.step is never replaced, only hooked
     fgh.step()
     opt.step()
-    assert "u" in fgh.state["weight"]
-    fgh.detach()
-    before = {n: s["u"] for n, s in fgh.state.items()}
+    assert "u" in fgh.state[model.weight]
+    for handle in handles:
+        handle.remove()
+    before = {p: s["u"] for p, s in fgh.state.items()}
     opt.step()  # no hook: u is not rewritten
-    assert all(fgh.state[n]["u"] is u for n, u in before.items())
-    with pytest.raises(RuntimeError, match="attach"):
+    assert all(fgh.state[p]["u"] is u for p, u in before.items())
+    with pytest.raises(RuntimeError, match="register_optimizer_hooks"):
         fgh.step()
+    # Registering again (here for a new optimizer) removes the previous pair first.
+    fgh.register_optimizer_hooks(opt)
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    fgh.register_optimizer_hooks(other)
+    fgh.step()
+    before = {p: s["u"] for p, s in fgh.state.items()}
+    opt.step()  # its hooks are gone
+    assert all(fgh.state[p]["u"] is u for p, u in before.items())
+    other.step()
+    assert all(fgh.state[p]["u"] is not u for p, u in before.items())

@@ -170,6 +170,28 @@ def test_class_forgetting_by_hand():
     assert math.isnan(class_forgetting(history[:1]))
 
 
+def test_class_forgetting_counts_only_classes_with_a_positive_best_as_upstream_si_blurry():
+    # 3 end-of-task evaluations x 6 classes (%). Upstream Si-Blurry keeps class j only if
+    # max(cls_acc[:-1, j]) > 0 (unexposed classes score 0 there, NaN here).
+    history = np.array(
+        [
+            [60.0, 40.0, 10.0, 0.0, NAN, NAN],
+            [50.0, 20.0, 50.0, 0.0, NAN, NAN],
+            [30.0, 20.0, 20.0, 30.0, NAN, 70.0],
+        ]
+    )
+    # class 0: max(60, 50) - 30 = 30 ; class 1: max(40, 20) - 20 = 20 ;
+    # class 2: max(10, 50) - 20 = 30 ; class 3: best earlier 0 -> left out (it would add
+    # 0 - 30 = -30) ; class 4: never exposed ; class 5: first exposed at the last evaluation.
+    # Upstream: (30 + 20 + 30) / 3 = 80 / 3 = 26.67.
+    # Counting every class measured earlier (the old rule): (30 + 20 + 30 - 30) / 4 = 12.5.
+    assert class_forgetting(history) == pytest.approx(80.0 / 3.0)
+    # A class whose only earlier values are zeros or NaN never counts: nothing qualifies -> NaN.
+    assert math.isnan(class_forgetting(np.array([[0.0, NAN], [0.0, NAN], [50.0, 60.0]])))
+    # Improvement on a counted class is negative forgetting: max(10, 20) - 50 = -30.
+    assert class_forgetting(np.array([[10.0], [20.0], [50.0]])) == pytest.approx(-30.0)
+
+
 def test_area_under_curve_by_hand():
     # (10 + 20 + 60) / 3 = 30 ; NaN evaluations (nothing exposed yet) are skipped.
     assert area_under_curve([10.0, 20.0, 60.0]) == pytest.approx(30.0)

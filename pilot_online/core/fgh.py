@@ -17,10 +17,13 @@ Example (plain PyTorch, no PILOT)::
     loss = model(x).logsumexp(1).mean(); opt.zero_grad(); loss.backward()
     fgh.step(); opt.step()
 
-Code shape (STYLE rule 1, after ``torch/optim/adam.py``): ``_collect`` gathers the params that
-have a gradient and creates their state lazily; :func:`_single_tensor_step` is the readable
-specification, one parameter at a time; :func:`_foreach_step` is the ``torch._foreach_*`` fast
-path, tested to give bit-identical results.
+Code shape (STYLE rules 1-2, after ``torch/optim/adam.py`` and ``optimizer.py``): ``_collect``
+gathers the params that have a gradient and creates their state lazily; :func:`_single_tensor_step`
+is the readable specification, one parameter at a time; :func:`_foreach_step` is the
+``torch._foreach_*`` fast path, tested to give bit-identical results. State is keyed by parameter
+and saved by position, as in ``torch.optim``. ``apply="update"`` (alpha scales the optimizer's
+update instead of the gradient) reaches the optimizer only through the torch step hooks that
+:meth:`FineGrainedHypergradients.register_optimizer_hooks` registers.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +57,9 @@ APPLIES = ("grad", "update")
 # Adam-normalised directions are O(1), so the appendix pseudo-code uses gamma=1e-3.
 DEFAULT_GAMMA = {"grad": 1.0, "adam": 1e-3}
 OPTION_KEYS = ("gamma", "granularity", "direction", "apply", "clamp", "betas", "eps", "foreach")
-# Per-parameter state fields; "alpha" also lives under block keys (class: weight name, global).
+# Per-parameter state tensors ("step", an int, is the other field). A class or global alpha lives
+# in the state of the parameter that owns it (the classifier weight; the group's first param).
 _TENSOR_FIELDS = ("alpha", "prev", "m", "v", "u")
-_GLOBAL_PREFIX = "group:"
 
 
 # --------------------------------------------------------------------------- validation
@@ -172,17 +176,20 @@ def _finite_or_zero_(hypergrad: Tensor, num_skipped: Tensor) -> Tensor:
 def _sum_into_blocks(
     products: list[Tensor],
     alpha_views: list[Tensor],
-    block_keys: list[str],
-    block_alphas: dict[str, Tensor],
-) -> dict[str, Tensor]:
+    block_of: list[int],
+    block_alphas: list[Tensor],
+) -> dict[int, Tensor]:
     """Reduce each product c_t * partner to its alpha's shape and add up products sharing a block.
 
     element: identity; tensor/global: sum of all entries; class: weight rows summed, bias as is.
+    Returns block index -> hypergradient shaped like ``block_alphas[index]``.
     """
-    hypergrads: dict[str, Tensor] = {}
-    for product, view, key in zip(products, alpha_views, block_keys):
-        contribution = product.sum_to_size(view.shape).view(block_alphas[key].shape)
-        hypergrads[key] = contribution if key not in hypergrads else hypergrads[key] + contribution
+    hypergrads: dict[int, Tensor] = {}
+    for product, view, block in zip(products, alpha_views, block_of):
+        contribution = product.sum_to_size(view.shape).view(block_alphas[block].shape)
+        hypergrads[block] = (
+            contribution if block not in hypergrads else hypergrads[block] + contribution
+        )
     return hypergrads
 
 
@@ -190,8 +197,8 @@ def _single_tensor_step(
     grads: list[Tensor],
     partners: list[Tensor | None],
     alpha_views: list[Tensor],
-    block_keys: list[str],
-    block_alphas: dict[str, Tensor],
+    block_of: list[int],
+    block_alphas: list[Tensor],
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     steps: list[int],
@@ -208,16 +215,19 @@ def _single_tensor_step(
 
     ``partners[i]`` is the previous signal c_{t-1} (apply="grad") or the previous update
     direction u_{t-1} (apply="update"); None on a parameter's first step, whose alpha is then
-    left alone. ``alpha_views[i]`` is a view of the block alpha ``block_alphas[block_keys[i]]``
-    that broadcasts against parameter i. Returns the signals c_t to pair with next step
-    (apply="grad"), or None (apply="update": the optimizer hook stores u_t instead).
+    left alone. ``alpha_views[i]`` is a view of ``block_alphas[block_of[i]]`` that broadcasts
+    against parameter i. For direction="adam", ``steps[i]`` counts the moment updates including
+    this one; it is only read for paired parameters. Returns the signals c_t to pair with next
+    step (apply="grad"), or None (apply="update": the optimizer hook stores u_t instead).
     """
     lo, hi = clamp
     beta1, beta2 = betas
     # 1. The signal c_t: the raw gradient, or Adam's normalised direction of the raw gradient.
+    #    As in the appendix algorithm, the moments start with the first pairing: a parameter's
+    #    first step keeps its raw g_1 (to pair with at step 2) and leaves m, v untouched.
     signals = []
     for i, grad in enumerate(grads):
-        if direction == "adam":
+        if direction == "adam" and partners[i] is not None:
             exp_avgs[i].mul_(beta1).add_(grad, alpha=1 - beta1)
             exp_avg_sqs[i].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             m_hat = exp_avgs[i] / (1 - beta1 ** steps[i])
@@ -229,20 +239,20 @@ def _single_tensor_step(
     paired = [i for i, partner in enumerate(partners) if partner is not None]
     products = [signals[i] * partners[i] for i in paired]
     hypergrads = _sum_into_blocks(
-        products, [alpha_views[i] for i in paired], [block_keys[i] for i in paired], block_alphas
+        products, [alpha_views[i] for i in paired], [block_of[i] for i in paired], block_alphas
     )
     # 3. alpha <- clamp(alpha + gamma * h), with non-finite entries of h skipped.
-    for key, hypergrad in hypergrads.items():
+    for block, hypergrad in hypergrads.items():
         hypergrad = _finite_or_zero_(hypergrad, num_skipped)
-        block_alphas[key].add_(hypergrad, alpha=gamma).clamp_(lo, hi)
+        block_alphas[block].add_(hypergrad, alpha=gamma).clamp_(lo, hi)
     if apply != "grad":
         return None
-    # 4. Keep c_t for the next step (for direction="grad" the RAW g_t, saved before scaling).
-    new_signals = []
-    for signal, partner in zip(signals, partners):
-        if direction == "grad":
-            signal = signal.clone() if partner is None else partner.copy_(signal)
-        new_signals.append(signal)
+    # 4. Keep c_t for the next step (the RAW g_t on a first step or for direction="grad",
+    #    saved before the scaling below).
+    new_signals = [
+        signal.clone() if partner is None else partner.copy_(signal)
+        for signal, partner in zip(signals, partners)
+    ]
     # 5. The optimizer receives alpha * g_t.
     for grad, view in zip(grads, alpha_views):
         grad.mul_(view)
@@ -253,8 +263,8 @@ def _foreach_step(
     grads: list[Tensor],
     partners: list[Tensor | None],
     alpha_views: list[Tensor],
-    block_keys: list[str],
-    block_alphas: dict[str, Tensor],
+    block_of: list[int],
+    block_alphas: list[Tensor],
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     steps: list[int],
@@ -270,46 +280,47 @@ def _foreach_step(
     """Same arithmetic as :func:`_single_tensor_step`, in ``torch._foreach_*`` kernels."""
     lo, hi = clamp
     beta1, beta2 = betas
-    if direction == "adam":
-        torch._foreach_mul_(exp_avgs, beta1)
-        torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-        signals = list(torch._foreach_div(exp_avgs, [1 - beta1**s for s in steps]))
-        denoms = torch._foreach_div(exp_avg_sqs, [1 - beta2**s for s in steps])
+    paired = [i for i, partner in enumerate(partners) if partner is not None]
+    signals = list(grads)
+    if direction == "adam" and paired:
+        moments = [exp_avgs[i] for i in paired]
+        squares = [exp_avg_sqs[i] for i in paired]
+        paired_grads = [grads[i] for i in paired]
+        torch._foreach_mul_(moments, beta1)
+        torch._foreach_add_(moments, paired_grads, alpha=1 - beta1)
+        torch._foreach_mul_(squares, beta2)
+        torch._foreach_addcmul_(squares, paired_grads, paired_grads, value=1 - beta2)
+        directions = torch._foreach_div(moments, [1 - beta1 ** steps[i] for i in paired])
+        denoms = torch._foreach_div(squares, [1 - beta2 ** steps[i] for i in paired])
         torch._foreach_sqrt_(denoms)
         torch._foreach_add_(denoms, eps)
-        torch._foreach_div_(signals, denoms)
-    else:
-        signals = list(grads)
+        torch._foreach_div_(directions, denoms)
+        for i, direction_i in zip(paired, directions):
+            signals[i] = direction_i
 
-    paired = [i for i, partner in enumerate(partners) if partner is not None]
     if paired:
         products = torch._foreach_mul([signals[i] for i in paired], [partners[i] for i in paired])
         hypergrads = _sum_into_blocks(
             products,
             [alpha_views[i] for i in paired],
-            [block_keys[i] for i in paired],
+            [block_of[i] for i in paired],
             block_alphas,
         )
-        keys = list(hypergrads)
+        blocks = list(hypergrads)
         # isfinite has no foreach kernel: one small loop over the (few) hypergradient tensors.
-        finite = [_finite_or_zero_(hypergrads[key], num_skipped) for key in keys]
-        alphas = [block_alphas[key] for key in keys]
+        finite = [_finite_or_zero_(hypergrads[block], num_skipped) for block in blocks]
+        alphas = [block_alphas[block] for block in blocks]
         torch._foreach_add_(alphas, finite, alpha=gamma)
         torch._foreach_clamp_min_(alphas, lo)
         torch._foreach_clamp_max_(alphas, hi)
     if apply != "grad":
         return None
 
-    new_signals = signals
-    if direction == "grad":
-        if paired:
-            torch._foreach_copy_([partners[i] for i in paired], [signals[i] for i in paired])
-        new_signals = [
-            signal.clone() if partner is None else partner
-            for signal, partner in zip(signals, partners)
-        ]
+    if paired:
+        torch._foreach_copy_([partners[i] for i in paired], [signals[i] for i in paired])
+    new_signals = [
+        signal.clone() if partner is None else partner for signal, partner in zip(signals, partners)
+    ]
     torch._foreach_mul_(grads, alpha_views)
     return new_signals
 
@@ -349,9 +360,11 @@ def _foreach_rescale_update(
 class FineGrainedHypergradients:
     """Learned gradient weights (paper Sec. "Fine-Grained Hypergradients", Eq. 8 and appendix).
 
-    Shaped like a ``torch.optim`` optimizer: ``param_groups`` with defaults, per-parameter
-    ``state`` keyed by parameter NAME (names survive CODA's Parameter rebuilds, see
-    :meth:`rebind`), ``state_dict``/``load_state_dict``, ``add_param_group``.
+    Shaped like a ``torch.optim`` optimizer: ``param_groups`` with defaults and
+    ``add_param_group``; per-parameter ``state`` keyed by the parameter tensor itself; and
+    ``state_dict``/``load_state_dict`` that save state by integer position, so a checkpoint
+    loads into any model with the same parameter layout. Parameter names are metadata only:
+    :meth:`coefficients` reports alphas by name (the results file's ``fgh.alpha``).
 
     Args:
         named_params: ``(name, Parameter)`` pairs (e.g. ``model.named_parameters()``; params with
@@ -366,21 +379,31 @@ class FineGrainedHypergradients:
             together; the group must hold only that layer), "tensor" (one per parameter
             tensor, Baydin-style) or "global" (one per group).
         direction: the signal c_t paired across steps. "grad": the raw gradient (Eq. 8).
-            "adam": m_hat / (sqrt(v_hat) + eps) from Adam moments of the raw gradient (appendix;
-            unlike the pseudo-code, the step count is incremented, starting at 1).
+            "adam": m_hat / (sqrt(v_hat) + eps) from Adam moments of the raw gradient, as the
+            appendix algorithm runs it: a parameter's first step stores the raw g_1 and leaves
+            the moments alone; the moments start at its second step (so h_2 = c_2 * g_1), and
+            the bias correction counts the moment updates (1 at the second step).
         apply: "grad" (the paper): the optimizer receives alpha * g_t, and h = c_t * c_{t-1}.
             "update": alpha scales the optimizer's parameter update (a per-parameter learning
             rate, Baydin's Adam-HD); gradients are untouched, h = c_t * u_{t-1} with u the
-            previous update direction (-delta / lr). Needs :meth:`attach`.
+            previous update direction (-delta / lr). Needs :meth:`register_optimizer_hooks`.
         clamp: finite (lo, hi), 0 <= lo < hi; alpha is clamped after every update; it starts
             at 1 (even outside the bounds, until its first update).
         betas, eps: Adam moments of direction="adam".
         foreach: use the ``torch._foreach_*`` path (None: yes).
 
     On a parameter's first step (nothing to pair with yet) alpha stays 1, the gradient is
-    unchanged and the signal is stored. Params whose ``.grad`` is None are skipped, state
-    untouched. Non-finite hypergradient entries are skipped (treated as 0) and counted in
-    ``num_skipped``, a device tensor read without a host sync; alpha never becomes NaN.
+    unchanged and the raw gradient is stored (apply="grad"). Params whose ``.grad`` is None are
+    skipped, state untouched. Non-finite hypergradient entries are skipped (treated as 0) and
+    counted in ``num_skipped``, a device tensor read without a host sync; alpha never becomes NaN.
+
+    Where alphas live: ``state[p]["alpha"]`` for element and tensor; the classifier weight's
+    state holds the class alphas (shape [C], shared with the bias); the group's first
+    parameter's state holds the global alpha.
+
+    The optimizer hook (apply="update" only) is :meth:`register_optimizer_hooks`: it registers
+    torch's public ``register_step_pre_hook``/``register_step_post_hook`` on the optimizer and
+    returns their handles; ``optimizer.step`` itself is never replaced.
 
     Memory per trainable scalar: element/grad/grad holds exactly 2 floats (alpha and the
     previous raw gradient); direction="adam" adds m and v; apply="update" stores u instead of
@@ -418,11 +441,10 @@ class FineGrainedHypergradients:
         }
         _check_options(self.defaults)  # fail early on bad defaults, even before any group
         self.param_groups: list[dict[str, Any]] = []
-        self.state: dict[str, dict[str, Any]] = {}
+        self.state: dict[Tensor, dict[str, Any]] = {}
         self.num_steps = 0
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._hook_handles: list[Any] = []
-        self._pending: list[tuple[int, list[str], list[Tensor], list[Tensor], list[float]]] = []
+        self._hook_handles: tuple[RemovableHandle, ...] = ()
+        self._pending: list[tuple[dict[str, Any], list[Tensor], list[Tensor], list[float]]] = []
 
         items = list(named_params)
         if not items:
@@ -467,8 +489,6 @@ class FineGrainedHypergradients:
         seen_ids = {id(p) for g in self.param_groups for p in g["params"]}
         seen_names = {n for g in self.param_groups for n in g["names"]}
         for name, p in pairs:
-            if name.startswith(_GLOBAL_PREFIX):
-                raise ValueError(f"parameter name {name!r} clashes with FGH's block keys 'group:i'")
             if id(p) in seen_ids or name in seen_names:
                 raise ValueError(f"parameter {name!r} appears in more than one group (or twice)")
             seen_ids.add(id(p))
@@ -478,44 +498,32 @@ class FineGrainedHypergradients:
             _check_class_group(names, params)
         self.param_groups.append({"params": params, "names": names, **options})
 
-    def rebind(self, named_params: Iterable[Any]) -> None:
-        """Point groups at new Parameter objects with the same names; their state carries over.
+    # ------------------------------------------------------------------ the optimizer hook
 
-        CODA rebuilds its prompt Parameters; FGH state is keyed by name, so it survives. Frozen
-        params are ignored, names FGH does not track raise.
+    def register_optimizer_hooks(
+        self, optimizer: torch.optim.Optimizer
+    ) -> tuple[RemovableHandle, RemovableHandle]:
+        """Hook apply="update" into ``optimizer.step()``; return the two torch hook handles.
+
+        This is FGH's only contact with an optimizer, through torch's public step hooks:
+
+        * pre-hook (``optimizer.register_step_pre_hook``): snapshot every apply="update"
+          parameter that has a gradient and that the optimizer manages, with its group's lr;
+        * post-hook (``optimizer.register_step_post_hook``): with ``delta = p - snapshot`` the
+          optimizer's own update, set ``p <- snapshot + alpha * delta`` and store
+          ``state[p]["u"] = -delta / lr``, the unscaled update direction the next
+          :meth:`step` pairs with (0 for lr = 0).
+
+        Call it once before training (the online loop's FGHMixin does). Calling it again (for
+        a new optimizer) first removes the previous pair. To stop rescaling, call ``remove()``
+        on both handles; :meth:`step` then raises for apply="update" groups.
         """
-        where = {
-            name: (gi, pi)
-            for gi, group in enumerate(self.param_groups)
-            for pi, name in enumerate(group["names"])
-        }
-        for name, p in _named_pairs(named_params, "rebind()'s argument"):
-            if not p.requires_grad:
-                continue
-            if name not in where:
-                raise ValueError(
-                    f"rebind(): unknown parameter name {name!r}; FGH tracks {sorted(where)}. "
-                    "Use add_param_group for new parameters."
-                )
-            gi, pi = where[name]
-            old = self.param_groups[gi]["params"][pi]
-            if p.shape != old.shape:
-                raise ValueError(
-                    f"rebind(): {name!r} has shape {tuple(p.shape)}, FGH's state expects "
-                    f"{tuple(old.shape)}; build a new FineGrainedHypergradients instead"
-                )
-            self.param_groups[gi]["params"][pi] = p
-            for key, value in self.state.get(name, {}).items():
-                if isinstance(value, Tensor):
-                    self.state[name][key] = value.to(device=p.device, dtype=p.dtype)
-
-    # ------------------------------------------------------------------ optimizer hooks
-
-    def attach(self, optimizer: torch.optim.Optimizer) -> FineGrainedHypergradients:
-        """Hook into ``optimizer.step()`` so apply="update" can rescale its parameter update."""
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer)!r}")
-        self.detach()
+            raise TypeError(
+                f"register_optimizer_hooks() needs a torch.optim.Optimizer, got {type(optimizer)!r}"
+            )
+        for handle in self._hook_handles:
+            handle.remove()
         managed = {id(p) for g in optimizer.param_groups for p in g["params"]}
         missing = [
             n
@@ -526,137 +534,142 @@ class FineGrainedHypergradients:
         ]
         if missing:
             logger.warning("FGH apply='update': the optimizer does not manage %s", missing)
-        self._optimizer = optimizer
-        self._hook_handles = [
-            optimizer.register_step_pre_hook(self._snapshot_params),
-            optimizer.register_step_post_hook(self._rescale_update),
-        ]
-        return self
+        self._pending = []
+        self._hook_handles = (
+            optimizer.register_step_pre_hook(self._snapshot_before_step),
+            optimizer.register_step_post_hook(self._rescale_after_step),
+        )
+        return self._hook_handles
 
-    def detach(self) -> None:
-        """Remove the optimizer hooks added by :meth:`attach` (no-op when not attached)."""
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles, self._optimizer, self._pending = [], None, []
+    def _hooks_registered(self) -> bool:
+        """Whether a handle from :meth:`register_optimizer_hooks` is still live (not removed)."""
+        return any(handle.id in (handle.hooks_dict_ref() or {}) for handle in self._hook_handles)
 
     @torch.no_grad()
-    def _snapshot_params(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _snapshot_before_step(
+        self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
+    ) -> None:
+        """Pre-hook of :meth:`register_optimizer_hooks`."""
         lr_of = {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
         self._pending = []
-        for index, group in enumerate(self.param_groups):
+        for group in self.param_groups:
             if group["apply"] != "update":
                 continue
-            chosen = [
-                (n, p)
-                for n, p in zip(group["names"], group["params"])
-                if p.grad is not None and id(p) in lr_of
-            ]
-            if not chosen:
+            params = [p for p in group["params"] if p.grad is not None and id(p) in lr_of]
+            if not params:
                 continue
-            names, params = [n for n, _ in chosen], [p for _, p in chosen]
             snapshots = (
                 list(torch._foreach_clone(params))
                 if group["foreach"] in (None, True)
                 else [p.clone() for p in params]
             )
             lrs = [float(lr_of[id(p)]) for p in params]
-            self._pending.append((index, names, params, snapshots, lrs))
+            self._pending.append((group, params, snapshots, lrs))
 
     @torch.no_grad()
-    def _rescale_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _rescale_after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Post-hook of :meth:`register_optimizer_hooks`."""
         pending, self._pending = self._pending, []
-        for index, names, params, snapshots, lrs in pending:
-            group = self.param_groups[index]
-            for name, p in zip(names, params):  # alpha is 1 if fgh.step() never saw p
-                self._ensure_state(group, index, name, p)
-            views = [self._alpha_view(group, index, n, p) for n, p in zip(names, params)]
+        for group, params, snapshots, lrs in pending:
+            for p in params:  # alpha is 1 if fgh.step() never saw p
+                self._ensure_state(group, p)
+            views = [self._alpha_view(group, p) for p in params]
             rescale = (
                 _single_tensor_rescale_update
                 if group["foreach"] is False
                 else _foreach_rescale_update
             )
-            for name, direction in zip(names, rescale(params, snapshots, views, lrs)):
-                self.state[name]["u"] = direction
+            for p, direction in zip(params, rescale(params, snapshots, views, lrs)):
+                self.state[p]["u"] = direction
 
     # ------------------------------------------------------------------ state
 
-    def _block_key(self, group: dict[str, Any], index: int, name: str) -> str:
-        if group["granularity"] == "global":
-            return f"{_GLOBAL_PREFIX}{index}"
+    @staticmethod
+    def _alpha_owner(group: dict[str, Any], p: Tensor) -> Tensor:
+        """The parameter whose state holds the alpha that scales ``p``."""
         if group["granularity"] == "class":
-            return next(n for n, p in zip(group["names"], group["params"]) if p.ndim == 2)
-        return name
+            return next(q for q in group["params"] if q.ndim == 2)
+        if group["granularity"] == "global":
+            return group["params"][0]
+        return p
 
-    def _ensure_state(self, group: dict[str, Any], index: int, name: str, p: Tensor) -> dict:
-        """Create a parameter's state lazily, on the parameter's device and dtype."""
-        state = self.state.setdefault(name, {})
-        granularity = group["granularity"]
-        if granularity == "element" and "alpha" not in state:
-            state["alpha"] = torch.ones_like(p, memory_format=torch.preserve_format)
-        elif granularity == "tensor" and "alpha" not in state:
-            state["alpha"] = torch.ones((), dtype=p.dtype, device=p.device)
-        elif granularity in ("class", "global"):
-            key = self._block_key(group, index, name)
-            block = self.state.setdefault(key, {})
-            if "alpha" not in block:
-                if granularity == "class":  # one alpha per row of the weight (the block key)
-                    ref = group["params"][group["names"].index(key)]
-                    shape: tuple[int, ...] = (ref.shape[0],)
-                else:
-                    ref, shape = p, ()
-                block["alpha"] = torch.ones(shape, dtype=ref.dtype, device=ref.device)
+    def _ensure_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
+        """Create a param's state (and its alpha owner's) lazily, on the owner's device."""
+        state = self.state.setdefault(p, {})
+        owner = self._alpha_owner(group, p)
+        owner_state = state if owner is p else self.state.setdefault(owner, {})
+        if "alpha" not in owner_state:
+            granularity = group["granularity"]
+            if granularity == "element":
+                owner_state["alpha"] = torch.ones_like(owner, memory_format=torch.preserve_format)
+            else:  # class: one alpha per row of the weight; tensor and global: one scalar
+                shape = (owner.shape[0],) if granularity == "class" else ()
+                owner_state["alpha"] = torch.ones(shape, dtype=owner.dtype, device=owner.device)
         if group["direction"] == "adam" and "m" not in state:
             state["step"] = 0
             state["m"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["v"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
-    def _alpha_view(self, group: dict[str, Any], index: int, name: str, p: Tensor) -> Tensor:
+    def _alpha_view(self, group: dict[str, Any], p: Tensor) -> Tensor:
         """The alpha that scales ``p``, shaped to broadcast against it (state must exist)."""
-        alpha = self.state[self._block_key(group, index, name)]["alpha"]
+        alpha = self.state[self._alpha_owner(group, p)]["alpha"]
         return alpha.unsqueeze(1) if group["granularity"] == "class" and p.ndim == 2 else alpha
 
     def _collect(
-        self, group: dict[str, Any], index: int
-    ) -> tuple[list[str], list[Tensor], list[dict[str, Any]]]:
-        """Params of ``group`` that have a gradient, with their (lazily created) state."""
-        names, grads, states = [], [], []
+        self, group: dict[str, Any]
+    ) -> tuple[list[Tensor], list[Tensor], list[dict[str, Any]]]:
+        """Params of ``group`` that have a gradient, their grads and (lazily created) state."""
+        params, grads, states = [], [], []
         for name, p in zip(group["names"], group["params"]):
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
                 raise TypeError(f"FGH does not support sparse gradients ({name!r})")
-            names.append(name)
+            params.append(p)
             grads.append(p.grad)
-            states.append(self._ensure_state(group, index, name, p))
-        return names, grads, states
+            states.append(self._ensure_state(group, p))
+        return params, grads, states
+
+    def _blocks(
+        self, group: dict[str, Any], params: list[Tensor]
+    ) -> tuple[list[int], list[Tensor]]:
+        """Index each param's alpha in a list of distinct alphas (shared by class/global)."""
+        block_of, block_alphas, index_of = [], [], {}
+        for p in params:
+            owner = self._alpha_owner(group, p)
+            if id(owner) not in index_of:
+                index_of[id(owner)] = len(block_alphas)
+                block_alphas.append(self.state[owner]["alpha"])
+            block_of.append(index_of[id(owner)])
+        return block_of, block_alphas
 
     @torch.no_grad()
     def step(self) -> None:
         """Reweight the current gradients: after ``backward()``, before ``optimizer.step()``."""
-        if self._optimizer is None and any(g["apply"] == "update" for g in self.param_groups):
+        if any(g["apply"] == "update" for g in self.param_groups) and not self._hooks_registered():
             raise RuntimeError(
-                "apply='update' rescales the optimizer's update: call fgh.attach(optimizer) "
-                "once before training"
+                "apply='update' rescales the optimizer's update: call "
+                "fgh.register_optimizer_hooks(optimizer) once before training"
             )
-        for index, group in enumerate(self.param_groups):
-            names, grads, states = self._collect(group, index)
+        for group in self.param_groups:
+            params, grads, states = self._collect(group)
             if not grads:
                 continue
-            params = dict(zip(group["names"], group["params"]))
+            partners = [state.get("prev" if group["apply"] == "grad" else "u") for state in states]
             adam = group["direction"] == "adam"
-            if adam:
-                for state in states:
-                    state["step"] += 1
-            partner_key = "prev" if group["apply"] == "grad" else "u"
-            keys = [self._block_key(group, index, name) for name in names]
+            if adam:  # the moments start with the first pairing (appendix algorithm)
+                for state, partner in zip(states, partners):
+                    if partner is not None:
+                        state["step"] += 1
+            block_of, block_alphas = self._blocks(group, params)
             step_fn = _single_tensor_step if group["foreach"] is False else _foreach_step
             new_signals = step_fn(
                 grads,
-                [state.get(partner_key) for state in states],
-                [self._alpha_view(group, index, name, params[name]) for name in names],
-                keys,
-                {key: self.state[key]["alpha"] for key in keys},
+                partners,
+                [self._alpha_view(group, p) for p in params],
+                block_of,
+                block_alphas,
                 [state["m"] for state in states] if adam else [],
                 [state["v"] for state in states] if adam else [],
                 [state["step"] for state in states] if adam else [],
@@ -676,34 +689,48 @@ class FineGrainedHypergradients:
     def coefficients(self) -> dict[str, Tensor]:
         """name -> alpha broadcast to the parameter's shape (a copy; 1 before the first step)."""
         out = {}
-        for index, group in enumerate(self.param_groups):
+        for group in self.param_groups:
             for name, p in zip(group["names"], group["params"]):
-                key = self._block_key(group, index, name)
-                if "alpha" not in self.state.get(key, {}):
+                if "alpha" not in self.state.get(self._alpha_owner(group, p), {}):
                     out[name] = torch.ones_like(p).detach()
-                    continue
-                view = self._alpha_view(group, index, name, p)
-                out[name] = view.expand(p.shape).clone()
+                else:
+                    out[name] = self._alpha_view(group, p).expand(p.shape).clone()
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"state": {key: {field: tensor | int}}, "param_groups": [{options, "names"}]}``.
+        """``{"state": {position: {field: tensor | int}}, "param_groups": [{options, "params",
+        "names"}], "num_steps", "num_skipped"}``, laid out like ``torch.optim``'s.
 
-        Keyed by name, not position, so it loads after CODA rebuilds its Parameters. Tensors are
-        references, as in torch.optim; ``torch.save`` or deep-copy to keep a snapshot.
+        Parameters are numbered across groups in order; each group's ``"params"`` lists its
+        positions and ``"state"`` is keyed by position. ``"names"`` is informational. Tensors
+        are references, as in torch.optim; ``torch.save`` or deep-copy to keep a snapshot.
         """
+        position_of: dict[int, int] = {}
+        groups = []
+        for group in self.param_groups:
+            start = len(position_of)
+            position_of.update({id(p): start + i for i, p in enumerate(group["params"])})
+            groups.append(
+                {
+                    **{k: group[k] for k in OPTION_KEYS},
+                    "params": list(range(start, len(position_of))),
+                    "names": list(group["names"]),
+                }
+            )
         return {
-            "state": {key: dict(fields) for key, fields in self.state.items()},
-            "param_groups": [
-                {**{k: group[k] for k in OPTION_KEYS}, "names": list(group["names"])}
-                for group in self.param_groups
-            ],
+            "state": {position_of[id(p)]: dict(fields) for p, fields in self.state.items()},
+            "param_groups": groups,
             "num_steps": self.num_steps,
             "num_skipped": self.num_skipped,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict`; validates groups, names and shapes, casts to each param."""
+        """Load a :meth:`state_dict` by position, as ``torch.optim`` does.
+
+        Validates the number and sizes of the groups and every state tensor's shape; copies
+        each tensor to its parameter's device and dtype. Options come from the state_dict;
+        names are not compared (a renamed model with the same layout loads).
+        """
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
             raise ValueError("load_state_dict needs a dict with 'state' and 'param_groups'")
         saved_groups = state_dict["param_groups"]
@@ -713,43 +740,40 @@ class FineGrainedHypergradients:
                 f"{len(self.param_groups)}"
             )
         new_options = []
+        where: dict[Any, tuple[dict[str, Any], dict[str, Any], Tensor]] = {}
         for index, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            if list(saved["names"]) != group["names"]:
-                missing = sorted(set(group["names"]) - set(saved["names"]))
-                unexpected = sorted(set(saved["names"]) - set(group["names"]))
+            if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
-                    f"param group {index}: state_dict names differ (missing {missing}, "
-                    f"unexpected {unexpected}, or a different order)"
+                    f"param group {index} has {len(group['params'])} params but the state_dict's "
+                    f"has {len(saved['params'])}; build FGH over the parameters it was saved with"
                 )
             options = _check_options({k: saved[k] for k in OPTION_KEYS})
             if options["granularity"] == "class":
                 _check_class_group(group["names"], group["params"])
             new_options.append(options)
+            for position, p in zip(saved["params"], group["params"]):
+                where[position] = (group, options, p)
 
-        owner = {}  # state key -> (group options, index, reference param)
-        for index, (group, options) in enumerate(zip(self.param_groups, new_options)):
-            for name, p in zip(group["names"], group["params"]):
-                owner[name] = (options, index, p)
-            owner[f"{_GLOBAL_PREFIX}{index}"] = (options, index, group["params"][0])
-
-        new_state: dict[str, dict[str, Any]] = {}
-        for key, fields in state_dict["state"].items():
-            if key not in owner:
-                raise ValueError(f"state_dict has state for unknown key {key!r}")
-            options, index, p = owner[key]
-            new_state[key] = {}
+        new_state: dict[Tensor, dict[str, Any]] = {}
+        for position, fields in state_dict["state"].items():
+            if position not in where:
+                raise ValueError(
+                    f"state_dict has state for unknown parameter position {position!r}"
+                )
+            group, options, p = where[position]
+            new_state[p] = {}
             for field, value in fields.items():
                 if field == "step":
-                    new_state[key][field] = int(value)
+                    new_state[p][field] = int(value)
                     continue
-                expected = self._expected_shape(options, key, field, p)
+                expected = self._expected_shape(group, options, p, field)
                 if not isinstance(value, Tensor) or tuple(value.shape) != expected:
                     got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
                     raise ValueError(
-                        f"state_dict entry state[{key!r}][{field!r}] has shape {got}, "
+                        f"state_dict entry state[{position}][{field!r}] has shape {got}, "
                         f"expected {expected}"
                     )
-                new_state[key][field] = value.detach().to(device=p.device, dtype=p.dtype, copy=True)
+                new_state[p][field] = value.detach().to(device=p.device, dtype=p.dtype, copy=True)
         for group, options in zip(self.param_groups, new_options):
             group.update(options)
         self.state = new_state
@@ -760,27 +784,25 @@ class FineGrainedHypergradients:
         )
 
     def _expected_shape(
-        self, options: dict[str, Any], key: str, field: str, p: Tensor
+        self, group: dict[str, Any], options: dict[str, Any], p: Tensor, field: str
     ) -> tuple[int, ...]:
-        granularity = options["granularity"]
-        if key.startswith(_GLOBAL_PREFIX):
-            if granularity != "global" or field != "alpha":
-                raise ValueError(f"state_dict has unexpected field {field!r} for block {key!r}")
-            return ()
         if field not in _TENSOR_FIELDS:
             raise ValueError(
-                f"state_dict has unknown field {field!r} for {key!r}; valid: "
+                f"state_dict has unknown field {field!r}; valid: "
                 f"{', '.join((*_TENSOR_FIELDS, 'step'))}"
             )
         if field != "alpha":
             return tuple(p.shape)
+        granularity = options["granularity"]
+        if self._alpha_owner({**group, **options}, p) is not p:
+            raise ValueError(
+                f"state_dict has an alpha for a {granularity!r} parameter that shares another's"
+            )
         if granularity == "element":
             return tuple(p.shape)
-        if granularity == "class" and p.ndim == 2:
+        if granularity == "class":
             return (p.shape[0],)
-        if granularity == "tensor":
-            return ()
-        raise ValueError(f"state_dict has an alpha for {key!r}, which has none at {granularity!r}")
+        return ()
 
 
 @torch.no_grad()

@@ -261,9 +261,16 @@ def class_forgetting(per_class_history: Any) -> float:
     """Si-Blurry ``F_last``: mean over classes of (best earlier accuracy - final accuracy).
 
     ``per_class_history`` is ``E x C``: the per-class accuracy (%) at each end-of-task
-    evaluation, NaN for classes not yet exposed. Only classes measured before the last
-    evaluation (and at the last one) count. NaN if ``E < 2`` or no class qualifies. As in
-    :func:`forgetting`, improvement gives a negative contribution.
+    evaluation (periodic evaluations do not count), NaN for classes not yet exposed. "Earlier"
+    is every evaluation but the last; "final" is the last one.
+
+    Which classes count follows upstream Si-Blurry (KHU-AGI/Si-Blurry, ``methods/_trainer.py``):
+    only classes whose best earlier accuracy is **above zero**. A class never recognised before
+    the last evaluation (best earlier 0) is left out, as is one not yet exposed (NaN; upstream
+    scores it 0) or first exposed at the last evaluation. Counting those zero-best classes too
+    would add ``0 - final <= 0`` terms and lower F_last (12.5 instead of 26.7 in the hand
+    example of ``tests/test_metrics.py``). Improvement on a counted class still gives a negative
+    contribution. NaN if ``E < 2`` or no class qualifies.
     """
     history = np.asarray(per_class_history, dtype=np.float64)
     if history.ndim != 2:
@@ -274,11 +281,10 @@ def class_forgetting(per_class_history: Any) -> float:
     if history.shape[0] < 2:
         return math.nan
     earlier = history[:-1]
-    has_earlier = np.any(np.isfinite(earlier), axis=0)
     best_earlier = np.where(np.isfinite(earlier), earlier, -np.inf).max(axis=0)
     final = history[-1]
-    valid = has_earlier & np.isfinite(final)
-    return _finite_mean(np.where(valid, best_earlier - final, np.nan))
+    counted = (best_earlier > 0) & np.isfinite(final)
+    return _finite_mean(np.where(counted, best_earlier - final, np.nan))
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,7 +352,8 @@ def summarize(
     """All metrics in one JSON-friendly dict (NaN -> None).
 
     ``periodic``: accuracies from the periodic evaluations (Si-Blurry ``A_auc``).
-    ``per_class_history``: ``E x C`` per-class accuracies at task ends (Si-Blurry ``F_last``).
+    ``per_class_history``: ``E x C`` per-class accuracies at task ends (Si-Blurry ``F_last``,
+    upstream's rule: only classes whose best earlier accuracy is above zero count).
     ``end_of_task``: sample-level accuracy over all exposed classes after each task
     (Si-Blurry ``A_avg`` = mean, ``A_last`` = last). Si-Blurry keys are None when their input
     is not given: they are sample-level numbers and cannot be derived from ``acc`` alone.

@@ -27,7 +27,7 @@ metrics.forgetting                         num|null      average forgetting (Cha
 metrics.A_auc                              num|null      Si-Blurry: mean of periodic accuracies
 metrics.A_avg                              num|null      Si-Blurry: mean of end-of-task accuracies
 metrics.A_last                             num|null      Si-Blurry: final accuracy
-metrics.F_last                             num|null      Si-Blurry: per-class forgetting
+metrics.F_last                             num|null      Si-Blurry per-class forgetting (note)
 timing.train_seconds                       num           wall-clock seconds spent training
 timing.eval_seconds                        num           wall-clock seconds spent evaluating
 timing.samples_per_second                  num           training throughput
@@ -38,6 +38,9 @@ counters.skipped_nonfinite_steps           int           steps skipped: non-fini
 counters.skipped_nonfinite_hypergradients  int           FGH updates skipped: non-finite values
 extra                                      object        free-form additions ({} if none)
 =========================================  ============  ==========================================
+
+``metrics.F_last`` follows upstream Si-Blurry: the mean, over classes whose best earlier
+end-of-task accuracy is above zero, of that best minus the final accuracy.
 
 Required keys: all top-level keys above, the four ``timing`` and four ``counters`` keys, and
 ``metrics.accuracy_matrix``, ``metrics.A_k``, ``metrics.AP``, ``metrics.A_T``. Readers must

@@ -55,7 +55,9 @@ class FGHMixin:
     """Online-loop mixin: FGH reweights the gradients between backward and the optimiser step.
 
     ``granularity="class"`` covers the classifier layer only (the appendix algorithm); the other
-    granularities cover every trainable parameter (Eq. 8).
+    granularities cover every trainable parameter (Eq. 8). With ``apply="update"``, setup
+    registers FGH's step hooks on the loop's optimizer (see
+    :meth:`FineGrainedHypergradients.register_optimizer_hooks`).
     """
 
     fgh: FineGrainedHypergradients
@@ -68,8 +70,8 @@ class FGHMixin:
             layer = {id(p) for p in self.adapter.classifier(self.network).parameters()}
             named = [(name, p) for name, p in named if id(p) in layer]
         self.fgh = FineGrainedHypergradients(named, **options)
-        if self.fgh.defaults["apply"] == "update":
-            self.fgh.attach(self.optimizer)
+        if self.fgh.defaults["apply"] == "update":  # alpha scales the optimizer's update
+            self.fgh.register_optimizer_hooks(self.optimizer)
 
     def transform_gradients(self: OnlineLoop) -> None:
         super().transform_gradients()
