@@ -87,7 +87,7 @@ def test_wrong_backbone_for_the_method():
     [
         ({"stream": "blurry"}, "clear, si_blurry"),
         ({"logit_mask": "task"}, "batch, seen, none"),
-        ({"batch_size": 0}, "positive integer"),
+        ({"batch_size": 0}, "batch_size must be >= 1"),
         ({"si_blurry_n": 150}, "percentage"),
         ({"fgh": {"gama": 1}}, "did you mean 'gamma'"),
         ({"fgh": {"granularity": "row"}}, "granularity"),
