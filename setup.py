@@ -25,11 +25,12 @@ setup(
         # PILOT breaks on timm >= 0.9, and timm 0.6.12 does not import on Python 3.11.
         "timm>=0.6.13,<0.9",
         "numpy",
-        "scipy",
         "tqdm",
-        "easydict",
     ],
     extras_require={
+        # Imported by PILOT, never by pilot_online: models/base.py (scipy, at import, so every
+        # PILOT run needs it) and utils/inc_net.py (easydict). Install with PILOT: ".[pilot]".
+        "pilot": ["scipy", "easydict"],
         "plots": ["matplotlib"],
         "test": ["pytest", "ruff"],
     },

@@ -1,7 +1,9 @@
 """Write exps/*.json: the paper's configurations and the offline smoke configs.
 
 The configs are flat, PILOT-style JSON files (users diff them against upstream's exps/), so they are
-committed; this script is their single source, and tests/test_exps.py fails if they drift from it.
+committed; this script is their single source, and tests/test_config.py
+(``test_exps_match_their_generator``) fails if they drift from it. Every config is validated with
+``resolve_config`` (keys, and values against each option's choices) before anything is written.
 
     python scripts/make_exps.py          # rewrite exps/
     python scripts/make_exps.py --check  # exit 1 if exps/ differs
@@ -115,9 +117,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only report differences")
     check = parser.parse_args().check
+    from pilot_online.engine.config import resolve_config
+
+    configs = all_configs()
+    for config in configs.values():
+        resolve_config(config)  # a bad key or value stops here, before any file is written
     stale = []
     EXPS.mkdir(exist_ok=True)
-    for name, config in all_configs().items():
+    for name, config in configs.items():
         path = EXPS / name
         text = render(config)
         if not path.exists() or path.read_text() != text:

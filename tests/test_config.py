@@ -6,10 +6,11 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
-from pilot_online.engine.adapter import MethodAdapter
+from pilot_online.engine.adapter import ConfigKey, MethodAdapter
 from pilot_online.engine.config import ConfigError, key_reference, load_json, resolve_config
 from pilot_online.engine.registry import get_method, list_methods, register_method
 
@@ -87,7 +88,7 @@ def test_wrong_backbone_for_the_method():
     [
         ({"stream": "blurry"}, "clear, si_blurry"),
         ({"logit_mask": "task"}, "batch, seen, none"),
-        ({"batch_size": 0}, "positive integer"),
+        ({"batch_size": 0}, "batch_size must be >= 1"),
         ({"si_blurry_n": 150}, "percentage"),
         ({"fgh": {"gama": 1}}, "did you mean 'gamma'"),
         ({"fgh": {"granularity": "row"}}, "granularity"),
@@ -100,6 +101,29 @@ def test_wrong_backbone_for_the_method():
 def test_bad_values_are_named(change, message):
     with pytest.raises(ConfigError, match=message):
         resolve_config(smoke(**change))
+
+
+def test_a_method_key_with_choices_is_checked_like_the_online_ones(monkeypatch):
+    """One code path for every key with choices, method keys included: other values are refused
+    with the list and the closest spelling; a listed value passes and reaches the config."""
+    from pilot_online.engine import registry
+
+    class Choosy(get_method("coda_online")):
+        config_keys: ClassVar[dict[str, ConfigKey]] = {
+            **get_method("coda_online").config_keys,
+            "pool_kind": ConfigKey("shared", "prompt pool kind", choices=("shared", "private")),
+        }
+
+    monkeypatch.setitem(registry._METHODS, "choosy_online", Choosy)
+    with pytest.raises(
+        ConfigError, match=r"'privat' \(did you mean 'private'\?\).*shared, private"
+    ):
+        resolve_config(smoke(model_name="choosy_online", pool_kind="privat"))
+    assert resolve_config(smoke(model_name="choosy_online", pool_kind="private"))["pool_kind"] == (
+        "private"
+    )
+    with pytest.raises(ConfigError, match=r"did you mean 'si_blurry'"):
+        resolve_config(smoke(stream="si_blury"))
 
 
 def test_malformed_json_names_the_line(tmp_path):

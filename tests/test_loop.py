@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TinyAdapter, TinyNet, VectorSource
 from torch import nn
 
 from pilot_online.core.streams import clear_stream
-from pilot_online.engine.adapter import MethodAdapter, StepOutput
+from pilot_online.engine.adapter import StepOutput
 from pilot_online.engine.loop import NonFiniteLossError, OnlineLoop, build_loop
 from pilot_online.engine.mixins import FGHMixin, PrototypeMixin
 from pilot_online.engine.session import OnlineSession
@@ -33,31 +34,6 @@ TEST_COUNTS = [2, 1, 1, 1, 1, 1]
 BASE_CONFIG = {"optimizer": "adam", "init_lr": 0.05, "logit_mask": "batch"}
 
 
-class TinyNet(nn.Module):
-    def __init__(self, frozen_body: bool = False) -> None:
-        super().__init__()
-        self.body = nn.Linear(D_IN, HIDDEN)
-        self.fc = nn.Linear(HIDDEN, C)
-        if frozen_body:
-            self.body.requires_grad_(False)
-
-
-class TinyAdapter(MethodAdapter):
-    """features = relu(body(x)); fc is the classifier."""
-
-    base_model_name = "tiny"
-
-    def build_network(self, args: dict) -> nn.Module:
-        return TinyNet(frozen_body=bool(args.get("frozen_body", False)))
-
-    def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
-        features = torch.relu(network.body(x))
-        return StepOutput(network.fc(features), features)
-
-    def classifier(self, network: nn.Module) -> nn.Linear:
-        return network.fc
-
-
 class NaNAdapter(TinyAdapter):
     """Returns NaN logits on the training forward passes listed in ``nan_calls`` (0-based)."""
 
@@ -71,26 +47,6 @@ class NaNAdapter(TinyAdapter):
             if call in self.nan_calls:
                 out.logits = out.logits * float("nan")
         return out
-
-
-class VectorSource:
-    """A DataSource over float vectors (no images needed)."""
-
-    def __init__(self, train_x, train_y, test_x, test_y, eval_batch_size: int = 4) -> None:
-        self.train_x, self.train_y = train_x, torch.as_tensor(train_y)
-        self.test_x, self.test_y = test_x, torch.as_tensor(test_y)
-        self.test_labels = np.asarray(test_y)
-        self.eval_batch_size = eval_batch_size
-
-    def train_batches(self, batches):
-        for indices in batches:
-            index = torch.from_numpy(np.array(indices))
-            yield self.train_x[index], self.train_y[index]
-
-    def test_batches(self, indices):
-        for start in range(0, len(indices), self.eval_batch_size):
-            index = torch.from_numpy(np.array(indices[start : start + self.eval_batch_size]))
-            yield self.test_x[index], self.test_y[index]
 
 
 class Recorder:
@@ -412,7 +368,7 @@ def test_build_loop_composes_the_requested_mixins(config, has_p, has_fgh) -> Non
 
 
 def test_unknown_optimizer_is_rejected() -> None:
-    with pytest.raises(ValueError, match="adam, adamw or sgd"):
+    with pytest.raises(ValueError, match="valid choices: adam, adamw, sgd"):
         make_loop({**BASE_CONFIG, "optimizer": "rmsprop"})
 
 

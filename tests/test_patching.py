@@ -11,6 +11,7 @@ import hashlib
 import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -104,9 +105,6 @@ def test_diffs_are_well_formed(rel: str, diff_name: str) -> None:
         assert sum(line[0] in " -" for line in body) == old_count
         assert sum(line[0] in " +" for line in body) == new_count
         assert all(line[0] in " -+\\" for line in body)
-    patch = patching.parse_unified_diff(text)
-    assert (patch.old_path, patch.new_path) == (f"a/{rel}", f"b/{rel}")
-    assert len(patch.hunks) == len(hunks)
 
 
 @pytest.mark.parametrize(("rel", "diff_name"), patching.PATCHES)
@@ -136,40 +134,12 @@ def test_total_changed_lines_at_most_20() -> None:
     assert changed == 12
 
 
-def test_apply_patch_keeps_crlf_and_missing_final_newline() -> None:
-    original = b"one\r\ntwo\r\nthree"
-    diff = (
-        "--- a/x.py\n+++ b/x.py\n@@ -1,3 +1,4 @@\n one\n-two\n+TWO\n+2b\n three\n"
-        "\\ No newline at end of file\n"
-    )
-    patch = patching.parse_unified_diff(diff)
-    patched = patching.apply_patch(original, patch)
-    # 'two' becomes two lines with the file's CRLF ending; 'three' stays without a newline
-    assert patched == b"one\r\nTWO\r\n2b\r\nthree"
-    assert patching.apply_patch(patched, patch.reversed()) == original
-
-
-def test_apply_patch_can_add_and_drop_the_final_newline() -> None:
-    diff = "--- a/x\n+++ b/x\n@@ -1,2 +1,2 @@\n a\n-b\n\\ No newline at end of file\n+b\n"
-    patch = patching.parse_unified_diff(diff)
-    assert patching.apply_patch(b"a\nb", patch) == b"a\nb\n"
-    assert patching.apply_patch(b"a\nb\n", patch.reversed()) == b"a\nb"
-
-
-def test_apply_patch_rejects_wrong_context() -> None:
-    patch = patching.parse_unified_diff("--- a/x\n+++ b/x\n@@ -1,2 +1,2 @@\n a\n-b\n+c\n")
-    with pytest.raises(PatchError, match="does not match"):
-        patching.apply_patch(b"a\nX\n", patch)
-    # a hunk is only tried at its stated line, never searched for elsewhere
-    with pytest.raises(PatchError, match="does not match"):
-        patching.apply_patch(b"z\na\nb\n", patch)
-
-
-def test_parser_rejects_counts_that_disagree_with_the_header() -> None:
-    with pytest.raises(PatchError, match="ends early"):
-        patching.parse_unified_diff("--- a/x\n+++ b/x\n@@ -1,3 +1,3 @@\n a\n-b\n+c\n")
-    with pytest.raises(PatchError, match="no '--- a/"):
-        patching.parse_unified_diff("@@ -1 +1 @@\n-a\n+b\n")
+def test_missing_git_is_refused_with_how_to_install_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(patching.shutil, "which", lambda name: None)
+    with pytest.raises(PatchError, match=r"git is not on PATH.*apt-get install git"):
+        patching._git_apply(tmp_path, ["factory.diff"], reverse=False, check=True)
 
 
 def test_unknown_bytes_are_refused_and_left_alone(tmp_path: Path) -> None:
@@ -240,6 +210,34 @@ def test_pinned_hashes_match_the_real_checkout(pilot_root: Path) -> None:
         assert _sha(pilot_root / rel) == patching.UPSTREAM_SHA256[rel], (
             f"{pilot_root} is not at commit {patching.PINNED_COMMIT}"
         )
+
+
+def test_pins_match_the_diffs_applied_by_git(pilot_root: Path, tmp_path: Path) -> None:
+    """Recompute both pins with a plain `git apply`, outside any repository: if a diff in
+    patches/ changes, this names the new hash to put in PATCHED_SHA256."""
+    for rel, _ in patching.PATCHES:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(pilot_root / rel, tmp_path / rel)
+    diffs = [str(patching.patches_dir() / diff) for _, diff in patching.PATCHES]
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tmp_path.parent))
+    subprocess.run(["git", "apply", "-p1", *diffs], cwd=tmp_path, env=env, check=True)
+    for rel, _ in patching.PATCHES:
+        assert _sha(tmp_path / rel) == patching.PATCHED_SHA256[rel], f"new pin for {rel}"
+    subprocess.run(["git", "apply", "-p1", "-R", *diffs], cwd=tmp_path, env=env, check=True)
+    for rel, _ in patching.PATCHES:
+        assert _sha(tmp_path / rel) == patching.UPSTREAM_SHA256[rel], rel
+
+
+def test_checkout_inside_another_repository_is_patched(
+    checkout: Path, tmp_path: Path, pilot_root: Path
+) -> None:
+    """git apply run from a subfolder of a repository would resolve paths against that
+    repository's top and skip our files silently (the quickstart's .pilot/ sits in ours)."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    assert [f.state for f in patching.apply(checkout).files] == ["patched", "patched"]
+    assert [f.state for f in patching.revert(checkout).files] == ["upstream", "upstream"]
+    for rel, _ in patching.PATCHES:
+        assert (checkout / rel).read_bytes() == (pilot_root / rel).read_bytes()
 
 
 def test_apply_check_revert_round_trip(

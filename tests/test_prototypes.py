@@ -165,5 +165,5 @@ def test_load_state_dict_rejects_shape_mismatch() -> None:
 
 
 def test_constructor_rejects_empty_bank() -> None:
-    with pytest.raises(ValueError, match="num_classes and feature_dim"):
+    with pytest.raises(ValueError, match="num_classes must be >= 1"):
         PrototypeBank(0, 2)

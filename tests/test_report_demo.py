@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch import nn
+from conftest import TinyAdapter, TinyNet, VectorSource
 
 from pilot_online import cli
 from pilot_online.cli.report import (
@@ -21,50 +21,12 @@ from pilot_online.cli.report import (
 )
 from pilot_online.core.results import load_results
 from pilot_online.core.streams import clear_stream
-from pilot_online.engine.adapter import MethodAdapter, StepOutput
 from pilot_online.engine.loop import build_loop
 from pilot_online.engine.session import OnlineSession
 
 C, D_IN, HIDDEN = 6, 5, 8
 SEEDS = (0, 1, 2)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-class TinyNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Linear(D_IN, HIDDEN)
-        self.fc = nn.Linear(HIDDEN, C)
-
-
-class TinyAdapter(MethodAdapter):
-    base_model_name = "tiny"
-
-    def build_network(self, args: dict) -> nn.Module:
-        return TinyNet()
-
-    def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
-        features = torch.relu(network.body(x))
-        return StepOutput(network.fc(features), features)
-
-    def classifier(self, network: nn.Module) -> nn.Linear:
-        return network.fc
-
-
-class VectorSource:
-    def __init__(self, train_x, train_y, test_x, test_y) -> None:
-        self.train_x, self.train_y = train_x, torch.tensor(train_y)
-        self.test_x, self.test_y = test_x, torch.tensor(test_y)
-        self.test_labels = np.asarray(test_y)
-
-    def train_batches(self, batches):
-        for indices in batches:
-            index = torch.from_numpy(np.array(indices))
-            yield self.train_x[index], self.train_y[index]
-
-    def test_batches(self, indices):
-        index = torch.from_numpy(np.array(indices))
-        yield self.test_x[index], self.test_y[index]
 
 
 def run_session(folder: Path, seed: int, variant: dict | None = None, status="complete") -> Path:

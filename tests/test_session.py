@@ -15,12 +15,13 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import TinyAdapter, TinyNet, VectorSource
 from torch import nn
 
 from pilot_online.core.results import load_results
 from pilot_online.core.streams import clear_stream, si_blurry_stream
 from pilot_online.engine import session as session_module
-from pilot_online.engine.adapter import MethodAdapter, StepOutput
+from pilot_online.engine.adapter import StepOutput
 from pilot_online.engine.loop import OnlineLoop
 from pilot_online.engine.session import ArrayDataSource, OnlineSession, unique_results_path
 
@@ -30,13 +31,6 @@ TRAIN_COUNTS = [5, 3, 4, 6, 2, 7]
 TEST_COUNTS = [2, 1, 1, 1, 1, 1]
 TEST_Y = np.repeat(np.arange(C), TEST_COUNTS)  # [0, 0, 1, 2, 3, 4, 5]
 CONFIG = {"optimizer": "adam", "init_lr": 0.01, "logit_mask": "batch", "model_name": "lookup"}
-
-
-class TinyNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Linear(D_IN, HIDDEN)
-        self.fc = nn.Linear(HIDDEN, C)
 
 
 def perfect(x: torch.Tensor) -> torch.Tensor:
@@ -52,50 +46,34 @@ def boost_class_5(x: torch.Tensor) -> torch.Tensor:
     return perfect(x) + 5000.0 * nn.functional.one_hot(torch.full((len(x),), 5), C).float()
 
 
-class LookupAdapter(MethodAdapter):
+class LookupAdapter(TinyAdapter):
     """logits = fixed scores(x) + fc(features); |fc| << 1000, so the scores decide."""
 
     base_model_name = "lookup"
     scores = staticmethod(perfect)
 
     def build_network(self, args: dict) -> nn.Module:
-        return TinyNet()
+        return small_net()
 
     def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
-        features = torch.relu(network.body(x))
-        return StepOutput(network.fc(features) + self.scores(x), features)
-
-    def classifier(self, network: nn.Module) -> nn.Linear:
-        return network.fc
+        out = super().forward(network, x, train)
+        return StepOutput(out.logits + self.scores(x), out.features)
 
 
-class VectorSource:
-    """A DataSource over float vectors whose first entry is the label; records test requests."""
+def small_net() -> TinyNet:
+    return TinyNet(d_in=D_IN, hidden=HIDDEN, num_classes=C)
 
-    def __init__(self, train_y: np.ndarray, test_y: np.ndarray = TEST_Y) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.train_x = self._encode(train_y, generator)
-        self.test_x = self._encode(test_y, generator)
-        self.train_y, self.test_y = torch.tensor(train_y), torch.tensor(test_y)
-        self.test_labels = np.asarray(test_y)
-        self.requests: list[np.ndarray] = []
 
-    @staticmethod
-    def _encode(labels: np.ndarray, generator: torch.Generator) -> torch.Tensor:
+def label_source(train_y: np.ndarray, test_y: np.ndarray = TEST_Y) -> VectorSource:
+    """A VectorSource whose vectors carry their label in the first entry (evaluated 3 at a time)."""
+    generator = torch.Generator().manual_seed(0)
+
+    def encode(labels: np.ndarray) -> torch.Tensor:
         x = torch.randn(len(labels), D_IN, generator=generator)
         x[:, 0] = torch.tensor(labels, dtype=torch.float32)
         return x
 
-    def train_batches(self, batches):
-        for indices in batches:
-            index = torch.from_numpy(np.array(indices))
-            yield self.train_x[index], self.train_y[index]
-
-    def test_batches(self, indices):
-        self.requests.append(np.array(indices))
-        for start in range(0, len(indices), 3):
-            index = torch.from_numpy(np.array(indices[start : start + 3]))
-            yield self.test_x[index], self.test_y[index]
+    return VectorSource(encode(train_y), train_y, encode(test_y), test_y, eval_batch_size=3)
 
 
 def train_labels() -> np.ndarray:
@@ -107,8 +85,8 @@ def make_session(stream, scores=perfect, config=None, results_path=None, seed=0,
     torch.manual_seed(seed)
     adapter = LookupAdapter()
     adapter.scores = scores
-    loop = OnlineLoop(adapter, TinyNet(), config, C)
-    source = source or VectorSource(stream.labels)
+    loop = OnlineLoop(adapter, small_net(), config, C)
+    source = source or label_source(stream.labels)
     return OnlineSession(loop, stream, source, config, results_path, progress=False)
 
 
@@ -166,7 +144,7 @@ def test_evaluate_task_end_structure_and_values_by_hand() -> None:
 
 def test_only_exposed_classes_are_evaluated() -> None:
     stream = two_task_stream()
-    source = VectorSource(stream.labels)
+    source = label_source(stream.labels)
     session = make_session(stream, source=source)
     session.train_task(0)
     result = session.evaluate_task_end(0)
@@ -181,7 +159,7 @@ def test_logits_of_unexposed_classes_never_win() -> None:
     session.train_task(0)
     assert session.evaluate_task_end(0)["top1"] == 100.0  # class 5 (huge logit) is masked
     y_pred, _ = session.loop.predict(
-        session.data.test_batches(np.arange(len(TEST_Y))),
+        session.data.eval_batches(np.arange(len(TEST_Y))),
         torch.tensor([True, True, True, True, True, False]),
         topk=1,
     )
@@ -379,14 +357,14 @@ def test_unique_results_path_never_returns_an_existing_file(tmp_path, monkeypatc
 def test_labels_outside_the_model_raise_at_construction() -> None:
     stream = two_task_stream()
     adapter = LookupAdapter()
-    loop = OnlineLoop(adapter, TinyNet(), CONFIG, num_classes=C - 1)  # labels go up to 5
+    loop = OnlineLoop(adapter, small_net(), CONFIG, num_classes=C - 1)  # labels go up to 5
     with pytest.raises(ValueError, match="training labels"):
-        OnlineSession(loop, stream, VectorSource(stream.labels), CONFIG, progress=False)
-    loop = OnlineLoop(adapter, TinyNet(), CONFIG, num_classes=C)
-    bad_test = VectorSource(stream.labels, test_y=np.array([0, 1, -1]))
+        OnlineSession(loop, stream, label_source(stream.labels), CONFIG, progress=False)
+    loop = OnlineLoop(adapter, small_net(), CONFIG, num_classes=C)
+    bad_test = label_source(stream.labels, test_y=np.array([0, 1, -1]))
     with pytest.raises(ValueError, match="test labels"):
         OnlineSession(loop, stream, bad_test, CONFIG, progress=False)
-    bad_test = VectorSource(stream.labels, test_y=np.array([0, 6]))
+    bad_test = label_source(stream.labels, test_y=np.array([0, 6]))
     with pytest.raises(ValueError, match="test labels"):
         OnlineSession(loop, stream, bad_test, CONFIG, progress=False)
 
@@ -401,5 +379,5 @@ def test_array_data_source_yields_stream_batches_in_order() -> None:
     assert x.shape == (2, 3, 2, 2)  # NCHW
     # Pixel (h=0, w=0, channel 1) of image 3: byte 3 * 12 + 1 = 37 -> 37 / 255.
     assert x[0, 1, 0, 0].item() == pytest.approx(37 / 255)
-    test = list(source.test_batches(np.array([0, 1, 2])))
+    test = list(source.eval_batches(np.array([0, 1, 2])))
     assert [y.tolist() for _, y in test] == [[0, 1], [2]]

@@ -410,11 +410,38 @@ def test_torch_labels_accepted():
     assert all(np.array_equal(x, y) for x, y in zip(a.tasks, b.tasks))
 
 
+def test_build_stream_reads_the_kinds_config_keys():
+    """A run config names each option once; the kind picks the keys it declares, explicit
+    arguments win, and keys of the other kind are ignored."""
+    labels = shuffled_labels(10, 10)
+    config = {
+        "stream": "si_blurry",
+        "init_cls": 4,
+        "increment": 3,  # 10 classes: 4 + 3 + 3 = 3 tasks
+        "batch_size": 7,
+        "seed": 5,
+        "si_blurry_n": 40,
+        "si_blurry_m": 20,
+        "si_blurry_selection": "random",
+    }
+    clear = build_stream("clear", labels, config=config)
+    assert clear.params["init_cls"] == 4 and clear.params["batch_size"] == 7
+    assert clear.num_tasks == 3 and clear.seed == 5
+    blurry = build_stream(config["stream"], labels, config=config, num_tasks=2, seed=6)
+    expected = si_blurry_stream(
+        labels, num_tasks=2, n=40, m=20, seed=6, batch_size=7, blurred_selection="random"
+    )
+    assert all(np.array_equal(x, y) for x, y in zip(blurry.tasks, expected.tasks))
+    assert blurry.params == expected.params
+
+
 @pytest.mark.parametrize(
     ("kind", "kwargs", "error", "match"),
     [
         ("offline", {}, ValueError, "clear.*si_blurry"),
-        ("clear", {"num_tasks": 5}, TypeError, "does not take"),
+        ("clear", {"n": 50}, TypeError, "does not take"),
+        # 10 classes split 2 + 2 + 2 + 2 + 2 = 5 tasks, not the 4 the trainer expects
+        ("clear", {"init_cls": 2, "increment": 2, "num_tasks": 4}, ValueError, "5 tasks, but 4"),
         ("clear", {"init_cls": 0, "increment": 2}, ValueError, "init_cls"),
         ("clear", {"init_cls": 11, "increment": 2}, ValueError, "init_cls"),
         ("clear", {"init_cls": 2, "increment": 0}, ValueError, "increment"),

@@ -9,7 +9,11 @@ from typing import Any
 
 import numpy as np
 
+from ..core.fgh import FineGrainedHypergradients
 from ..core.results import RESULTS_SUFFIX, load_results
+
+#: FGH's option defaults: a label names only the options a run changed.
+FGH_DEFAULTS: dict[str, Any] = FineGrainedHypergradients.__init__.__kwdefaults__
 
 METRIC_COLUMNS = ("AP", "A_T", "forgetting", "A_auc")
 
@@ -24,7 +28,7 @@ def variant_label(config: dict[str, Any]) -> str:
         options = [
             f"{k}={v}"
             for k, v in sorted(fgh.items())
-            if k in ("granularity", "direction", "apply") and v not in ("element", "grad")
+            if k in ("granularity", "direction", "apply") and v != FGH_DEFAULTS[k]
         ]
         parts.append("FGH" + (f"({', '.join(options)})" if options else ""))
         if fgh.get("gamma", 1) != 1:

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
+
+from .checks import check_choice, check_real
 
 logger = logging.getLogger(__name__)
 
@@ -65,44 +66,32 @@ _TENSOR_FIELDS = ("alpha", "prev", "m", "v", "u")
 # --------------------------------------------------------------------------- validation
 
 
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}; valid choices: {', '.join(choices)}")
-    return value
-
-
-def _check_real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    return float(value)
-
-
 def _check_options(options: dict[str, Any]) -> dict[str, Any]:
     """Validate one group's options and return them normalised (gamma resolved, tuples)."""
-    granularity = _check_choice("granularity", options["granularity"], GRANULARITIES)
-    direction = _check_choice("direction", options["direction"], DIRECTIONS)
-    apply = _check_choice("apply", options["apply"], APPLIES)
+    granularity = check_choice("granularity", options["granularity"], GRANULARITIES)
+    direction = check_choice("direction", options["direction"], DIRECTIONS)
+    apply = check_choice("apply", options["apply"], APPLIES)
 
     gamma = options["gamma"]
-    gamma = DEFAULT_GAMMA[direction] if gamma is None else _check_real("gamma", gamma)
+    gamma = DEFAULT_GAMMA[direction] if gamma is None else check_real("gamma", gamma)
     if not (math.isfinite(gamma) and gamma >= 0):
         raise ValueError(f"gamma must be finite and >= 0 (0 disables learning), got {gamma}")
 
     clamp = options["clamp"]
     if not isinstance(clamp, (tuple, list)) or len(clamp) != 2:
         raise ValueError(f"clamp must be a finite pair (lo, hi), 0 <= lo < hi, got {clamp!r}")
-    lo, hi = _check_real("clamp[0]", clamp[0]), _check_real("clamp[1]", clamp[1])
+    lo, hi = check_real("clamp[0]", clamp[0]), check_real("clamp[1]", clamp[1])
     if not (math.isfinite(lo) and math.isfinite(hi) and 0 <= lo < hi):
         raise ValueError(f"clamp must be a finite pair (lo, hi), 0 <= lo < hi, got {clamp!r}")
 
     betas = options["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2) in [0, 1), got {betas!r}")
-    beta1, beta2 = _check_real("betas[0]", betas[0]), _check_real("betas[1]", betas[1])
+    beta1, beta2 = check_real("betas[0]", betas[0]), check_real("betas[1]", betas[1])
     if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
         raise ValueError(f"betas must be a pair (beta1, beta2) in [0, 1), got {betas!r}")
 
-    eps = _check_real("eps", options["eps"])
+    eps = check_real("eps", options["eps"])
     if not (math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
 

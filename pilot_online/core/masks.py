@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from .checks import check_choice
+
+#: Training-loss masks (the config's ``logit_mask`` choices).
 LOGIT_MASKS = ("batch", "seen", "none")
 
 
@@ -87,8 +90,7 @@ def training_mask(
     ``"seen"`` includes the current batch's classes, so a sample's own logit is never masked
     even when ``seen`` was recorded before this batch.
     """
-    if kind not in LOGIT_MASKS:
-        raise ValueError(f"unknown logit mask {kind!r}; choose one of {LOGIT_MASKS}")
+    check_choice("logit mask", kind, LOGIT_MASKS)
     if kind == "none":
         return None
     if kind == "batch":

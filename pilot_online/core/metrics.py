@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from .checks import check_int
+
 __all__ = [
     "accuracy_matrix",
     "area_under_curve",
@@ -73,12 +75,6 @@ def _check_predictions(y_true: Any, y_pred: Any) -> tuple[np.ndarray, np.ndarray
             f"y_true and y_pred must have the same length, got {true.size} and {pred.size}."
         )
     return true, pred
-
-
-def _check_positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    return int(value)
 
 
 def _check_matrix(acc: Any) -> np.ndarray:
@@ -128,7 +124,7 @@ def task_accuracies(y_true: Any, y_pred: Any, class_task: Any, num_tasks: int) -
     Samples of classes with ``class_task == -1`` or ``>= num_tasks`` are ignored, so the caller
     can pass the whole test set at any point of the stream. Tasks without test samples get NaN.
     """
-    num_tasks = _check_positive_int(num_tasks, "num_tasks")
+    num_tasks = check_int("num_tasks", num_tasks, 1)
     true, pred = _check_predictions(y_true, y_pred)
     owner = _as_label_vector(class_task, "class_task")
     if true.size and (true.min() < 0 or true.max() >= owner.size):
@@ -148,7 +144,7 @@ def task_accuracies(y_true: Any, y_pred: Any, class_task: Any, num_tasks: int) -
 
 def per_class_accuracy(y_true: Any, y_pred: Any, num_classes: int) -> np.ndarray:
     """Top-1 accuracy (%) per class; NaN for classes with no test samples."""
-    num_classes = _check_positive_int(num_classes, "num_classes")
+    num_classes = check_int("num_classes", num_classes, 1)
     true, pred = _check_predictions(y_true, y_pred)
     if true.size and (true.min() < 0 or true.max() >= num_classes):
         raise ValueError(
@@ -167,7 +163,7 @@ def accuracy_matrix(columns: Sequence[Any], num_tasks: int) -> np.ndarray:
     forced to NaN (those tasks were not exposed yet). If the run stopped early, the missing
     columns are NaN, so every downstream metric uses only what was measured.
     """
-    num_tasks = _check_positive_int(num_tasks, "num_tasks")
+    num_tasks = check_int("num_tasks", num_tasks, 1)
     if len(columns) > num_tasks:
         raise ValueError(
             f"got {len(columns)} evaluation columns for num_tasks={num_tasks}; "

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .checks import check_int
 from .masks import check_labels
 
 _LOG = logging.getLogger(__name__)
@@ -40,12 +41,8 @@ class PrototypeBank(torch.nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if num_classes < 1 or feature_dim < 1:
-            raise ValueError(
-                f"num_classes and feature_dim must be >= 1, got {num_classes} and {feature_dim}"
-            )
-        self.num_classes = num_classes
-        self.feature_dim = feature_dim
+        self.num_classes = check_int("num_classes", num_classes, 1)
+        self.feature_dim = check_int("feature_dim", feature_dim, 1)
         self.register_buffer(
             "means", torch.zeros(num_classes, feature_dim, device=device, dtype=dtype)
         )

@@ -49,20 +49,20 @@ ignore keys they do not know; adding keys does not change ``schema_version``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as _datetime
 import json
 import logging
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pilot_online.version import __version__
+
+from .files import write_atomic
 
 __all__ = [
     "REQUIRED_COUNTER_KEYS",
@@ -220,10 +220,8 @@ def write_results(
 ) -> Path:
     """Write ``results`` as JSON to ``path`` atomically; return the path.
 
-    The JSON goes to a hidden temporary file in the same directory (same filesystem, so the
-    rename is atomic), is flushed and fsync'ed, then ``os.replace``d onto ``path``. If anything
-    fails, the temporary file is removed and ``path`` is untouched. An existing ``path`` raises
-    FileExistsError unless ``overwrite=True``.
+    See :func:`~pilot_online.core.files.write_atomic`: if anything fails, ``path`` is untouched.
+    An existing ``path`` raises FileExistsError unless ``overwrite=True``.
     """
     target = Path(path)
     validate_results(results)
@@ -235,34 +233,9 @@ def write_results(
             "results. Use another prefix/log_dir, delete the file, or pass overwrite=True."
         )
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
-    _fsync_directory(target.parent)
+    write_atomic(target, text)
     logger.info("wrote results to %s", target)
     return target
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename durable on POSIX; silently skipped where directories cannot be opened."""
-    try:
-        dir_fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
 
 
 def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:

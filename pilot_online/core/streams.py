@@ -24,12 +24,13 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import numbers
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import numpy as np
+
+from .checks import check_choice, check_int
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ BLURRED_SELECTIONS = ("dataset_order", "random")
 __all__ = [
     "BLURRED_SELECTIONS",
     "STREAMS",
+    "STREAM_BUILDERS",
+    "STREAM_CONFIG_KEYS",
     "Batch",
     "Stream",
     "TaskSummary",
@@ -49,22 +52,6 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- validation
-
-
-def _check_int(
-    name: str, value: Any, minimum: int | None = None, maximum: int | None = None
-) -> int:
-    """Return ``value`` as a Python int, or raise naming the parameter and its valid range."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    if maximum is not None and value > maximum:
-        bound = f"<= {maximum}" if minimum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return value
 
 
 def _as_labels(labels: Any) -> np.ndarray:
@@ -122,9 +109,9 @@ def _as_class_order(labels: np.ndarray, class_order: Sequence[int] | None) -> np
 
 def pilot_increments(num_classes: int, init_cls: int, increment: int) -> list[int]:
     """Task sizes as PILOT ``DataManager`` splits them: ``[init_cls, increment, ..., rest]``."""
-    num_classes = _check_int("num_classes", num_classes, 1)
-    init_cls = _check_int("init_cls", init_cls, 1)
-    increment = _check_int("increment", increment, 1)
+    num_classes = check_int("num_classes", num_classes, 1)
+    init_cls = check_int("init_cls", init_cls, 1)
+    increment = check_int("increment", increment, 1)
     if init_cls > num_classes:
         raise ValueError(
             f"init_cls={init_cls} exceeds the number of classes ({num_classes}); "
@@ -203,7 +190,7 @@ class Stream:
         self.kind = kind
         self.tasks: list[np.ndarray] = [_readonly(t) for t in tasks]
         self.labels = labels
-        self.batch_size = _check_int("batch_size", batch_size, 1)
+        self.batch_size = check_int("batch_size", batch_size, 1)
         self.seed = seed
         self.params = params
         num_tasks = len(self.tasks)
@@ -229,7 +216,7 @@ class Stream:
         return len(self.tasks)
 
     def _check_task(self, task: int) -> int:
-        return _check_int("task", task, 0, self.num_tasks - 1)
+        return check_int("task", task, 0, self.num_tasks - 1)
 
     def num_batches(self, task: int | None = None) -> int:
         sizes = (
@@ -390,17 +377,24 @@ def clear_stream(
     increment: int,
     batch_size: int = 100,
     seed: int = 0,
+    num_tasks: int | None = None,
 ) -> Stream:
     """PILOT's class-incremental split, streamed once: task k holds ``class_order[s_k:f_k]``.
 
     Each task's samples are shuffled by a dedicated generator seeded with ``seed``; samples of
-    classes outside ``class_order`` are never streamed.
+    classes outside ``class_order`` are never streamed. ``num_tasks``, when given, must be the
+    number of tasks the split makes (PILOT's trainer expects that many segments).
     """
     labels = _as_labels(labels)
     order = _as_class_order(labels, class_order)
-    batch_size = _check_int("batch_size", batch_size, 1)
-    seed = _check_int("seed", seed, 0)
+    batch_size = check_int("batch_size", batch_size, 1)
+    seed = check_int("seed", seed, 0)
     increments = pilot_increments(order.shape[0], init_cls, increment)
+    if num_tasks is not None and check_int("num_tasks", num_tasks, 1) != len(increments):
+        raise ValueError(
+            f"init_cls={init_cls}, increment={increment} split {order.shape[0]} classes into "
+            f"{len(increments)} tasks, but {num_tasks} were expected: make the two agree"
+        )
     num_tasks = len(increments)
 
     bounds = np.concatenate(([0], np.cumsum(increments))).astype(np.int64)
@@ -445,16 +439,12 @@ def si_blurry_stream(
     """
     labels = _as_labels(labels)
     classes = np.sort(_as_class_order(labels, class_order))
-    num_tasks = _check_int("num_tasks", num_tasks, 1)
-    n = _check_int("n", n, 0, 100)
-    m = _check_int("m", m, 0, 100)
-    seed = _check_int("seed", seed, 0)
-    batch_size = _check_int("batch_size", batch_size, 1)
-    if blurred_selection not in BLURRED_SELECTIONS:
-        raise ValueError(
-            f"unknown blurred_selection {blurred_selection!r}; "
-            f"choose one of {list(BLURRED_SELECTIONS)}"
-        )
+    num_tasks = check_int("num_tasks", num_tasks, 1)
+    n = check_int("n", n, 0, 100)
+    m = check_int("m", m, 0, 100)
+    seed = check_int("seed", seed, 0)
+    batch_size = check_int("batch_size", batch_size, 1)
+    check_choice("blurred_selection", blurred_selection, BLURRED_SELECTIONS)
 
     # Step 2: pool sizes, each rounded down to a multiple of T (upstream integer arithmetic).
     num_classes = int(classes.shape[0])
@@ -552,16 +542,48 @@ def si_blurry_stream(
     return stream
 
 
-STREAMS: dict[str, Callable[..., Stream]] = {"clear": clear_stream, "si_blurry": si_blurry_stream}
+STREAM_BUILDERS: dict[str, Callable[..., Stream]] = {
+    "clear": clear_stream,
+    "si_blurry": si_blurry_stream,
+}
+#: The stream kinds, in the order the docs list them (the config's ``stream`` choices).
+STREAMS = tuple(STREAM_BUILDERS)
+#: The run-config keys each kind reads, as ``{builder keyword: config key}``.
+STREAM_CONFIG_KEYS: dict[str, dict[str, str]] = {
+    "clear": {
+        "init_cls": "init_cls",
+        "increment": "increment",
+        "batch_size": "batch_size",
+        "seed": "seed",
+    },
+    "si_blurry": {
+        "n": "si_blurry_n",
+        "m": "si_blurry_m",
+        "blurred_selection": "si_blurry_selection",
+        "batch_size": "batch_size",
+        "seed": "seed",
+    },
+}
 
 
 def build_stream(
-    kind: str, labels: Any, class_order: Sequence[int] | None = None, **kwargs: Any
+    kind: str,
+    labels: Any,
+    class_order: Sequence[int] | None = None,
+    *,
+    config: Mapping[str, Any] | None = None,
+    **kwargs: Any,
 ) -> Stream:
-    """Build a stream by name; unknown names and unknown options raise listing the valid ones."""
-    if kind not in STREAMS:
-        raise ValueError(f"unknown stream kind {kind!r}; choose one of {sorted(STREAMS)}")
-    builder = STREAMS[kind]
+    """Build a stream by name; unknown names and unknown options raise listing the valid ones.
+
+    With ``config`` (a run config), the kind's options come from the config keys it declares in
+    ``STREAM_CONFIG_KEYS``; explicit keyword arguments win over them.
+    """
+    builder = STREAM_BUILDERS[check_choice("stream kind", kind, STREAMS)]
+    if config is not None:
+        kwargs = {
+            arg: config[key] for arg, key in STREAM_CONFIG_KEYS[kind].items() if key in config
+        } | kwargs
     accepted = [
         p for p in inspect.signature(builder).parameters if p not in ("labels", "class_order")
     ]

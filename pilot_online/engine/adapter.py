@@ -37,11 +37,16 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class ConfigKey:
-    """A config key a method understands: its default, and whether online training forces it."""
+    """A config key: its default, whether online training forces it, and its valid values.
+
+    ``choices`` comes from the module that owns the option (e.g. ``core.streams.STREAMS``), so
+    the list exists once; ``resolve_config`` refuses any other value, listing the choices.
+    """
 
     default: Any
     doc: str
     forced: bool = False  # online training needs exactly this value (a different one is an error)
+    choices: tuple | None = None
 
 
 @dataclass

@@ -8,20 +8,19 @@ valid spelling; offline-only keys (epochs, schedulers) raise with what to do ins
 
 from __future__ import annotations
 
-import difflib
 import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..core.checks import check_choice, check_int, closest
 from ..core.datasets import dataset_names
+from ..core.fgh import OPTION_KEYS as FGH_KEYS
+from ..core.fgh import validate_options as validate_fgh_options
+from ..core.masks import LOGIT_MASKS
+from ..core.streams import BLURRED_SELECTIONS, STREAMS
 from .adapter import ConfigKey
-
-LOGIT_MASKS = ("batch", "seen", "none")
-STREAMS = ("clear", "si_blurry")
-BLURRED_SELECTIONS = ("dataset_order", "random")
-OPTIMIZERS = ("adam", "adamw", "sgd")
-FGH_KEYS = ("gamma", "granularity", "direction", "apply", "clamp")
+from .loop import OPTIMIZERS
 
 #: Keys PILOT's ``main.py``/``trainer.py``/``BaseLearner`` read, with the online defaults.
 PILOT_KEYS: dict[str, ConfigKey] = {
@@ -39,7 +38,9 @@ PILOT_KEYS: dict[str, ConfigKey] = {
     "seed": ConfigKey([1993], "list of seeds; each seed runs and writes its own results file"),
     "batch_size": ConfigKey(100, "stream batch size (the paper uses 100)"),
     "init_lr": ConfigKey(5e-3, "constant learning rate (no scheduler online)"),
-    "optimizer": ConfigKey("adam", "adam | adamw | sgd, at a constant learning rate"),
+    "optimizer": ConfigKey(
+        "adam", "optimizer, at a constant learning rate", choices=tuple(OPTIMIZERS)
+    ),
     "weight_decay": ConfigKey(0.0, "optimizer weight decay"),
     "pretrained": ConfigKey(
         True, "load pretrained ViT weights (offline: false, or pretrained_path)"
@@ -50,17 +51,19 @@ PILOT_KEYS: dict[str, ConfigKey] = {
 
 #: Keys this plugin adds.
 ONLINE_KEYS: dict[str, ConfigKey] = {
-    "stream": ConfigKey("clear", "clear | si_blurry"),
+    "stream": ConfigKey(STREAMS[0], "training stream kind", choices=STREAMS),
     "si_blurry_n": ConfigKey(50, "Si-Blurry N: percent of classes that are disjoint"),
     "si_blurry_m": ConfigKey(10, "Si-Blurry M: percent of blurry-class samples blurred"),
     "si_blurry_selection": ConfigKey(
-        "dataset_order", "which blurry samples move: dataset_order (upstream) | random"
+        BLURRED_SELECTIONS[0],
+        "which blurry samples move: the first in dataset order (upstream), or random ones",
+        choices=BLURRED_SELECTIONS,
     ),
     "online_prototypes": ConfigKey(False, "add the prototype loss L_P (paper Eq. 1-2)"),
     "fgh": ConfigKey(
         None, "null, or {gamma, granularity, direction, apply, clamp}: Fine-Grained Hypergradients"
     ),
-    "logit_mask": ConfigKey("batch", "training-loss logit mask: batch | seen | none"),
+    "logit_mask": ConfigKey("batch", "training-loss logit mask", choices=LOGIT_MASKS),
     "eval_period": ConfigKey(None, "also evaluate every N stream samples (A_auc); null = off"),
     "batchwise_prompt_eval": ConfigKey(
         False, "batch majority-vote prompt selection at test time (leaks task identity)"
@@ -122,16 +125,6 @@ def load_json(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _suggest(key: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(key, known, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _check_choice(cfg: Mapping[str, Any], key: str, choices: tuple[str, ...]) -> None:
-    if cfg[key] not in choices:
-        raise ConfigError(f"{key}={cfg[key]!r} is not one of {', '.join(choices)}")
-
-
 def _check_dataset(name: Any) -> None:
     """PILOT looks names up case-insensitively; an unknown one would fail only after setup."""
     owners = dataset_names()
@@ -140,9 +133,8 @@ def _check_dataset(name: Any) -> None:
         listing = "; ".join(
             f"{owner} datasets: {', '.join(names)}" for owner, names in owners.items()
         )
-        raise ConfigError(
-            f"unknown dataset {name!r}{_suggest(str(name).lower(), valid)}. {listing}"
-        )
+        hint = closest(str(name).lower(), valid)
+        raise ConfigError(f"unknown dataset {name!r}{hint}. {listing}")
 
 
 def _check_fgh(fgh: Any) -> None:
@@ -153,13 +145,11 @@ def _check_fgh(fgh: Any) -> None:
     unknown = sorted(set(fgh) - set(FGH_KEYS))
     if unknown:
         raise ConfigError(
-            f"unknown fgh key(s) {unknown}{_suggest(unknown[0], list(FGH_KEYS))}; "
+            f"unknown fgh key(s) {unknown}{closest(unknown[0], FGH_KEYS)}; "
             f"valid: {', '.join(FGH_KEYS)}"
         )
-    from ..core.fgh import validate_options
-
     try:
-        validate_options(**fgh)
+        validate_fgh_options(**fgh)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"fgh: {err}") from None
 
@@ -184,7 +174,7 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"{key!r} is an offline-only key: {OFFLINE_KEYS[key]}")
         if key not in schema and key not in INJECTED_KEYS:
             raise ConfigError(
-                f"unknown config key {key!r}{_suggest(key, sorted(schema))}. "
+                f"unknown config key {key!r}{closest(key, sorted(schema))}. "
                 "Run `pilot-online check-config --keys` for the reference."
             )
     cfg = {key: spec.default for key, spec in schema.items()}
@@ -194,6 +184,11 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
             raise ConfigError(
                 f"{key}={cfg[key]!r} cannot be used online ({spec.doc}); set it to {spec.default!r}"
             )
+        if spec.choices is not None:
+            try:
+                check_choice(key, cfg[key], spec.choices)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
     for key in ("dataset", "backbone_type"):
         if not cfg[key]:
             raise ConfigError(f"the config needs {key!r}")
@@ -205,16 +200,13 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
             f"'vit_base_patch16_224{adapter.backbone_marker}'"
         )
     _check_dataset(cfg["dataset"])
-    _check_choice(cfg, "stream", STREAMS)
-    _check_choice(cfg, "si_blurry_selection", BLURRED_SELECTIONS)
-    _check_choice(cfg, "logit_mask", LOGIT_MASKS)
-    _check_choice(cfg, "optimizer", OPTIMIZERS)
-    for key in ("batch_size", "eval_batch_size", "init_cls", "increment", "log_interval"):
-        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 1:
-            raise ConfigError(f"{key} must be a positive integer, got {cfg[key]!r}")
-    for key in ("si_blurry_n", "si_blurry_m"):
-        if not 0 <= cfg[key] <= 100:
-            raise ConfigError(f"{key} is a percentage in [0, 100], got {cfg[key]!r}")
+    try:
+        for key in ("batch_size", "eval_batch_size", "init_cls", "increment", "log_interval"):
+            check_int(key, cfg[key], 1)
+        for key in ("si_blurry_n", "si_blurry_m"):
+            check_int(f"{key} (a percentage)", cfg[key], 0, 100)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(str(err)) from None
     if not isinstance(cfg["init_lr"], (int, float)) or cfg["init_lr"] <= 0:
         raise ConfigError(f"init_lr must be a positive number, got {cfg['init_lr']!r}")
     if cfg["eval_period"] is not None and (
@@ -246,5 +238,8 @@ def key_reference() -> str:
         lines.append(f"# {title}")
         for key, spec in keys.items():
             forced = " (fixed online)" if spec.forced else ""
-            lines.append(f"  {key:<24} default {json.dumps(spec.default):<18} {spec.doc}{forced}")
+            choices = f": {' | '.join(map(str, spec.choices))}" if spec.choices else ""
+            lines.append(
+                f"  {key:<24} default {json.dumps(spec.default):<18} {spec.doc}{choices}{forced}"
+            )
     return "\n".join(lines)

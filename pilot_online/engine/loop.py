@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.checks import check_choice
 from ..core.fgh import class_grad_norms
 from ..core.masks import classes_present, mask_logits, training_mask
 from .adapter import MethodAdapter, StepOutput
@@ -41,15 +42,21 @@ class StepStats:
     skipped: bool = False
 
 
-def make_optimizer(name: str, params: list[nn.Parameter], lr: float, weight_decay: float):
+#: The constant-LR optimisers of online training, by config name (the ``optimizer`` choices),
+#: with their fixed extra arguments.
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adam": (torch.optim.Adam, {}),
+    "adamw": (torch.optim.AdamW, {}),
+    "sgd": (torch.optim.SGD, {"momentum": 0.9}),
+}
+
+
+def make_optimizer(
+    name: str, params: list[nn.Parameter], lr: float, weight_decay: float
+) -> torch.optim.Optimizer:
     """The constant-LR optimiser of online training (no scheduler: stream length is unknown)."""
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
-    raise ValueError(f"unknown optimizer {name!r}: use adam, adamw or sgd")
+    optimizer_cls, extra = OPTIMIZERS[check_choice("optimizer", name, OPTIMIZERS)]
+    return optimizer_cls(params, lr=lr, weight_decay=weight_decay, **extra)
 
 
 class OnlineLoop:

@@ -10,6 +10,7 @@ Needs no PILOT: data comes from any :class:`DataSource`.
 
 from __future__ import annotations
 
+import io
 import logging
 import resource
 import time
@@ -22,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..core import metrics
+from ..core.files import write_atomic
 from ..core.results import build_results, to_jsonable, write_results
 from ..core.streams import Stream
 from .loop import OnlineLoop
@@ -39,7 +41,7 @@ class DataSource(Protocol):
     def train_batches(self, batches: Sequence[np.ndarray]) -> Batches:
         """Yield (inputs, labels) for each array of training indices, in the given order."""
 
-    def test_batches(self, indices: np.ndarray) -> Batches:
+    def eval_batches(self, indices: np.ndarray) -> Batches:
         """Yield (inputs, labels) over the given test indices."""
 
 
@@ -92,21 +94,23 @@ class OnlineSession:
     # -- training ----------------------------------------------------------------------------------
     def train_task(self, task: int) -> None:
         """Consume one stream segment in a single pass."""
-        segments = [batch.indices for batch in self.stream.batches(task)]
+        batch_indices = [batch.indices for batch in self.stream.batches(task)]
         interval = int(self.config.get("log_interval", 10))
-        bar = tqdm(total=len(segments), desc=f"task {task}", disable=not self.progress, leave=False)
+        bar = tqdm(
+            total=len(batch_indices), desc=f"task {task}", disable=not self.progress, leave=False
+        )
         loss_sum = torch.zeros((), device=self.loop.device)
         correct_sum = torch.zeros((), device=self.loop.device, dtype=torch.long)
         seen_in_window = steps_in_window = 0
         start = time.perf_counter()
-        for step, (inputs, labels) in enumerate(self.data.train_batches(segments), start=1):
+        for step, (inputs, labels) in enumerate(self.data.train_batches(batch_indices), start=1):
             stats = self.loop.train_step(inputs, labels)
             if not stats.skipped:
                 loss_sum += stats.loss
                 steps_in_window += 1
             correct_sum += stats.correct
             seen_in_window += stats.samples
-            if step % interval == 0 or step == len(segments):  # the only device reads
+            if step % interval == 0 or step == len(batch_indices):  # the only device reads
                 bar.set_postfix(
                     loss=f"{loss_sum.item() / max(steps_in_window, 1):.3f}",
                     acc=f"{100.0 * correct_sum.item() / seen_in_window:.1f}",
@@ -136,7 +140,7 @@ class OnlineSession:
         start = time.perf_counter()
         test_labels = np.asarray(self.data.test_labels)
         indices = np.flatnonzero(allowed[test_labels])
-        batches = self.data.test_batches(indices)
+        batches = self.data.eval_batches(indices)
         y_pred, y_true = self.loop.predict(batches, torch.from_numpy(allowed), topk)
         self.eval_seconds += time.perf_counter() - start
         return y_pred, y_true
@@ -249,10 +253,9 @@ class OnlineSession:
         trace = self.loop.gradient_statistics().get("trace")
         if trace is not None:
             trace_path = path.with_name(path.name.replace(".json", ".gradtrace.npy"))
-            tmp = trace_path.with_name(trace_path.name + ".tmp")
-            with open(tmp, "wb") as handle:
-                np.save(handle, trace.astype(np.float32))
-            tmp.replace(trace_path)
+            buffer = io.BytesIO()
+            np.save(buffer, trace.astype(np.float32))
+            write_atomic(trace_path, buffer.getvalue())
             results["extra"]["gradient_imbalance"]["trace_file"] = trace_path.name
         write_results(path, results, overwrite=status != "complete")
         self.written_path = path
@@ -296,7 +299,7 @@ class ArrayDataSource:
             index = torch.from_numpy(np.array(indices))  # a copy: stream arrays are read-only
             yield self._train_x[index], self._train_y[index]
 
-    def test_batches(self, indices: np.ndarray) -> Batches:
+    def eval_batches(self, indices: np.ndarray) -> Batches:
         for start in range(0, len(indices), self.eval_batch_size):
             index = torch.from_numpy(np.array(indices[start : start + self.eval_batch_size]))
             yield self._test_x[index], self._test_y[index]

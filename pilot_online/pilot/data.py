@@ -144,7 +144,7 @@ class PilotDataSource:
     def train_batches(self, batches: Sequence[np.ndarray]) -> Iterator:
         return self._loader(self._train, [b.tolist() for b in batches], self._generator)
 
-    def test_batches(self, indices: np.ndarray) -> Iterator:
+    def eval_batches(self, indices: np.ndarray) -> Iterator:
         size = self.eval_batch_size
         chunks = [indices[i : i + size].tolist() for i in range(0, len(indices), size)]
         return self._loader(self._test, chunks)

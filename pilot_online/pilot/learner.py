@@ -65,33 +65,10 @@ class OnlineLearner(BaseLearner):
         cfg = self.config
         labels = data_manager._train_targets
         classes = list(range(data_manager.nb_classes))  # labels are positions in the class order
-        if cfg["stream"] == "clear":
-            stream = build_stream(
-                "clear",
-                labels,
-                classes,
-                init_cls=cfg["init_cls"],
-                increment=cfg["increment"],
-                batch_size=cfg["batch_size"],
-                seed=cfg["seed"],
-            )
-        else:
-            stream = build_stream(
-                "si_blurry",
-                labels,
-                classes,
-                num_tasks=data_manager.nb_tasks,
-                n=cfg["si_blurry_n"],
-                m=cfg["si_blurry_m"],
-                seed=cfg["seed"],
-                batch_size=cfg["batch_size"],
-                blurred_selection=cfg["si_blurry_selection"],
-            )
-        if stream.num_tasks != data_manager.nb_tasks:
-            raise RuntimeError(
-                f"stream has {stream.num_tasks} segments, PILOT expects "
-                f"{data_manager.nb_tasks}: init_cls/increment disagree"
-            )
+        # The stream kind reads its own config keys; the trainer fixes the number of segments.
+        stream = build_stream(
+            cfg["stream"], labels, classes, config=cfg, num_tasks=data_manager.nb_tasks
+        )
         for summary in stream.summary():
             logger.info("stream segment %s", summary.to_dict())
         self.results_path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,9 @@ Safety rules, because this edits someone else's checkout:
 - All refusals are decided before anything is written, so a refusal changes nothing.
 - Files are replaced atomically and ``revert`` restores the upstream bytes exactly.
 
-Only the standard library is used: no ``patch`` or ``git`` binary is needed.
+The diffs are applied by ``git apply`` (``-R`` to revert), which also works outside a git
+repository: ``--check`` on the checkout first, then the diffs are applied to a scratch copy of the
+files, whose hashes must match the pins before the checkout is written.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ import argparse
 import hashlib
 import logging
 import os
-import re
+import shutil
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ..core.files import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -92,181 +97,47 @@ def exps_dir() -> Path:
 
 
 # --------------------------------------------------------------------------------------------
-# A minimal unified-diff reader and applier (exact context, no fuzz, no offsets)
-
-_HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
-_NO_NEWLINE = "\\ No newline at end of file"
+# Applying the diffs with `git apply`
 
 
-@dataclass(frozen=True)
-class Hunk:
-    """One ``@@`` block; ``lines`` are ``(tag, text)`` with tag in ``' '``, ``'-'``, ``'+'``."""
-
-    old_start: int
-    old_count: int
-    new_start: int
-    new_count: int
-    lines: tuple[tuple[str, str], ...]
-    old_no_newline_at_eof: bool = False
-    new_no_newline_at_eof: bool = False
-
-    def reversed(self) -> Hunk:
-        """The hunk that undoes this one (swap sides)."""
-        swap = {" ": " ", "-": "+", "+": "-"}
-        return Hunk(
-            old_start=self.new_start,
-            old_count=self.new_count,
-            new_start=self.old_start,
-            new_count=self.old_count,
-            lines=tuple((swap[tag], text) for tag, text in self.lines),
-            old_no_newline_at_eof=self.new_no_newline_at_eof,
-            new_no_newline_at_eof=self.old_no_newline_at_eof,
-        )
-
-
-@dataclass(frozen=True)
-class FilePatch:
-    """A single-file unified diff: header paths and its hunks in file order."""
-
-    old_path: str
-    new_path: str
-    hunks: tuple[Hunk, ...]
-
-    def reversed(self) -> FilePatch:
-        return FilePatch(self.new_path, self.old_path, tuple(h.reversed() for h in self.hunks))
-
-
-def parse_unified_diff(text: str, source: str = "<diff>") -> FilePatch:
-    """Read a one-file unified diff; text before the ``---`` header is a free-form preamble.
-
-    Hunk line counts are checked against their headers, so a hand-edited diff that lost or
-    gained a line is rejected here rather than half-applied later.
-    """
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    index = 0
-    while index < len(lines) and not lines[index].startswith("--- "):
-        index += 1
-    if index + 1 >= len(lines) or not lines[index + 1].startswith("+++ "):
-        raise PatchError(f"{source}: no '--- a/...' / '+++ b/...' header pair found")
-    old_path = lines[index][4:].split("\t")[0].strip()
-    new_path = lines[index + 1][4:].split("\t")[0].strip()
-    index += 2
-
-    hunks: list[Hunk] = []
-    while index < len(lines):
-        match = _HUNK_HEADER.match(lines[index])
-        if match is None:
-            if lines[index].strip() == "":
-                index += 1
-                continue
-            raise PatchError(f"{source}:{index + 1}: expected a '@@' hunk header")
-        old_start, new_start = int(match.group(1)), int(match.group(3))
-        old_count = 1 if match.group(2) is None else int(match.group(2))
-        new_count = 1 if match.group(4) is None else int(match.group(4))
-        index += 1
-        body: list[tuple[str, str]] = []
-        old_seen = new_seen = 0
-        old_eof = new_eof = False
-        while old_seen < old_count or new_seen < new_count:
-            if index >= len(lines):
-                raise PatchError(
-                    f"{source}: hunk at old line {old_start} ends early: its header promises "
-                    f"{old_count} old and {new_count} new lines"
-                )
-            line = lines[index]
-            tag, content = (line[:1], line[1:]) if line else (" ", "")
-            if tag not in (" ", "-", "+"):
-                raise PatchError(
-                    f"{source}:{index + 1}: a hunk line must start with ' ', '-' or '+'"
-                )
-            old_seen += tag in (" ", "-")
-            new_seen += tag in (" ", "+")
-            if old_seen > old_count or new_seen > new_count:
-                raise PatchError(
-                    f"{source}:{index + 1}: hunk at old line {old_start} is longer than its header"
-                )
-            body.append((tag, content))
-            index += 1
-            if index < len(lines) and lines[index] == _NO_NEWLINE:
-                old_eof |= tag in (" ", "-")
-                new_eof |= tag in (" ", "+")
-                index += 1
-        hunks.append(
-            Hunk(old_start, old_count, new_start, new_count, tuple(body), old_eof, new_eof)
-        )
-    if not hunks:
-        raise PatchError(f"{source}: the diff has no hunks")
-    return FilePatch(old_path, new_path, tuple(hunks))
-
-
-def _split_lines(data: bytes) -> list[bytes]:
-    """Split on ``\\n`` only, keeping line endings (``bytes.splitlines`` knows more breaks)."""
-    parts = data.split(b"\n")
-    lines = [part + b"\n" for part in parts[:-1]]
-    if parts[-1]:
-        lines.append(parts[-1])
-    return lines
-
-
-def _strip_eol(line: bytes) -> bytes:
-    if line.endswith(b"\r\n"):
-        return line[:-2]
-    return line[:-1] if line.endswith(b"\n") else line
-
-
-def apply_patch(data: bytes, patch: FilePatch, source: str = "<file>") -> bytes:
-    """Apply ``patch`` to ``data``; every hunk must match exactly at its stated line.
-
-    Context lines keep their original bytes (line ending included); added lines take the
-    file's own line ending, so CRLF files and a missing final newline survive a round trip.
-    """
-    lines = _split_lines(data)
-    eol = b"\r\n" if lines and lines[0].endswith(b"\r\n") else b"\n"
-    out: list[bytes] = []
-    position = 0
-    for hunk in patch.hunks:
-        start = hunk.old_start if hunk.old_count == 0 else hunk.old_start - 1
-        if start < position or start > len(lines):
-            raise PatchError(f"{source}: hunk at line {hunk.old_start} is out of order or range")
-        out.extend(lines[position:start])
-        cursor = start
-        for tag, text in hunk.lines:
-            expected = text.encode("utf-8")
-            if tag in (" ", "-"):
-                if cursor >= len(lines) or _strip_eol(lines[cursor]) != expected:
-                    found = "end of file" if cursor >= len(lines) else repr(lines[cursor])
-                    raise PatchError(
-                        f"{source}:{cursor + 1}: patch context does not match: expected "
-                        f"{expected!r}, found {found}"
-                    )
-                if tag == " ":
-                    out.append(lines[cursor])
-                cursor += 1
-            else:
-                out.append(expected + eol)
-        at_eof = cursor == len(lines)
-        if hunk.old_no_newline_at_eof and not (at_eof and not lines[-1].endswith(b"\n")):
-            raise PatchError(f"{source}: the patch expects the file to end without a newline")
-        if at_eof and out:
-            if hunk.new_no_newline_at_eof:
-                out[-1] = _strip_eol(out[-1])
-            elif not out[-1].endswith(b"\n"):
-                out[-1] += eol
-        position = cursor
-    out.extend(lines[position:])
-    return b"".join(out)
-
-
-def _load_patch(diff_name: str) -> FilePatch:
+def _diff_path(diff_name: str) -> Path:
     path = patches_dir() / diff_name
     if not path.is_file():
         raise PatchError(
             f"pilot-online's patch {path} is missing: restore it (`git checkout -- patches/`) "
             "in your pilot-online checkout"
         )
-    return parse_unified_diff(path.read_text(encoding="utf-8"), source=str(path))
+    return path
+
+
+def _git() -> str:
+    git = shutil.which("git")
+    if git is None:
+        raise PatchError(
+            "`pilot-online setup` applies patches/*.diff with `git apply`, and git is not on "
+            "PATH: install git (`apt-get install git`, `conda install git`, or "
+            "https://git-scm.com/downloads) and run this again"
+        )
+    return git
+
+
+def _git_apply(root: Path, diff_names: list[str], *, reverse: bool, check: bool) -> None:
+    """Run ``git apply [-R] [--check] -p1`` on ``diff_names`` from ``root``; raise with git's
+    message on failure. The folder above ``root`` is a ceiling, so a checkout that sits inside
+    another repository (the quickstart's ``.pilot/``) is not patched relative to that one."""
+    if not diff_names:
+        return
+    command = [_git(), "apply", "-p1", *(["-R"] if reverse else [])]
+    command += ["--check"] if check else []
+    command += [str(_diff_path(name)) for name in diff_names]
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(root.parent))
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        action = "revert" if reverse else "apply"
+        raise PatchError(
+            f"`git apply{' -R' if reverse else ''}` cannot {action} {', '.join(diff_names)} in "
+            f"{root}: {done.stderr.strip() or done.stdout.strip()}"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -422,24 +293,6 @@ def _refusals(state: CheckoutState) -> list[str]:
 # Writing
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` in one step, keeping its permission bits."""
-    mode = path.stat().st_mode & 0o7777 if path.exists() else None
-    handle, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as tmp:
-            tmp.write(data)
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        if mode is not None:
-            os.chmod(tmp_name, mode)
-        os.replace(tmp_name, path)
-    except BaseException:
-        if os.path.lexists(tmp_name):
-            os.unlink(tmp_name)
-        raise
-
-
 def _symlink_atomic(link: Path, target: Path) -> None:
     """Create or replace the symlink ``link -> target`` in one step."""
     tmp_link = link.parent / f".{link.name}.pilot-online-tmp"
@@ -449,18 +302,27 @@ def _symlink_atomic(link: Path, target: Path) -> None:
     os.replace(tmp_link, link)
 
 
-def _transform(root: Path, rel: str, diff_name: str, *, reverse: bool, expect_sha256: str) -> bytes:
-    """New bytes for one file, checked against the hash the result must have."""
-    patch = _load_patch(diff_name)
-    if reverse:
-        patch = patch.reversed()
-    result = apply_patch((root / rel).read_bytes(), patch, source=str(root / rel))
-    if hashlib.sha256(result).hexdigest() != expect_sha256:
-        raise PatchError(
-            f"applying {diff_name} to {rel} did not give the expected bytes: pilot-online's "
-            "patches/ and pilot_online/patching.py disagree; reinstall pilot-online from a clean "
-            "checkout"
-        )
+def _transformed(
+    root: Path, pending: list[tuple[str, str]], *, reverse: bool, expected: dict[str, str]
+) -> dict[str, bytes]:
+    """New bytes for each pending ``(file, diff)``, made by ``git apply`` in a scratch copy and
+    checked against the hashes they must have; the checkout itself is only read."""
+    diffs = [diff for _, diff in pending]
+    _git_apply(root, diffs, reverse=reverse, check=True)
+    with tempfile.TemporaryDirectory(prefix="pilot-online-setup-") as scratch:
+        scratch_root = Path(scratch) / "pilot"
+        for rel, _ in pending:
+            (scratch_root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(root / rel, scratch_root / rel)
+        _git_apply(scratch_root, diffs, reverse=reverse, check=False)
+        result = {rel: (scratch_root / rel).read_bytes() for rel, _ in pending}
+    for rel, diff in pending:
+        if hashlib.sha256(result[rel]).hexdigest() != expected[rel]:
+            raise PatchError(
+                f"applying {diff} to {rel} did not give the expected bytes: pilot-online's "
+                "patches/ and the pins in pilot_online/pilot/patching.py disagree; reinstall "
+                "pilot-online from a clean checkout"
+            )
     return result
 
 
@@ -475,15 +337,12 @@ def apply(root: str | os.PathLike[str]) -> CheckoutState:
     if problems:
         raise PatchError("refusing to patch:\n- " + "\n- ".join(problems))
 
-    new_bytes = {
-        rel: _transform(state.root, rel, diff, reverse=False, expect_sha256=PATCHED_SHA256[rel])
-        for (rel, diff), f in zip(PATCHES, state.files)
-        if f.state == "upstream"
-    }
+    pending = [patch for patch, f in zip(PATCHES, state.files) if f.state == "upstream"]
+    new_bytes = _transformed(state.root, pending, reverse=False, expected=PATCHED_SHA256)
     configs = {config.name: config for config in _our_configs()}
 
     for rel, data in new_bytes.items():
-        _write_atomic(state.root / rel, data)
+        write_atomic(state.root / rel, data)
         logger.info("patched %s", state.root / rel)
     pilot_exps = state.root / PILOT_EXPS
     pilot_exps.mkdir(exist_ok=True)
@@ -520,15 +379,12 @@ def revert(root: str | os.PathLike[str]) -> CheckoutState:
     if problems:
         raise PatchError("refusing to revert:\n- " + "\n- ".join(problems))
 
-    old_bytes = {
-        rel: _transform(state.root, rel, diff, reverse=True, expect_sha256=UPSTREAM_SHA256[rel])
-        for (rel, diff), f in zip(PATCHES, state.files)
-        if f.state == "patched"
-    }
+    pending = [patch for patch, f in zip(PATCHES, state.files) if f.state == "patched"]
+    old_bytes = _transformed(state.root, pending, reverse=True, expected=UPSTREAM_SHA256)
     links = _our_links(state.root)
 
     for rel, data in old_bytes.items():
-        _write_atomic(state.root / rel, data)
+        write_atomic(state.root / rel, data)
         logger.info("restored upstream %s", state.root / rel)
     for link in links:
         link.unlink()

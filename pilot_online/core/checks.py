@@ -1,0 +1,56 @@
+"""The argument checks every module shares, so a bad value fails with the same clear message.
+
+Each check returns the value normalised (a Python ``int``/``float``) or raises naming the argument,
+what it must be and what it got. Choices also suggest the closest valid spelling.
+"""
+
+from __future__ import annotations
+
+import difflib
+import numbers
+from collections.abc import Collection
+from typing import Any, TypeVar
+
+Choice = TypeVar("Choice")
+
+
+def closest(value: Any, known: Collection[Any]) -> str:
+    """`` (did you mean 'x'?)`` for the closest spelling among ``known``, or an empty string."""
+    close = difflib.get_close_matches(str(value), [str(k) for k in known], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_choice(name: str, value: Choice, choices: Collection[Choice]) -> Choice:
+    """``value`` if it is one of ``choices``; else a ValueError listing them all."""
+    if value not in choices:
+        raise ValueError(
+            f"unknown {name} {value!r}{closest(value, choices)}; "
+            f"valid choices: {', '.join(map(str, choices))}"
+        )
+    return value
+
+
+def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as a Python int within ``[minimum, maximum]`` (either bound may be open).
+
+    Bools are refused (``True`` is an int to Python, never a count to a user): TypeError.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        if maximum is None:
+            bound = f">= {minimum}"
+        elif minimum is None:
+            bound = f"<= {maximum}"
+        else:
+            bound = f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return value
+
+
+def check_real(name: str, value: Any) -> float:
+    """``value`` as a float; bools and non-numbers raise TypeError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    return float(value)

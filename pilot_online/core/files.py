@@ -1,0 +1,50 @@
+"""One way to write a file: atomically, so a crash leaves the old file or the new one, never half.
+
+The data goes to a hidden temporary file in the same folder (same filesystem, so the rename is
+atomic), is flushed and fsync'ed, then ``os.replace``d onto the target; the folder is fsync'ed so
+the rename survives a power cut. On any error the temporary file is removed and the target is
+untouched. An existing target keeps its permission bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> Path:
+    """Replace (or create) ``path`` with ``data`` in one step; ``str`` is written as UTF-8."""
+    target = Path(path)
+    payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    mode = target.stat().st_mode & 0o7777 if target.exists() else None
+    handle, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as tmp:
+            tmp.write(payload)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        if mode is not None:
+            os.chmod(tmp_name, mode)
+        os.replace(tmp_name, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+        raise
+    _fsync_directory(target.parent)
+    return target
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename durable on POSIX; skipped where folders cannot be opened (Windows)."""
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
