@@ -10,7 +10,11 @@ install:
 quickstart:
 	bash scripts/quickstart.sh
 
+# Without PILOT_ROOT the PILOT tests are skipped; .ci/run sets it and requires them.
 test: install
+	@if [ -z "$$PILOT_ROOT" ]; then echo "make test: PILOT_ROOT is not set, so the PILOT tests \
+	will be skipped; to run them too: PILOT_ROOT=../shared/LAMDA-PILOT make test \
+	(or any LAMDA-PILOT checkout at commit $(PILOT_COMMIT))"; fi
 	$(PYTHON) -m pytest -q -rs tests
 
 demo: install
