@@ -5,12 +5,16 @@ PILOT_COMMIT ?= 5240714
 .PHONY: install quickstart test demo smoke-matrix bench exps
 
 install:
-	$(PYTHON) -m pip install -q -e ".[test,plots]"
+	$(PYTHON) -m pip install -q -e ".[pilot,test,plots]"
 
 quickstart:
 	bash scripts/quickstart.sh
 
+# Without PILOT_ROOT the PILOT tests are skipped; .ci/run sets it and requires them.
 test: install
+	@if [ -z "$$PILOT_ROOT" ]; then echo "make test: PILOT_ROOT is not set, so the PILOT tests \
+	will be skipped; to run them too: PILOT_ROOT=../shared/LAMDA-PILOT make test \
+	(or any LAMDA-PILOT checkout at commit $(PILOT_COMMIT))"; fi
 	$(PYTHON) -m pytest -q -rs tests
 
 demo: install

@@ -1,4 +1,5 @@
-"""Shared test fixtures and doubles (tests import them with ``from conftest import ...``).
+"""Shared test fixtures, doubles and the PILOT policy of the suite (tests import helpers with
+``from conftest import ...``).
 
 Doubles: ``TinyNet``/``TinyAdapter``, a two-layer model behind the adapter contract, and
 ``VectorSource``, a DataSource over in-memory vectors; with them the loop and the session run
@@ -6,13 +7,20 @@ without PILOT or images.
 
 PILOT: the tests that need a real LAMDA-PILOT checkout (commit 5240714) take it from
 ``PILOT_ROOT``; CI's ``.ci/run`` sets it to ``../shared/LAMDA-PILOT`` when unset. They copy that
-tree and patch the copy, never the original.
+tree and patch the copy, never the original: the session records every file under
+``PILOT_ROOT`` at its start and fails if any was added, removed or changed at its end.
+
+Without ``PILOT_ROOT`` those tests are skipped with a reason that says how to enable them, unless
+``PILOT_ONLINE_REQUIRE_PILOT=1`` (set by ``.ci/run``): then each such skip is a failure, so CI can
+never pass while silently skipping the PILOT tests.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -22,17 +30,35 @@ from torch import nn
 
 from pilot_online.engine.adapter import MethodAdapter, StepOutput
 
-PILOT_ROOT = os.environ.get("PILOT_ROOT")
-requires_pilot = pytest.mark.skipif(
-    not PILOT_ROOT,
-    reason="PILOT_ROOT is not set: point it at a LAMDA-PILOT checkout (commit 5240714), e.g. "
-    "`PILOT_ROOT=../shared/LAMDA-PILOT make test`, to run the PILOT tests",
+REQUIRE_PILOT_FLAG = "PILOT_ONLINE_REQUIRE_PILOT"
+REQUIRE_PILOT = os.environ.get(REQUIRE_PILOT_FLAG, "") not in ("", "0")
+ENABLE_PILOT_TESTS = (
+    "point it at a LAMDA-PILOT checkout (commit 5240714), e.g. "
+    "`PILOT_ROOT=../shared/LAMDA-PILOT make test`, to run the PILOT tests"
 )
+# Every skip for a missing PILOT (here and in test_patching.py) starts with these words.
+PILOT_SKIP_PREFIX = "PILOT_ROOT is not set"
+PILOT_SKIP_REASON = f"{PILOT_SKIP_PREFIX}: {ENABLE_PILOT_TESTS}"
+
+# Absolute, so that subprocesses started in other folders see the same checkout.
+PILOT_ROOT = os.path.abspath(os.environ["PILOT_ROOT"]) if os.environ.get("PILOT_ROOT") else None
+if PILOT_ROOT:
+    os.environ["PILOT_ROOT"] = PILOT_ROOT
+
+requires_pilot = pytest.mark.skipif(not PILOT_ROOT, reason=PILOT_SKIP_REASON)
 
 
 def copy_pilot(destination: Path) -> Path:
-    """A copy of ``PILOT_ROOT`` (without .git, logs and data) at ``destination``."""
-    shutil.copytree(PILOT_ROOT, destination, ignore=shutil.ignore_patterns(".git", "logs", "data"))
+    """A writable copy of ``PILOT_ROOT`` (without .git, logs, data and bytecode) at
+    ``destination``; the original may be read-only, and its modes must not follow the copy."""
+    shutil.copytree(
+        PILOT_ROOT,
+        destination,
+        ignore=shutil.ignore_patterns(".git", "logs", "data", "__pycache__"),
+    )
+    for folder, _, files in os.walk(destination):
+        for path in [folder, *(os.path.join(folder, name) for name in files)]:
+            os.chmod(path, os.stat(path).st_mode | stat.S_IWUSR)
     return destination
 
 
@@ -40,7 +66,7 @@ def copy_pilot(destination: Path) -> Path:
 def pilot(tmp_path_factory) -> Path:
     """A patched copy of PILOT, shared by the whole session (tests must not edit it)."""
     if not PILOT_ROOT:
-        pytest.skip(requires_pilot.kwargs["reason"])
+        pytest.skip(PILOT_SKIP_REASON)
     from pilot_online.pilot.patching import apply
 
     root = copy_pilot(tmp_path_factory.mktemp("pilot") / "LAMDA-PILOT")
@@ -109,3 +135,102 @@ class VectorSource:
         for start in range(0, len(indices), self.eval_batch_size):
             index = torch.from_numpy(np.array(indices[start : start + self.eval_batch_size]))
             yield self.test_x[index], self.test_y[index]
+
+
+# --------------------------------------------------------------------------------------------
+# PILOT policy hooks
+
+
+def pilot_tree_snapshot(root: str) -> dict[str, tuple[int, str]]:
+    """Every path under ``root`` except .git's insides: (mode, SHA-256 of the bytes or link
+    target). Catches edits, new files (e.g. a ``__pycache__`` from importing the original) and
+    deletions."""
+    snapshot: dict[str, tuple[int, str]] = {}
+    for folder, folders, files in os.walk(root):
+        folders[:] = [name for name in folders if name != ".git"]
+        for name in [*folders, *files]:
+            path = os.path.join(folder, name)
+            info = os.lstat(path)
+            if stat.S_ISLNK(info.st_mode):
+                digest = os.readlink(path)
+            elif stat.S_ISREG(info.st_mode):
+                digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+            else:
+                digest = ""
+            snapshot[os.path.relpath(path, root)] = (info.st_mode, digest)
+    return snapshot
+
+
+def pilot_tree_changes(before: dict, after: dict) -> list[str]:
+    """Readable lines naming each path added, removed or changed between two snapshots."""
+    added = [f"added   {p}" for p in sorted(after.keys() - before.keys())]
+    removed = [f"removed {p}" for p in sorted(before.keys() - after.keys())]
+    kept = sorted(before.keys() & after.keys())
+    changed = [f"changed {p}" for p in kept if before[p] != after[p]]
+    return added + removed + changed
+
+
+_snapshot_key = pytest.StashKey[dict]()
+_changes_key = pytest.StashKey[list]()
+_pilot_skips_key = pytest.StashKey[int]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if PILOT_ROOT and not os.path.isfile(os.path.join(PILOT_ROOT, "main.py")):
+        raise pytest.UsageError(
+            f"PILOT_ROOT={PILOT_ROOT} is not a LAMDA-PILOT checkout (no main.py there): "
+            f"{ENABLE_PILOT_TESTS}, or unset PILOT_ROOT to skip them"
+        )
+    config.stash[_pilot_skips_key] = 0
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if PILOT_ROOT:
+        session.config.stash[_snapshot_key] = pilot_tree_snapshot(PILOT_ROOT)
+
+
+def _skipped_for_missing_pilot(report: pytest.TestReport) -> bool:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return PILOT_SKIP_PREFIX in reason
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Count skips for a missing PILOT; under ``PILOT_ONLINE_REQUIRE_PILOT`` make them failures."""
+    report = yield
+    if report.skipped and _skipped_for_missing_pilot(report):
+        item.config.stash[_pilot_skips_key] += 1
+        if REQUIRE_PILOT:
+            report.outcome = "failed"
+            report.longrepr = (
+                f"{REQUIRE_PILOT_FLAG} is set (as in .ci/run), so this PILOT test may not be "
+                f"skipped, but {PILOT_SKIP_PREFIX}: {ENABLE_PILOT_TESTS}"
+            )
+    return report
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the session if any test wrote into ``PILOT_ROOT`` instead of a copy."""
+    before = session.config.stash.get(_snapshot_key, None)
+    if before is None:
+        return
+    changes = pilot_tree_changes(before, pilot_tree_snapshot(PILOT_ROOT))
+    session.config.stash[_changes_key] = changes
+    if changes and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    changes = config.stash.get(_changes_key, [])
+    if changes:
+        terminalreporter.section("PILOT_ROOT was modified", sep="!", red=True)
+        terminalreporter.line(
+            f"the tests must patch copies of PILOT_ROOT ({PILOT_ROOT}), never the original:"
+        )
+        for line in changes[:50]:
+            terminalreporter.line(f"  {line}")
+    skipped = config.stash.get(_pilot_skips_key, 0)
+    if skipped and not REQUIRE_PILOT:
+        terminalreporter.section("PILOT tests skipped", sep="-", yellow=True)
+        terminalreporter.line(f"{skipped} tests skipped because {PILOT_SKIP_REASON}.")
