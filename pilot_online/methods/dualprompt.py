@@ -3,11 +3,24 @@
 Task-free changes (paper appendix): an E-prompt pool of 10 and a G-prompt of length 5, all used at
 all times; no prompt mask by task id and no shared-pool copying. Test-time ``batchwise_prompt``
 follows the L2P adapter (off by default: it would leak task identity).
+
+Fixed here, without patching PILOT: ``EPrompt.forward`` (``backbone/prompt.py``) gathers the
+selected prefixes as ``[L, 2, B, top_k, length, H, D]`` (layer, key/value, sample, ...) and reshapes
+them to ``[L, B, 2, top_k * length, H, D]`` without moving the key/value axis (PILOT issue #29).
+Reading the flat ``(key/value, sample)`` blocks two at a time, sample ``j`` gets blocks ``2j`` and
+``2j + 1``. With per-sample selection these are prefixes chosen by other samples, so a prediction
+depends on the rest of its batch; with the batch vote, the first half of the batch gets the key
+prefix as key and value, the second half the value prefix. Only a batch of one is right. The
+forward hook :func:`per_sample_prefix_prompts` replaces ``batched_prompt`` by the same gather laid
+out ``[L, B, 2, ...]``: sample ``j`` gets exactly the key and value prefixes of ``prompt_idx[j]``,
+in training and evaluation, with or without the vote, and gradients reach the same prompt entries.
+The hook sits on our network only: upstream's ``dualprompt`` learner in the same checkout is
+unchanged.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -33,11 +46,36 @@ DUALPROMPT_KEYS: dict[str, ConfigKey] = {
 }
 
 
+def per_sample_prefix_prompts(
+    e_prompt: nn.Module, inputs: tuple[Any, ...], out: dict[str, Any]
+) -> dict[str, Any]:
+    """Forward hook on PILOT's ``EPrompt``: give each sample the key and value prefixes it selected.
+
+    Re-gathers ``prompt[:, :, prompt_idx]`` (``[L, 2, B, top_k, length, H, D]``) and moves the
+    sample axis before the key/value axis, where upstream only reshapes (see the module docstring).
+    Prompt tuning (no prefixes) and the pool-free path are laid out correctly upstream and kept.
+    """
+    if not (e_prompt.prompt_pool and e_prompt.use_prefix_tune_for_e_prompt):
+        return out
+    selected = e_prompt.prompt[:, :, out["prompt_idx"]]
+    layers, key_value, batch, top_k, length, heads, head_dim = selected.shape
+    out["batched_prompt"] = selected.transpose(1, 2).reshape(
+        layers, batch, key_value, top_k * length, heads, head_dim
+    )
+    return out
+
+
 @register_method("dualprompt_online")
 class DualPromptOnline(L2POnline):
     base_model_name: ClassVar[str] = "dualprompt"
     backbone_marker: ClassVar[str] = "_dualprompt"
     config_keys: ClassVar[dict[str, ConfigKey]] = DUALPROMPT_KEYS
+
+    def build_network(self, args: dict) -> nn.Module:
+        """PILOT's DualPrompt network, with each sample's E-prompt prefixes laid out per sample."""
+        network = super().build_network(args)
+        self.prompt_pool(network).register_forward_hook(per_sample_prefix_prompts)
+        return network
 
     def prompt_pool(self, network: nn.Module) -> nn.Module:
         return network.backbone.e_prompt

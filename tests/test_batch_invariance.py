@@ -1,0 +1,239 @@
+"""Evaluation does not depend on how test images are batched (issue 6; PILOT issue #29).
+
+For every registered method, predictions and logits on a fixed test set are the same at
+``eval_batch_size`` 1, 7 and 256 and on a permuted test order, through the engine's evaluation
+path (``OnlineLoop.predict`` over an ``ArrayDataSource``, as ``OnlineSession`` runs it). In training
+mode, with the batch prompt vote off and no dropout, per-sample logits do not depend on the batch
+either. The DualPrompt tests check the prefix layout against gathers written out here from
+``prompt_idx`` and the prompt pool, and check that upstream's own layout fails the same test.
+
+Networks are PILOT's (from the patched copy), built through each adapter from its smoke config at
+32 px with random weights.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import requires_pilot
+
+from pilot_online import get_method, list_methods
+from pilot_online.engine.config import load_json, resolve_config
+from pilot_online.engine.loop import build_loop
+from pilot_online.engine.session import ArrayDataSource
+
+pytestmark = requires_pilot
+
+REPO = Path(__file__).resolve().parent.parent
+PILOT_TOP_LEVEL = ("models", "utils", "backbone", "trainer")
+NUM_CLASSES = 8
+NUM_TEST_IMAGES = 9  # eval_batch_size 7 leaves a batch of 2
+BATCH_SIZES = (1, 7, 256)
+TOPK = 3
+
+
+Built = tuple[Any, torch.nn.Module, dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def networks(pilot: Path) -> Iterator[dict[str, Built]]:
+    """Each method's (adapter, network, config), built once for the module (ViT-B builds are slow),
+    with the patched PILOT copy importable; PILOT's top-level modules are dropped afterwards."""
+    sys.path.insert(0, str(pilot))
+    built: dict[str, Built] = {}
+    try:
+        yield built
+    finally:
+        built.clear()
+        sys.path.remove(str(pilot))
+        for name in [m for m in sys.modules if m.split(".")[0] in PILOT_TOP_LEVEL]:
+            del sys.modules[name]
+
+
+def smoke_config(method: str) -> dict[str, Any]:
+    path = REPO / "exps" / f"smoke_{method.removesuffix('_online')}_online.json"
+    assert path.is_file(), f"{method} needs a smoke config at {path} (scripts/make_exps.py)"
+    config = resolve_config(load_json(path))
+    assert config["backbone_kwargs"] == {"img_size": 32} and config["pretrained"] is False
+    config.update(nb_classes=NUM_CLASSES, nb_tasks=2)
+    return config
+
+
+def build(adapter, config: dict[str, Any], build_network=None) -> torch.nn.Module:
+    """The method's network as ``OnlineLearner`` builds it, with seeded random weights."""
+    from pilot_online.pilot.backbones import timm_overrides
+
+    torch.manual_seed(0)
+    with timm_overrides(config["backbone_kwargs"], config["pretrained_path"]):
+        return (build_network or adapter.build_network)(config)
+
+
+def built_method(networks: dict[str, Built], name: str) -> Built:
+    if name not in networks:
+        config = smoke_config(name)
+        adapter = get_method(name)(args=config)
+        networks[name] = (adapter, build(adapter, config), config)
+    return networks[name]
+
+
+@pytest.fixture(params=list_methods())
+def method(request, networks) -> Built:
+    return built_method(networks, request.param)
+
+
+@pytest.fixture
+def dualprompt(networks) -> Built:
+    return built_method(networks, "dualprompt_online")
+
+
+@pytest.fixture(scope="module")
+def test_images() -> np.ndarray:
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 256, size=(NUM_TEST_IMAGES, 32, 32, 3), dtype=np.uint8)
+
+
+def evaluate(adapter, network, config, images, batch_size: int, order: np.ndarray):
+    """Top-k predictions and logits, in ``order``, through the loop's real evaluation path."""
+    labels = np.arange(len(images)) % NUM_CLASSES
+    data = ArrayDataSource(images[:1], labels[:1], images, labels, eval_batch_size=batch_size)
+    loop = build_loop(adapter, network, config, NUM_CLASSES)
+    logits: list[torch.Tensor] = []
+    forward = adapter.forward
+
+    def recording_forward(net, x, train):
+        out = forward(net, x, train)
+        logits.append(out.logits)
+        return out
+
+    adapter.forward = recording_forward  # the instance attribute shadows the method
+    try:
+        allowed = torch.ones(NUM_CLASSES, dtype=torch.bool)
+        predictions, _ = loop.predict(data.test_batches(order), allowed, TOPK)
+    finally:
+        del adapter.forward
+    assert [len(chunk) for chunk in logits] == [
+        min(batch_size, len(order) - start) for start in range(0, len(order), batch_size)
+    ]
+    return predictions, torch.cat(logits)
+
+
+def test_eval_predictions_do_not_depend_on_batching(method, test_images):
+    adapter, network, config = method
+    identity = np.arange(NUM_TEST_IMAGES)
+    reference, reference_logits = evaluate(adapter, network, config, test_images, 1, identity)
+    assert len({tuple(row) for row in reference}) > 1, "degenerate test: one prediction for all"
+    for batch_size in BATCH_SIZES[1:]:
+        preds, logits = evaluate(adapter, network, config, test_images, batch_size, identity)
+        np.testing.assert_array_equal(preds, reference, err_msg=f"eval_batch_size {batch_size}")
+        torch.testing.assert_close(logits, reference_logits, rtol=0, atol=1e-5)
+
+    order = np.random.default_rng(1).permutation(NUM_TEST_IMAGES)
+    for batch_size in (7, 256):
+        preds, logits = evaluate(adapter, network, config, test_images, batch_size, order)
+        np.testing.assert_array_equal(preds, reference[order], err_msg="permuted test order")
+        torch.testing.assert_close(logits, reference_logits[order], rtol=0, atol=1e-5)
+
+
+def test_train_mode_logits_do_not_depend_on_batching(method, test_images):
+    """The batch-independent training path: no prompt vote, no dropout."""
+    _, network, config = method
+    assert config["drop"] == 0 and config["drop_path"] == 0, "dropout would differ per call"
+    adapter = get_method(config["model_name"])(args={**config, "batchwise_prompt": False})
+    adapter.train_mode(network)
+    x = ArrayDataSource._to_tensor(test_images)
+    order = torch.from_numpy(np.random.default_rng(2).permutation(NUM_TEST_IMAGES))
+    with torch.no_grad():
+        whole = adapter.forward(network, x, train=True)
+        permuted = adapter.forward(network, x[order], train=True)
+        split = [adapter.forward(network, chunk, train=True) for chunk in x[order].split([3, 6])]
+    for name in ("logits", "features"):
+        reference = getattr(whole, name)[order]
+        torch.testing.assert_close(getattr(permuted, name), reference, rtol=0, atol=1e-5)
+        in_chunks = torch.cat([getattr(out, name) for out in split])
+        torch.testing.assert_close(in_chunks, reference, rtol=0, atol=1e-5)
+
+
+# -- DualPrompt: the prefix layout itself ----------------------------------------------------------
+def prompt_inputs(e_prompt, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    width = e_prompt.prompt_key.shape[1]
+    return torch.randn(batch, 5, width, generator=generator), torch.randn(
+        batch, width, generator=generator
+    )
+
+
+def prefixes_of(e_prompt, indices: torch.Tensor, key_value: int) -> torch.Tensor:
+    """``[L, top_k * length, H, D]``: the key (0) or value (1) prefixes of one sample's indices."""
+    pool = e_prompt.prompt[:, key_value]  # [L, pool, length, H, D]
+    return torch.cat([pool[:, int(i)] for i in indices], dim=1)
+
+
+def test_each_sample_gets_the_prefixes_it_selected(dualprompt):
+    _, network, _ = dualprompt
+    e_prompt = network.backbone.e_prompt
+    e_prompt.batchwise_prompt = False
+    x_embed, query = prompt_inputs(e_prompt, batch=6, seed=3)
+    with torch.no_grad():
+        ours = e_prompt(x_embed, cls_features=query)
+        upstream = e_prompt.forward(x_embed, cls_features=query)  # .forward skips the hook
+    indices = ours["prompt_idx"]
+    assert torch.equal(indices, upstream["prompt_idx"])
+    assert len(torch.unique(indices[:, 0])) > 1, "degenerate test: every sample chose alike"
+    upstream_right = []
+    for j in range(len(indices)):
+        for key_value in (0, 1):
+            expected = prefixes_of(e_prompt, indices[j], key_value)
+            assert torch.equal(ours["batched_prompt"][:, j, key_value], expected)
+            upstream_right.append(
+                torch.equal(upstream["batched_prompt"][:, j, key_value], expected)
+            )
+    assert not all(upstream_right), "upstream's layout should be wrong for a batch of 6"
+
+
+def test_batch_vote_keeps_key_and_value_apart(dualprompt):
+    """With the vote, every sample gets the voted prompts, keys as keys and values as values;
+    upstream hands the first half of the batch the key prefix twice, the second half the value."""
+    _, network, _ = dualprompt
+    e_prompt = network.backbone.e_prompt
+    e_prompt.batchwise_prompt = True
+    try:
+        x_embed, query = prompt_inputs(e_prompt, batch=6, seed=4)
+        with torch.no_grad():
+            ours = e_prompt(x_embed, cls_features=query)
+            upstream = e_prompt.forward(x_embed, cls_features=query)
+    finally:
+        e_prompt.batchwise_prompt = False
+    voted = ours["prompt_idx"][0]
+    assert (ours["prompt_idx"] == voted).all()
+    key, value = prefixes_of(e_prompt, voted, 0), prefixes_of(e_prompt, voted, 1)
+    for j in range(6):
+        assert torch.equal(ours["batched_prompt"][:, j, 0], key)
+        assert torch.equal(ours["batched_prompt"][:, j, 1], value)
+        upstream_prefix = key if j < 3 else value
+        assert torch.equal(upstream["batched_prompt"][:, j, 0], upstream_prefix)
+        assert torch.equal(upstream["batched_prompt"][:, j, 1], upstream_prefix)
+
+
+def test_upstream_layout_fails_the_invariance_test(dualprompt, test_images):
+    """The invariance test has teeth: PILOT's network without our hook depends on the batch, and
+    agrees with ours on a batch of one (the only size its layout gets right)."""
+    from pilot_online.methods.l2p import L2POnline
+
+    adapter, network, config = dualprompt
+    upstream = build(adapter, config, lambda cfg: L2POnline.build_network(adapter, cfg))
+    identity = np.arange(NUM_TEST_IMAGES)
+    ours, ours_logits = evaluate(adapter, network, config, test_images, 256, identity)
+    first_two = np.arange(2)
+    alone, alone_logits = evaluate(adapter, upstream, config, test_images, 1, first_two)
+    np.testing.assert_array_equal(alone, ours[:2])
+    torch.testing.assert_close(alone_logits, ours_logits[:2], rtol=0, atol=1e-5)
+    _, whole_logits = evaluate(adapter, upstream, config, test_images, 256, identity)
+    _, batched_logits = evaluate(adapter, upstream, config, test_images, 7, identity)
+    assert (whole_logits - ours_logits).abs().max() > 1e-2
+    assert (batched_logits - whole_logits).abs().max() > 1e-2
