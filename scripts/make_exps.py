@@ -25,7 +25,12 @@ METHODS = {
     "coda": ("coda_online", "vit_base_patch16_224_coda_prompt"),
     "l2p": ("l2p_online", "vit_base_patch16_224_l2p"),
     "dualprompt": ("dualprompt_online", "vit_base_patch16_224_dualprompt"),
+    "mvp": ("mvp_online", "vit_base_patch16_224_l2p"),
 }
+
+#: The paper's learning-rate search (appendix table hp_grid: VTAB, clear, 5 classes per task).
+#: Its best LR (bold there) is the one the paper configs above use, 5e-3.
+LR_GRIDS = {"mvp": [0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1]}
 
 
 def method_keys(model_name: str) -> dict:
@@ -90,6 +95,13 @@ def smoke_config(method: str) -> dict:
     return config
 
 
+def lr_grid_config(method: str, lr: float) -> dict:
+    """One point of the paper's LR search: the base row on VTAB (10 tasks of 5 classes)."""
+    config = paper_config(method, "base", blurry=False)
+    config.update(prefix=f"hp_lr{lr:g}", dataset="vtab", init_cls=5, increment=5, init_lr=lr)
+    return config
+
+
 def all_configs() -> dict[str, dict]:
     configs = {}
     from pilot_online.engine.config import VARIANTS
@@ -100,6 +112,9 @@ def all_configs() -> dict[str, dict]:
                 name = f"{method}_online_{variant}{'_blurry' if blurry else ''}.json"
                 configs[name] = paper_config(method, variant, blurry)
         configs[f"smoke_{method}_online.json"] = smoke_config(method)
+    for method, grid in LR_GRIDS.items():
+        for lr in grid:
+            configs[f"{method}_online_hp_lr{lr:g}.json"] = lr_grid_config(method, lr)
     appendix = paper_config("coda", "fgh", blurry=False)
     appendix.update(
         prefix="fgh_appendix",

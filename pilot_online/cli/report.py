@@ -36,6 +36,16 @@ def variant_label(config: dict[str, Any]) -> str:
     return "base" if not parts else "+ " + " + ".join(parts)
 
 
+def method_label(model_name: str | None) -> str | None:
+    """The paper's row name of a method (e.g. "MVP"), else its registered name."""
+    from ..engine.registry import get_method
+
+    try:
+        return get_method(str(model_name)).paper_name or model_name
+    except ValueError:
+        return model_name
+
+
 def collect(paths: Iterable[Path]) -> list[dict[str, Any]]:
     """One row per complete results file found in ``paths`` (files or folders, searched deeply)."""
     files: list[Path] = []
@@ -52,7 +62,7 @@ def collect(paths: Iterable[Path]) -> list[dict[str, Any]]:
         rows.append(
             {
                 "file": str(file),
-                "method": config.get("model_name"),
+                "method": method_label(config.get("model_name")),
                 "dataset": config.get("dataset"),
                 "stream": config.get("stream"),
                 "lr": config.get("init_lr"),

@@ -22,17 +22,22 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from ..core.masks import mask_logits
 
 
 @dataclass
 class StepOutput:
     """One forward pass, normalised: logits over all classes, the features that feed the classifier
-    (what prototypes average), and the method's own loss term (0 when it has none)."""
+    (what prototypes average), the method's own loss term (0 when it has none), and ``extras``:
+    method-specific tensors that only its own :meth:`MethodAdapter.classification_loss` reads."""
 
     logits: torch.Tensor
     features: torch.Tensor
     aux_loss: torch.Tensor | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,8 @@ class MethodAdapter:
     base_model_name: ClassVar[str] = ""
     #: A substring PILOT's ``get_backbone`` needs in ``backbone_type`` for this method.
     backbone_marker: ClassVar[str] = ""
+    #: The method's row name in the paper's tables (``pilot-online report``); "" = registered name.
+    paper_name: ClassVar[str] = ""
     #: Keys of the method's own config, with defaults; see :class:`ConfigKey`.
     config_keys: ClassVar[Mapping[str, ConfigKey]] = {}
     args: dict = field(default_factory=dict)
@@ -75,6 +82,24 @@ class MethodAdapter:
         raise NotImplementedError
 
     # -- defaults that usually fit -------------------------------------------------------------
+    @classmethod
+    def check_config(cls, cfg: Mapping[str, Any]) -> None:
+        """Reject bad values of the method's own keys with a ValueError that says what to set
+        (``resolve_config`` reports it as a ConfigError)."""
+
+    def classification_loss(
+        self,
+        network: nn.Module,
+        out: StepOutput,
+        labels: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The training loss's classification term: cross-entropy of ``out.logits`` under the
+        loop's training logit ``mask`` (bool ``[C]``, or None). Methods that weight samples or
+        train on other logits than they predict with (MVP) override it."""
+        logits = out.logits if mask is None else mask_logits(out.logits, mask)
+        return F.cross_entropy(logits, labels)
+
     def trainable_parameters(self, network: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
         """Named parameters the optimiser and FGH see (everything with ``requires_grad``)."""
         return ((n, p) for n, p in network.named_parameters() if p.requires_grad)

@@ -224,6 +224,10 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
             "weights (timm 0.6 npz), or set it to null to download them"
         )
     _check_fgh(cfg["fgh"])
+    try:
+        adapter.check_config(cfg)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{cfg['model_name']}: {err}") from None
     return cfg
 
 

@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..core.checks import check_choice
@@ -126,7 +125,7 @@ class OnlineLoop:
         self.seen |= classes_present(labels, self.num_classes, validate=False)
         mask = training_mask(self.logit_mask, labels, self.seen, self.num_classes, validate=False)
         logits = out.logits if mask is None else mask_logits(out.logits, mask)
-        terms = {"ce": F.cross_entropy(logits, labels)}
+        terms = {"ce": self.adapter.classification_loss(self.network, out, labels, mask)}
         if out.aux_loss is not None:
             terms["method"] = out.aux_loss
         terms.update(self.loss_terms(out, labels))

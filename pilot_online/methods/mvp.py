@@ -1,0 +1,300 @@
+"""MVP online (``mvp_online``): Moon et al., ICCV 2023, the Si-Blurry paper's own method.
+
+MVP = instance-wise logit Masks + contrastive Visual Prompt tuning, plus a gradient-similarity-based
+focal loss (GSF) and adaptive feature scaling (AFS). Its defaults follow upstream KHU-AGI/Si-Blurry
+at commit c4024ce (2023-10-08; its HEAD 3a928ff duplicates an ``if`` line in ``models/mvp.py`` and
+does not compile): ``models/mvp.py`` (the network), ``methods/mvp.py`` (the losses),
+``configuration/config.py`` (alpha 0.5, gamma 2, margin 0.5) and ``scripts/mvp.sh`` (use_mask,
+use_contrastiv, use_afs, use_gsf on; use_last_layer off; Adam, LR 5e-3). Read there, written here.
+
+The network, per sample (so evaluation never depends on how test images are batched):
+
+1. a frozen query pass of the ViT, without prompts, through its first 11 blocks
+   (``use_last_layer`` adds the 12th); the query is the CLS token;
+2. the key closest in cosine distance, with distances multiplied by ``count + 1`` (how often each
+   key was chosen in training) when ``use_contrastive`` is on, selects one E-prompt and one row of
+   per-key class masks;
+3. the prompted pass: prompt tuning, i.e. prompt tokens appended to the sequence before a block
+   and dropped after it; the G-prompt (length 5) at blocks 0-1, the selected E-prompt (length 20)
+   at blocks 2-4; the head reads the normed CLS token;
+4. logits ``head(h) * 2 sigmoid(mask[key])`` (``use_mask``).
+
+Training adds the key loss (contrastive, or the query-key distance without ``use_contrastive``) as
+the method's own term and replaces the plain cross-entropy by AFS and GSF (see
+``core/mvp_losses.py``); both use the loop's training logit mask.
+
+Online adaptation (paper appendix): batch 100, one gradient step per batch (upstream: batch 64,
+3 steps per batch), Adam at a constant LR, no memory (upstream's script also uses none), and the
+loop's batch-wise logit mask instead of upstream's mask of exposed classes.
+
+Differences from upstream, and why:
+
+- The ViT is PILOT's ``vit_base_patch16_224_l2p`` (upstream uses a timm model registered under
+  the same name): one network serves the query pass and the prompted pass, as upstream. PILOT's
+  default weights for that name are timm's ImageNet-21k-pretrained, ImageNet-1k-fine-tuned ViT-B/16;
+  upstream loads the ImageNet-21k checkpoint (``pretrained_path`` can point at it). PILOT's
+  prompt networks cannot express MVP's scheme (count-scaled key selection, per-key class masks,
+  prompt tuning with tokens dropped after each block), so the prompted pass is written here, on
+  PILOT's blocks.
+- GSF weights each sample's loss (``gsf_reduction: "sample"``, the paper's equation). Upstream's
+  code multiplies the batch-mean loss by per-sample weights and averages, i.e. scales the whole
+  batch by the mean weight: ``gsf_reduction: "batch"``.
+- The key loss pairs each sample with its own key's use count (see ``key_contrastive_loss``).
+- One key per sample (upstream's ``selection_size`` default, the only value its code handles).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core.masks import mask_logits
+from ..core.mvp_losses import (
+    feature_scales,
+    focal_weights,
+    gradient_dissimilarity,
+    instance_logit_scale,
+    key_contrastive_loss,
+)
+from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.registry import register_method
+
+GSF_REDUCTIONS = ("sample", "batch")
+
+MVP_KEYS: dict[str, ConfigKey] = {
+    "e_pool_size": ConfigKey(10, "keys, E-prompts and class-mask rows (upstream: 10)"),
+    "pos_g_prompt": ConfigKey([0, 1], "blocks that get the G-prompt (prompt tuning)"),
+    "len_g_prompt": ConfigKey(5, "G-prompt tokens per block"),
+    "pos_e_prompt": ConfigKey([2, 3, 4], "blocks that get the selected E-prompt (prompt tuning)"),
+    "len_e_prompt": ConfigKey(20, "E-prompt tokens per block"),
+    "use_last_layer": ConfigKey(
+        False, "query from all blocks (upstream default: all but the last)"
+    ),
+    "use_mask": ConfigKey(True, "instance-wise logit masks learned per key"),
+    "use_contrastive": ConfigKey(True, "contrastive key loss and use-count-scaled selection"),
+    "use_afs": ConfigKey(True, "adaptive feature scaling in the training loss"),
+    "use_gsf": ConfigKey(True, "gradient-similarity-based focal loss"),
+    "gsf_alpha": ConfigKey(0.5, "GSF: weight of the focal part, in [0, 1]"),
+    "gsf_gamma": ConfigKey(2.0, "GSF: focusing exponent, >= 0"),
+    "gsf_reduction": ConfigKey("sample", "GSF weights per sample (paper) | batch (upstream code)"),
+    "afs_margin": ConfigKey(0.5, "AFS: margin added to 1 - cos(W_y, h), > 0"),
+}
+
+
+def _positions(cfg: Mapping[str, Any], key: str) -> tuple[int, ...]:
+    value = cfg[key]
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise ValueError(f"{key} must be a list of block indices, e.g. [0, 1]; got {value!r}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise ValueError(f"{key} must hold non-negative block indices, got {value!r}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"{key} lists a block twice: {value!r}")
+    return tuple(value)
+
+
+class MVPNet(nn.Module):
+    """PILOT's ViT (frozen but for its head) with MVP's key pool, per-key class masks and prompts.
+
+    The prompts, keys and masks live here, registered on the network, so the optimiser, FGH and
+    checkpoints see them like any other parameter.
+    """
+
+    def __init__(
+        self,
+        vit: nn.Module,
+        num_classes: int,
+        pool_size: int = 10,
+        g_positions: Sequence[int] = (0, 1),
+        g_length: int = 5,
+        e_positions: Sequence[int] = (2, 3, 4),
+        e_length: int = 20,
+        use_last_layer: bool = False,
+    ) -> None:
+        super().__init__()
+        depth = len(vit.blocks)
+        for name, positions in (("pos_g_prompt", g_positions), ("pos_e_prompt", e_positions)):
+            if any(p >= depth for p in positions):
+                raise ValueError(
+                    f"{name}={list(positions)} names blocks beyond the ViT's {depth} blocks"
+                )
+        self.backbone = vit
+        self.backbone.requires_grad_(False)
+        self.backbone.head.requires_grad_(True)
+        dim = vit.embed_dim
+        self.g_positions, self.e_positions = tuple(g_positions), tuple(e_positions)
+        self.query_depth = depth if use_last_layer else depth - 1
+        self.keys = nn.Parameter(torch.randn(pool_size, dim))
+        self.class_masks = nn.Parameter(torch.full((pool_size, num_classes), -1.0))
+        self.g_prompts = nn.Parameter(torch.randn(len(g_positions), g_length, dim))
+        self.e_prompts = nn.Parameter(torch.randn(pool_size, len(e_positions), e_length, dim))
+        self.register_buffer("key_counts", torch.zeros(pool_size))
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """Patch tokens with the CLS token and position embeddings (frozen)."""
+        vit = self.backbone
+        x = vit.patch_embed(images)
+        x = torch.cat((vit.cls_token.expand(len(x), -1, -1), x), dim=1)
+        return vit.pos_drop(x + vit.pos_embed)
+
+    @torch.no_grad()
+    def query(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The prompt-free CLS token after ``query_depth`` blocks (no final norm, as upstream)."""
+        for block in self.backbone.blocks[: self.query_depth]:
+            tokens = block(tokens)
+        return tokens[:, 0]
+
+    def key_distances(self, query: torch.Tensor) -> torch.Tensor:
+        """``1 - cos(q_i, k_j)``, ``[B, pool]``."""
+        return 1.0 - F.cosine_similarity(query[:, None], self.keys[None], dim=-1)
+
+    def prompted_features(self, tokens: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """The normed CLS token of the prompt-tuned pass, with sample ``i`` using E-prompt
+        ``chosen[i]``: prompt tokens join the sequence before their block and leave after it."""
+        length = tokens.shape[1]
+        e_prompts = self.e_prompts[chosen]  # [B, E layers, len, D]
+        x = tokens
+        for index, block in enumerate(self.backbone.blocks):
+            extra = []
+            if index in self.g_positions:
+                g_prompt = self.g_prompts[self.g_positions.index(index)]
+                extra.append(g_prompt.expand(len(x), -1, -1))
+            if index in self.e_positions:
+                extra.append(e_prompts[:, self.e_positions.index(index)])
+            if extra:
+                x = torch.cat((x, *extra), dim=1)
+            x = block(x)[:, :length]
+        return self.backbone.norm(x)[:, 0]
+
+
+@register_method("mvp_online")
+class MVPOnline(MethodAdapter):
+    base_model_name: ClassVar[str] = "l2p"  # PILOT's ViT module whose plain ViT we reuse
+    backbone_marker: ClassVar[str] = "_l2p"
+    paper_name: ClassVar[str] = "MVP"
+    config_keys: ClassVar[dict[str, ConfigKey]] = MVP_KEYS
+
+    @classmethod
+    def check_config(cls, cfg: Mapping[str, Any]) -> None:
+        _positions(cfg, "pos_g_prompt")
+        _positions(cfg, "pos_e_prompt")
+        for key in ("e_pool_size", "len_g_prompt", "len_e_prompt"):
+            value = cfg[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{key} must be a positive integer, got {value!r}")
+        for key in ("use_last_layer", "use_mask", "use_contrastive", "use_afs", "use_gsf"):
+            if not isinstance(cfg[key], bool):
+                raise ValueError(f"{key} must be true or false, got {cfg[key]!r}")
+        if not isinstance(cfg["gsf_alpha"], (int, float)) or not 0 <= cfg["gsf_alpha"] <= 1:
+            raise ValueError(f"gsf_alpha must be a number in [0, 1], got {cfg['gsf_alpha']!r}")
+        if not isinstance(cfg["gsf_gamma"], (int, float)) or cfg["gsf_gamma"] < 0:
+            raise ValueError(f"gsf_gamma must be a number >= 0, got {cfg['gsf_gamma']!r}")
+        if not isinstance(cfg["afs_margin"], (int, float)) or cfg["afs_margin"] <= 0:
+            raise ValueError(
+                f"afs_margin must be > 0 (AFS divides features by 1 - cos + margin), "
+                f"got {cfg['afs_margin']!r}"
+            )
+        if cfg["gsf_reduction"] not in GSF_REDUCTIONS:
+            raise ValueError(
+                f"gsf_reduction={cfg['gsf_reduction']!r} is not one of {', '.join(GSF_REDUCTIONS)}"
+            )
+
+    def build_network(self, args: dict) -> nn.Module:
+        import timm
+        from backbone import vit_l2p  # noqa: F401  (PILOT: registers its ViTs with timm)
+
+        self.check_config(args)
+        vit = timm.create_model(
+            args["backbone_type"],
+            pretrained=args["pretrained"],
+            num_classes=args["nb_classes"],
+            drop_rate=args["drop"],
+            drop_path_rate=args["drop_path"],
+            drop_block_rate=None,
+        )
+        return MVPNet(
+            vit,
+            args["nb_classes"],
+            pool_size=args["e_pool_size"],
+            g_positions=args["pos_g_prompt"],
+            g_length=args["len_g_prompt"],
+            e_positions=args["pos_e_prompt"],
+            e_length=args["len_e_prompt"],
+            use_last_layer=args["use_last_layer"],
+        )
+
+    def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
+        tokens = network.embed(x)
+        query = network.query(tokens)
+        distances = network.key_distances(query)  # keys carry the gradient
+        if self.args["use_contrastive"]:
+            mass = network.key_counts + 1.0
+            chosen = (distances.detach() * mass).argmin(dim=1)
+        else:
+            mass = torch.ones_like(network.key_counts)
+            chosen = distances.detach().argmin(dim=1)
+        if train:
+            with torch.no_grad():
+                network.key_counts += torch.bincount(chosen, minlength=len(network.key_counts))
+
+        features = network.backbone.fc_norm(network.prompted_features(tokens, chosen))
+        logits = network.backbone.head(features)
+        extras = {}
+        if self.args["use_mask"]:
+            scale = instance_logit_scale(network.class_masks[chosen])
+            logits = logits * scale
+            extras["logit_scale"] = scale
+
+        aux = None
+        if train:
+            query_distance = distances.gather(1, chosen[:, None]).squeeze(1)
+            if self.args["use_contrastive"]:
+                keys = network.keys
+                key_distances = 1.0 - F.cosine_similarity(keys[chosen][:, None], keys[None], dim=-1)
+                aux = key_contrastive_loss(query_distance, key_distances, mass[chosen])
+            else:
+                aux = query_distance.mean()
+        return StepOutput(logits, features, aux, extras)
+
+    def classification_loss(
+        self,
+        network: nn.Module,
+        out: StepOutput,
+        labels: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Cross-entropy on AFS-scaled features, weighted per sample by GSF."""
+        head = network.backbone.head
+        scale = out.extras.get("logit_scale")
+        logits = out.logits
+        if self.args["use_afs"]:
+            with torch.no_grad():
+                divisor = feature_scales(head.weight, out.features, labels, self.args["afs_margin"])
+            logits = head(out.features / divisor[:, None])
+            if scale is not None:
+                logits = logits * scale
+        if mask is not None:
+            logits = mask_logits(logits, mask)
+        losses = F.cross_entropy(logits, labels, reduction="none")
+        if not self.args["use_gsf"]:
+            return losses.mean()
+        with torch.no_grad():
+            plain = out.logits if mask is None else mask_logits(out.logits, mask)
+            dissimilarity = gradient_dissimilarity(out.features, plain, labels, scale)
+            weights = focal_weights(dissimilarity, self.args["gsf_alpha"], self.args["gsf_gamma"])
+        if self.args["gsf_reduction"] == "batch":
+            return weights.mean() * losses.mean()
+        return (weights * losses).mean()
+
+    def classifier(self, network: nn.Module) -> nn.Linear:
+        return network.backbone.head
+
+    def train_mode(self, network: nn.Module) -> None:
+        network.train()
+        network.backbone.eval()  # frozen ViT: no dropout or stochastic depth (as upstream)
+
+    def eval_mode(self, network: nn.Module) -> None:
+        network.eval()

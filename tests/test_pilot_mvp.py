@@ -1,0 +1,50 @@
+"""MVP end to end through a real, patched PILOT (``PILOT_ROOT``): PILOT's own ``main.py`` on the
+synthetic dataset at 32 px with random weights, clear and Si-Blurry streams, base and + P + FGH."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from conftest import requires_pilot
+from test_pilot_integration import run_driver, tiny_config
+
+pytestmark = requires_pilot
+MVP_PARAMETERS = ("keys", "class_masks", "g_prompts", "e_prompts", "backbone.head.weight")
+
+
+@pytest.mark.parametrize("stream", ["clear", "si_blurry"])
+@pytest.mark.parametrize("variant", ["base", "p_fgh"])
+def test_mvp_online_run_through_pilot_main(pilot, tmp_path, variant, stream):
+    config = tiny_config("mvp", variant, stream, tmp_path / "results")
+    config.update(len_g_prompt=2, len_e_prompt=2)  # CI time: MVP's 20-token E-prompts cost 5x
+    report, results = run_driver(pilot, config, tmp_path)
+    counters, tasks = results["counters"], results["stream"]["tasks"]
+
+    # One pass, one optimizer step per batch, no task-boundary hook, evaluation per segment.
+    sizes = [t["num_samples"] for t in tasks]
+    assert counters["samples_seen"] == counters["stream_length"] == sum(sizes) > 0
+    assert counters["optimizer_steps"] == sum(math.ceil(n / 40) for n in sizes)
+    assert counters["skipped_nonfinite_steps"] == 0
+    assert report["boundary_calls"] == [] and report["task_ids"] == []
+    assert report["learner_calls"] == ["eval_task"] * 2
+
+    # MVP's keys, masks, prompts and head trained; PILOT's ViT untouched.
+    changed = report["changed"]
+    trainable = {n for n, c in changed.items() if c["trainable"]}
+    assert trainable == {*MVP_PARAMETERS, "backbone.head.bias"}
+    assert all(changed[n]["changed"] for n in trainable)
+    assert not [n for n, c in changed.items() if not c["trainable"] and c["changed"]]
+
+    metrics = results["metrics"]
+    assert len(metrics["accuracy_matrix"]) == 2
+    assert metrics["AP"] is not None and metrics["A_T"] is not None
+    assert results["config"]["model_name"] == "mvp_online"
+    if stream == "si_blurry":
+        assert metrics["A_auc"] is not None
+    diagnostics = results["extra"]["diagnostics"]
+    if variant == "p_fgh":
+        assert set(MVP_PARAMETERS) <= set(diagnostics["fgh"]["alpha"])
+        assert diagnostics["prototypes"]["samples"] == sum(sizes)
+    else:
+        assert "fgh" not in diagnostics and "prototypes" not in diagnostics
