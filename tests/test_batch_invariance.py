@@ -114,7 +114,7 @@ def evaluate(adapter, network, config, images, batch_size: int, order: np.ndarra
     adapter.forward = recording_forward  # the instance attribute shadows the method
     try:
         allowed = torch.ones(NUM_CLASSES, dtype=torch.bool)
-        predictions, _ = loop.predict(data.test_batches(order), allowed, TOPK)
+        predictions, _ = loop.predict(data.eval_batches(order), allowed, TOPK)
     finally:
         del adapter.forward
     assert [len(chunk) for chunk in logits] == [
