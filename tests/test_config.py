@@ -24,12 +24,20 @@ def smoke(**changes):
 
 
 def test_builtin_methods_are_registered():
-    assert list_methods() == ["coda_online", "dualprompt_online", "l2p_online"]
+    assert list_methods() == [
+        "coda_online",
+        "dualprompt_online",
+        "er_linear_probe_online",
+        "er_online",
+        "finetune_online",
+        "l2p_online",
+        "linear_probe_online",
+    ]
     assert get_method("CODA_ONLINE").base_model_name == "coda_prompt"
 
 
 def test_unknown_method_lists_the_valid_ones():
-    with pytest.raises(ValueError, match="coda_online, dualprompt_online, l2p_online"):
+    with pytest.raises(ValueError, match="coda_online, dualprompt_online, er_linear_probe_online"):
         get_method("coda")
 
 
