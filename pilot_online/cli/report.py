@@ -13,10 +13,30 @@ from ..core.results import RESULTS_SUFFIX, load_results
 
 METRIC_COLUMNS = ("AP", "A_T", "forgetting", "A_auc")
 
+#: model_name -> the row name of the paper's tables, in the tables' order.
+PAPER_ROW_NAMES = {
+    "finetune_online": "Fine-tuning",
+    "linear_probe_online": "Linear probe",
+    "er_online": "ER",
+    "er_linear_probe_online": "ER + Linear probe",
+    "coda_online": "CODA",
+    "l2p_online": "L2P",
+    "dualprompt_online": "DualPrompt",
+}
+_ROW_ORDER = {name: i for i, name in enumerate(PAPER_ROW_NAMES.values())}
+
+
+def method_label(model_name: str | None) -> str | None:
+    """The paper's row name for a method (other names are shown as they are)."""
+    return PAPER_ROW_NAMES.get(str(model_name), model_name)
+
 
 def variant_label(config: dict[str, Any]) -> str:
-    """The paper's row names: base, + P, + FGH, + P + FGH (with non-default FGH options shown)."""
+    """The paper's variant names: base, + P, + FGH, + P + FGH (with non-default FGH options shown;
+    + ER where replay was added to a memory-free row)."""
     parts = []
+    if (config.get("er_memory_size") or 0) > 0 and not _memory_based(config.get("model_name")):
+        parts.append("ER")  # replay added to a memory-free row (allow_memory)
     if config.get("online_prototypes"):
         parts.append("P")
     fgh = config.get("fgh")
@@ -30,6 +50,15 @@ def variant_label(config: dict[str, Any]) -> str:
         if fgh.get("gamma", 1) != 1:
             parts[-1] += f" γ={fgh['gamma']}"
     return "base" if not parts else "+ " + " + ".join(parts)
+
+
+def _memory_based(model_name: str | None) -> bool:
+    from ..engine.registry import get_method
+
+    try:
+        return get_method(str(model_name)).memory_based
+    except ValueError:
+        return False
 
 
 def collect(paths: Iterable[Path]) -> list[dict[str, Any]]:
@@ -48,7 +77,7 @@ def collect(paths: Iterable[Path]) -> list[dict[str, Any]]:
         rows.append(
             {
                 "file": str(file),
-                "method": config.get("model_name"),
+                "method": method_label(config.get("model_name")),
                 "dataset": config.get("dataset"),
                 "stream": config.get("stream"),
                 "lr": config.get("init_lr"),
@@ -69,6 +98,11 @@ def _group_key(row: dict[str, Any]) -> tuple:
     return (row["method"], row["dataset"], row["stream"], row["lr"], row["variant"])
 
 
+def _sort_key(key: tuple) -> tuple:
+    """The paper's row order first (baselines, then the prompt methods), then the other fields."""
+    return (_ROW_ORDER.get(key[0], len(_ROW_ORDER)), *map(str, key))
+
+
 def _mean_std(values: list[Any]) -> str:
     finite = [v for v in values if v is not None and np.isfinite(v)]
     if not finite:
@@ -86,7 +120,7 @@ def format_table(rows: list[dict[str, Any]], group: bool = True) -> str:
         groups: dict[tuple, list[dict[str, Any]]] = {}
         for row in rows:
             groups.setdefault(_group_key(row), []).append(row)
-        for key, members in sorted(groups.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        for key, members in sorted(groups.items(), key=lambda kv: _sort_key(kv[0])):
             lines.append(
                 (
                     *map(str, key),
