@@ -25,12 +25,21 @@ def smoke(**changes):
 
 
 def test_builtin_methods_are_registered():
-    assert {"coda_online", "dualprompt_online", "l2p_online", "mvp_online"} <= set(list_methods())
+    assert list_methods() == [
+        "coda_online",
+        "dualprompt_online",
+        "er_linear_probe_online",
+        "er_online",
+        "finetune_online",
+        "l2p_online",
+        "linear_probe_online",
+        "mvp_online",
+    ]
     assert get_method("CODA_ONLINE").base_model_name == "coda_prompt"
 
 
 def test_unknown_method_lists_the_valid_ones():
-    with pytest.raises(ValueError, match="coda_online, dualprompt_online, l2p_online"):
+    with pytest.raises(ValueError, match="coda_online, dualprompt_online, er_linear_probe_online"):
         get_method("coda")
 
 

@@ -299,7 +299,8 @@ def test_registered_with_the_paper_row_name():
     assert "mvp_online" in list_methods()
     assert get_method("mvp_online") is MVPOnline
     assert method_label("mvp_online") == "MVP"
-    assert method_label("coda_online") == "coda_online"
+    assert method_label("coda_online") == "CODA"
+    assert method_label("unknown_online") == "unknown_online"
 
 
 def test_smoke_config_matches_the_batch_invariance_contract():
@@ -310,10 +311,9 @@ def test_smoke_config_matches_the_batch_invariance_contract():
     resolve_config(config)
 
 
-def test_lr_grid_configs_follow_the_paper():
-    lrs = sorted(load_json(path)["init_lr"] for path in EXPS.glob("mvp_online_hp_lr*.json"))
-    assert lrs == [0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1]
-    assert load_json(EXPS / "mvp_online_fgh.json")["init_lr"] == 0.005  # the grid's best LR
+def test_paper_configs_run_at_the_best_lr_of_the_papers_grid():
+    # hp_grid (paper appendix): MVP's best LR on VTAB is 0.005 (bold there).
+    assert load_json(EXPS / "mvp_online_fgh.json")["init_lr"] == 0.005
 
 
 @pytest.mark.parametrize(

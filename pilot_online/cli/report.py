@@ -17,10 +17,48 @@ FGH_DEFAULTS: dict[str, Any] = FineGrainedHypergradients.__init__.__kwdefaults__
 
 METRIC_COLUMNS = ("AP", "A_T", "forgetting", "A_auc")
 
+#: The paper's method rows (adapters' ``paper_name``), in its tables' order.
+PAPER_ROW_ORDER = (
+    "Fine-tuning",
+    "Linear probe",
+    "ER",
+    "ER + Linear probe",
+    "MVP",
+    "oLoRA",
+    "L2P",
+    "DualPrompt",
+    "CODA",
+    "ConvPrompt",
+)
+_ROW_ORDER = {name: i for i, name in enumerate(PAPER_ROW_ORDER)}
+
+
+def _adapter(model_name: str | None):
+    from ..engine.registry import get_method
+
+    try:
+        return get_method(str(model_name))
+    except ValueError:
+        return None  # a results file of a method this install does not register
+
+
+def method_label(model_name: str | None) -> str | None:
+    """The paper's row name of a method (its adapter's ``paper_name``), else its registered name."""
+    adapter = _adapter(model_name)
+    return (adapter.paper_name if adapter else "") or model_name
+
+
+def _memory_based(model_name: str | None) -> bool:
+    adapter = _adapter(model_name)
+    return bool(adapter and adapter.memory_based)
+
 
 def variant_label(config: dict[str, Any]) -> str:
-    """The paper's row names: base, + P, + FGH, + P + FGH (with non-default FGH options shown)."""
+    """The paper's variant names: base, + P, + FGH, + P + FGH (with non-default FGH options shown;
+    + ER where replay was added to a memory-free row)."""
     parts = []
+    if (config.get("er_memory_size") or 0) > 0 and not _memory_based(config.get("model_name")):
+        parts.append("ER")  # replay added to a memory-free row (allow_memory)
     if config.get("online_prototypes"):
         parts.append("P")
     fgh = config.get("fgh")
@@ -34,16 +72,6 @@ def variant_label(config: dict[str, Any]) -> str:
         if fgh.get("gamma", 1) != 1:
             parts[-1] += f" γ={fgh['gamma']}"
     return "base" if not parts else "+ " + " + ".join(parts)
-
-
-def method_label(model_name: str | None) -> str | None:
-    """The paper's row name of a method (e.g. "MVP"), else its registered name."""
-    from ..engine.registry import get_method
-
-    try:
-        return get_method(str(model_name)).paper_name or model_name
-    except ValueError:
-        return model_name
 
 
 def collect(paths: Iterable[Path]) -> list[dict[str, Any]]:
@@ -83,6 +111,11 @@ def _group_key(row: dict[str, Any]) -> tuple:
     return (row["method"], row["dataset"], row["stream"], row["lr"], row["variant"])
 
 
+def _sort_key(key: tuple) -> tuple:
+    """The paper's row order first (baselines, then the prompt methods), then the other fields."""
+    return (_ROW_ORDER.get(key[0], len(_ROW_ORDER)), *map(str, key))
+
+
 def _mean_std(values: list[Any]) -> str:
     finite = [v for v in values if v is not None and np.isfinite(v)]
     if not finite:
@@ -100,7 +133,7 @@ def format_table(rows: list[dict[str, Any]], group: bool = True) -> str:
         groups: dict[tuple, list[dict[str, Any]]] = {}
         for row in rows:
             groups.setdefault(_group_key(row), []).append(row)
-        for key, members in sorted(groups.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        for key, members in sorted(groups.items(), key=lambda kv: _sort_key(kv[0])):
             lines.append(
                 (
                     *map(str, key),

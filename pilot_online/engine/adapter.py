@@ -64,6 +64,12 @@ class MethodAdapter:
     backbone_marker: ClassVar[str] = ""
     #: The method's row name in the paper's tables (``pilot-online report``); "" = registered name.
     paper_name: ClassVar[str] = ""
+    #: The exact ``backbone_type`` names the method accepts, where a substring cannot say it
+    #: (PILOT's plain ViTs); empty: any name containing ``backbone_marker``.
+    backbone_types: ClassVar[tuple[str, ...]] = ()
+    #: Whether the method keeps training samples (experience replay). A memory-free method
+    #: refuses replay unless the config says ``allow_memory: true``.
+    memory_based: ClassVar[bool] = False
     #: Keys of the method's own config, with defaults; see :class:`ConfigKey`.
     config_keys: ClassVar[Mapping[str, ConfigKey]] = {}
     args: dict = field(default_factory=dict)
@@ -111,6 +117,11 @@ class MethodAdapter:
     def eval_mode(self, network: nn.Module) -> None:
         """Put the network in evaluation mode."""
         network.eval()
+
+    def backbone_kwargs(self, args: dict) -> dict[str, Any]:
+        """Keyword arguments forced on every ``timm.create_model`` call while the network is built
+        (``backbone_kwargs`` of the config; methods add what PILOT's factory hard-codes)."""
+        return dict(args.get("backbone_kwargs") or {})
 
     def pilot_args(self, args: dict, **overrides: Any) -> dict:
         """A copy of ``args`` in which PILOT's factories recognise the upstream method."""

@@ -26,7 +26,9 @@ from .loop import OPTIMIZERS
 PILOT_KEYS: dict[str, ConfigKey] = {
     "prefix": ConfigKey("", "log-file prefix (PILOT)"),
     "dataset": ConfigKey(None, "PILOT dataset name, or a plugin one such as 'synthetic'"),
-    "memory_size": ConfigKey(0, "rehearsal memory: always 0 online (memory-free)", forced=True),
+    "memory_size": ConfigKey(
+        0, "PILOT's rehearsal memory: always 0 online (replay: er_memory_size)", forced=True
+    ),
     "memory_per_class": ConfigKey(0, "rehearsal memory per class: always 0 online", forced=True),
     "fixed_memory": ConfigKey(False, "PILOT memory option: unused online", forced=True),
     "shuffle": ConfigKey(True, "shuffle the class order with the seed (PILOT DataManager)"),
@@ -80,6 +82,13 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
     ),
     "results_dir": ConfigKey(None, "where results JSON goes (default: PILOT's log directory)"),
     "log_interval": ConfigKey(10, "steps between progress-bar updates (each one syncs the device)"),
+    "er_memory_size": ConfigKey(
+        0, "experience-replay reservoir size; > 0 turns replay on (memory-based rows only)"
+    ),
+    "er_batch_size": ConfigKey(100, "memory samples replayed beside each stream batch"),
+    "allow_memory": ConfigKey(
+        False, "let a memory-free row keep samples (experience replay on with er_memory_size)"
+    ),
 }
 
 #: The paper's FGH setting (Eq. 8, gamma 1) and its four ablation rows: base, + P, + FGH and
@@ -193,6 +202,11 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
         if not cfg[key]:
             raise ConfigError(f"the config needs {key!r}")
 
+    if adapter.backbone_types and cfg["backbone_type"] not in adapter.backbone_types:
+        raise ConfigError(
+            f"backbone_type {cfg['backbone_type']!r} is not a backbone {cfg['model_name']} can "
+            f"use: choose one of {', '.join(adapter.backbone_types)}"
+        )
     if adapter.backbone_marker not in str(cfg["backbone_type"]).lower():
         raise ConfigError(
             f"backbone_type {cfg['backbone_type']!r} is not a {adapter.base_model_name} backbone: "
@@ -228,7 +242,39 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
         adapter.check_config(cfg)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"{cfg['model_name']}: {err}") from None
+    _check_replay(cfg, raw, adapter)
     return cfg
+
+
+def _check_replay(cfg: dict[str, Any], raw: Mapping[str, Any], adapter: Any) -> None:
+    """Experience replay is on iff ``er_memory_size > 0``; only memory-based rows keep samples."""
+    for key in ("er_memory_size", "er_batch_size"):
+        value = cfg[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{key} must be a non-negative integer, got {value!r}")
+    if not isinstance(cfg["allow_memory"], bool):
+        raise ConfigError(f"allow_memory must be true or false, got {cfg['allow_memory']!r}")
+    replay = cfg["er_memory_size"] > 0
+    name = cfg["model_name"]
+    if adapter.memory_based and not replay:
+        raise ConfigError(
+            f"{name} is experience replay: er_memory_size must be > 0 (the paper: 1000); "
+            "for the same model without memory use the memory-free row"
+        )
+    if replay and not adapter.memory_based and not cfg["allow_memory"]:
+        raise ConfigError(
+            f"er_memory_size={cfg['er_memory_size']} turns on experience replay, but {name} is "
+            "memory-free: it may not keep training samples. Use a memory-based row "
+            '(er_online, er_linear_probe_online), set "er_memory_size": 0, or set '
+            '"allow_memory": true to add replay deliberately'
+        )
+    if replay and cfg["er_batch_size"] < 1:
+        raise ConfigError("er_batch_size must be >= 1 when experience replay is on")
+    if not replay and "er_batch_size" in raw:
+        raise ConfigError(
+            "er_batch_size is set but experience replay is off (er_memory_size is 0): remove it, "
+            "or set er_memory_size"
+        )
 
 
 def key_reference() -> str:

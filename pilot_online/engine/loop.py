@@ -1,17 +1,18 @@
 """The one online training step, with named phases and a few hooks.
 
-A step runs zero_grad -> forward -> loss -> backward -> transform gradients -> optimizer step ->
-after-step. Mixins (``engine/mixins.py``: ``PrototypeMixin``, ``FGHMixin``) override the hooks and
-call ``super()``; every hook has a no-op default here. Hooks return values (loss terms, report
-entries) instead of writing shared state.
+A step runs replay -> zero_grad -> forward -> loss -> backward -> transform gradients -> optimizer
+step -> after-step. Mixins (``engine/mixins.py``: ``PrototypeMixin``, ``FGHMixin``,
+``ReplayMixin``) override the hooks and call ``super()``; every hook has a no-op default here.
+Hooks return values (loss terms, replayed samples, report entries) instead of writing shared state.
 
 This module needs no PILOT: the PILOT learner and the core demo both drive an :class:`OnlineLoop`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,10 @@ from ..core.masks import classes_present, mask_logits, training_mask
 from .adapter import MethodAdapter, StepOutput
 
 logger = logging.getLogger(__name__)
+
+
+#: Loads training samples by dataset index through the training transforms (``DataSource``).
+SampleLoader = Callable[[np.ndarray], tuple[torch.Tensor, torch.Tensor]]
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -92,46 +97,77 @@ class OnlineLoop:
         self._nonfinite_streak = 0
         self._grad_norm_sum = torch.zeros(num_classes, device=self.device)
         self._grad_trace: list[torch.Tensor] | None = [] if config.get("grad_trace", True) else None
+        # Set by the session (``attach_samples``): replay loads memory samples through it.
+        self.sample_loader: SampleLoader | None = None
         self.setup()
+
+    def attach_samples(self, loader: SampleLoader) -> None:
+        """Give the loop a way to load training samples by index (what replay draws need)."""
+        self.sample_loader = loader
 
     # -- hooks (mixins override and call super()) -------------------------------------------------
     def setup(self) -> None:
         """Called once, after the optimiser exists: mixins build their components here."""
 
+    def replay_batch(
+        self, indices: np.ndarray | None, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Samples trained beside the stream batch (``indices``, ``labels``) in this step, or None.
+
+        Called before the forward pass; experience replay draws its memory batch here."""
+        return None
+
     def loss_terms(self, out: StepOutput, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Extra loss terms, by name, added to the classification loss."""
+        """Extra loss terms, by name, added to the classification loss (``out`` and ``labels``
+        cover the whole training batch: the stream batch plus any replayed samples)."""
         return {}
 
     def transform_gradients(self) -> None:
         """Between backward and the optimiser step (FGH reweights gradients here)."""
 
     def after_step(self, out: StepOutput, labels: torch.Tensor) -> None:
-        """After the optimiser step, with this step's (pre-update) outputs."""
+        """After the optimiser step, with this step's (pre-update) outputs on the stream batch
+        only: replayed samples are not new observations of the stream."""
 
     def report(self) -> dict[str, Any]:
         """Entries for the results file's ``diagnostics`` section."""
         return {}
 
     # -- the step --------------------------------------------------------------------------------
-    def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> StepStats:
-        """One online step on one stream batch."""
+    def train_step(
+        self, inputs: torch.Tensor, labels: torch.Tensor, indices: np.ndarray | None = None
+    ) -> StepStats:
+        """One online step on one stream batch (``indices``: its dataset indices, for replay).
+
+        Replayed samples join the stream batch in one forward pass (a ViT normalises per sample,
+        so one pass over the concatenation equals two passes, at less cost); the loss is the mean
+        over both. Counters, accuracy and ``after_step`` cover the stream batch only."""
+        replay = self.replay_batch(indices, labels)
+        stream_size = len(labels)
         inputs = inputs.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True).long()
+        batch_labels = labels
+        if replay is not None:
+            inputs = torch.cat([inputs, replay[0].to(self.device, non_blocking=True)])
+            batch_labels = torch.cat([labels, replay[1].to(self.device, non_blocking=True).long()])
         self.adapter.train_mode(self.network)
         self.optimizer.zero_grad(set_to_none=True)
 
         out = self.adapter.forward(self.network, inputs, train=True)
         # Labels were range-checked once for the whole dataset (OnlineSession): no sync here.
         self.seen |= classes_present(labels, self.num_classes, validate=False)
-        mask = training_mask(self.logit_mask, labels, self.seen, self.num_classes, validate=False)
+        # The batch-wise mask covers the classes of the stream batch and of the replayed samples.
+        mask = training_mask(
+            self.logit_mask, batch_labels, self.seen, self.num_classes, validate=False
+        )
         logits = out.logits if mask is None else mask_logits(out.logits, mask)
-        terms = {"ce": self.adapter.classification_loss(self.network, out, labels, mask)}
+        terms = {"ce": self.adapter.classification_loss(self.network, out, batch_labels, mask)}
         if out.aux_loss is not None:
             terms["method"] = out.aux_loss
-        terms.update(self.loss_terms(out, labels))
+        terms.update(self.loss_terms(out, batch_labels))
         loss = torch.stack([t.reshape(()) for t in terms.values()]).sum()
-        correct = (logits.detach().argmax(1) == labels).sum()
-        self.samples_seen += len(labels)
+        correct = (logits[:stream_size].detach().argmax(1) == labels).sum()
+        self.samples_seen += stream_size
 
         loss.backward()
         # One host sync per step, as GradScaler does: a NaN/inf loss or gradient must reach
@@ -141,14 +177,18 @@ class OnlineLoop:
         if grads:
             finite = finite & torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()
         if not finite:
-            return self._skip_nonfinite(loss, correct, len(labels), terms)
+            return self._skip_nonfinite(loss, correct, stream_size, terms)
         self._nonfinite_streak = 0
         self.transform_gradients()
         self._record_gradient_norms()
         self.optimizer.step()
         self.optimizer_steps += 1
+        if replay is not None:
+            out = dataclasses.replace(
+                out, logits=out.logits[:stream_size], features=out.features[:stream_size]
+            )
         self.after_step(out, labels)
-        return StepStats(loss.detach(), correct, len(labels))
+        return StepStats(loss.detach(), correct, stream_size)
 
     def _skip_nonfinite(self, loss, correct, samples, terms) -> StepStats:
         self.skipped_nonfinite_steps += 1
@@ -218,10 +258,13 @@ def build_loop(
     device: torch.device | str = "cpu",
 ) -> OnlineLoop:
     """An :class:`OnlineLoop` with the mixins the config asks for: the paper's four ablation rows
-    (base, + P, + FGH, + P + FGH) are four compositions of the same loop."""
-    from .mixins import FGHMixin, PrototypeMixin
+    (base, + P, + FGH, + P + FGH) are four compositions of the same loop, and experience replay
+    (``er_memory_size > 0``) composes with any of them."""
+    from .mixins import FGHMixin, PrototypeMixin, ReplayMixin
 
     mixins: list[type] = []
+    if int(config.get("er_memory_size") or 0) > 0:
+        mixins.append(ReplayMixin)
     if config.get("online_prototypes"):
         mixins.append(PrototypeMixin)
     if config.get("fgh") is not None:

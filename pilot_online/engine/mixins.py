@@ -1,15 +1,18 @@
 """The loop mixins: each adds one mechanism to :class:`~pilot_online.engine.loop.OnlineLoop` by
 overriding its hooks (and calling ``super()``). The math lives in plain components under ``core/``
-(:class:`PrototypeBank`, :class:`FineGrainedHypergradients`), testable without a loop.
+(:class:`PrototypeBank`, :class:`FineGrainedHypergradients`, :class:`ReservoirMemory`), testable
+without a loop.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from ..core.fgh import FineGrainedHypergradients, validate_options
+from ..core.memory import ReservoirMemory
 from ..core.prototypes import PrototypeBank
 
 if TYPE_CHECKING:
@@ -93,5 +96,68 @@ class FGHMixin:
             "steps": self.fgh.num_steps,
             "skipped_nonfinite": int(self.fgh.num_skipped),
             "alpha": alphas,
+        }
+        return report
+
+
+def _run_seed(seed: Any) -> int:
+    """The run's integer seed (PILOT's trainer hands each run one seed of the config's list)."""
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != 1:
+            raise ValueError(f"experience replay needs the run's single seed, got the list {seed}")
+        seed = seed[0]
+    return int(seed)
+
+
+class ReplayMixin:
+    """Online-loop mixin: experience replay (ER) from a reservoir memory of the stream.
+
+    Each step draws ``er_batch_size`` stored samples (before this batch enters the memory), loads
+    them through the training transforms (``OnlineLoop.sample_loader``, attached by the session)
+    and trains on them beside the stream batch; the stream batch is then offered to the
+    reservoir. The memory holds dataset indices and labels only.
+    """
+
+    memory: ReservoirMemory
+
+    def setup(self: OnlineLoop) -> None:
+        super().setup()
+        self.memory = ReservoirMemory(
+            int(self.config["er_memory_size"]), seed=_run_seed(self.config.get("seed", 0))
+        )
+        self.replay_size = int(self.config.get("er_batch_size", 100))
+
+    def replay_batch(
+        self: OnlineLoop, indices: np.ndarray | None, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        replay = super().replay_batch(indices, labels)
+        if indices is None:
+            raise ValueError(
+                "experience replay needs each stream batch's dataset indices: call "
+                "train_step(inputs, labels, indices)"
+            )
+        drawn, _ = self.memory.sample(self.replay_size)
+        # Labels come from the data loader, on the host: no device sync.
+        self.memory.add(np.asarray(indices), labels.detach().cpu().numpy())
+        if not len(drawn):
+            return replay
+        if self.sample_loader is None:
+            raise RuntimeError(
+                "experience replay has no way to load memory samples: the session must call "
+                "loop.attach_samples(data.train_samples)"
+            )
+        memory_inputs, memory_labels = self.sample_loader(drawn)
+        if replay is None:
+            return memory_inputs, memory_labels
+        return torch.cat([replay[0], memory_inputs]), torch.cat([replay[1], memory_labels])
+
+    def report(self: OnlineLoop) -> dict[str, Any]:
+        report = super().report()
+        report["experience_replay"] = {
+            "capacity": self.memory.capacity,
+            "size": self.memory.size,
+            "batch_size": self.replay_size,
+            "stream_samples_offered": self.memory.num_seen,
+            "class_histogram": self.memory.class_histogram(self.num_classes).tolist(),
         }
         return report

@@ -34,12 +34,16 @@ Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
 
 
 class DataSource(Protocol):
-    """Where a session gets images: stream batches in stream order, and test samples."""
+    """Where a session gets images: stream batches in stream order, training samples by index
+    (replay), and test samples."""
 
     test_labels: np.ndarray
 
     def train_batches(self, batches: Sequence[np.ndarray]) -> Batches:
         """Yield (inputs, labels) for each array of training indices, in the given order."""
+
+    def train_samples(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels) of the given training indices, through the training transforms."""
 
     def eval_batches(self, indices: np.ndarray) -> Batches:
         """Yield (inputs, labels) over the given test indices."""
@@ -68,6 +72,9 @@ class OnlineSession:
         self.results_path = results_path
         self.written_path: Path | None = None
         self.progress = progress
+        loader = getattr(data, "train_samples", None)
+        if loader is not None:  # optional for memory-free runs; replay says so when missing
+            loop.attach_samples(loader)
         num_classes = loop.num_classes
         for name, labels in (("training", stream.labels), ("test", data.test_labels)):
             labels = np.asarray(labels)
@@ -104,7 +111,7 @@ class OnlineSession:
         seen_in_window = steps_in_window = 0
         start = time.perf_counter()
         for step, (inputs, labels) in enumerate(self.data.train_batches(batch_indices), start=1):
-            stats = self.loop.train_step(inputs, labels)
+            stats = self.loop.train_step(inputs, labels, batch_indices[step - 1])
             if not stats.skipped:
                 loss_sum += stats.loss
                 steps_in_window += 1
@@ -298,6 +305,10 @@ class ArrayDataSource:
         for indices in batches:
             index = torch.from_numpy(np.array(indices))  # a copy: stream arrays are read-only
             yield self._train_x[index], self._train_y[index]
+
+    def train_samples(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.from_numpy(np.array(indices, dtype=np.int64))
+        return self._train_x[index], self._train_y[index]
 
     def eval_batches(self, indices: np.ndarray) -> Batches:
         for start in range(0, len(indices), self.eval_batch_size):

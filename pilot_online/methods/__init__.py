@@ -1,10 +1,11 @@
 """One file per online method, named like PILOT's ``models/`` files so that they diff side by side.
 
 Each file holds one :class:`~pilot_online.engine.adapter.MethodAdapter` registered with
-``@register_method``; importing this package registers them all. A new method is one more file
-here and one more name in the import below.
+``@register_method`` (``finetune.py`` and ``linear_probe.py`` also hold their experience-replay
+rows); importing this package registers them all. A new method is one more file here and one more
+name in the import below.
 """
 
-from . import coda_prompt, dualprompt, l2p, mvp
+from . import coda_prompt, dualprompt, finetune, l2p, linear_probe, mvp
 
-__all__ = ["coda_prompt", "dualprompt", "l2p", "mvp"]
+__all__ = ["coda_prompt", "dualprompt", "finetune", "l2p", "linear_probe", "mvp"]

@@ -31,6 +31,7 @@ def orthogonality_penalty(t: torch.Tensor) -> torch.Tensor:
 
 @register_method("coda_online")
 class CodaOnline(MethodAdapter):
+    paper_name: ClassVar[str] = "CODA"
     base_model_name: ClassVar[str] = "coda_prompt"
     backbone_marker: ClassVar[str] = "_coda_prompt"
     config_keys: ClassVar[dict[str, ConfigKey]] = {

@@ -67,6 +67,7 @@ def per_sample_prefix_prompts(
 
 @register_method("dualprompt_online")
 class DualPromptOnline(L2POnline):
+    paper_name: ClassVar[str] = "DualPrompt"
     base_model_name: ClassVar[str] = "dualprompt"
     backbone_marker: ClassVar[str] = "_dualprompt"
     config_keys: ClassVar[dict[str, ConfigKey]] = DUALPROMPT_KEYS

@@ -47,6 +47,7 @@ PROMPT_POOL_KEYS: dict[str, ConfigKey] = {
 
 @register_method("l2p_online")
 class L2POnline(MethodAdapter):
+    paper_name: ClassVar[str] = "L2P"
     base_model_name: ClassVar[str] = "l2p"
     backbone_marker: ClassVar[str] = "_l2p"
     config_keys: ClassVar[dict[str, ConfigKey]] = PROMPT_POOL_KEYS

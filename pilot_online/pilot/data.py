@@ -144,6 +144,16 @@ class PilotDataSource:
     def train_batches(self, batches: Sequence[np.ndarray]) -> Iterator:
         return self._loader(self._train, [b.tolist() for b in batches], self._generator)
 
+    def train_samples(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training samples by index, through the training transforms (replay's memory draws).
+
+        Loaded in this process: a worker pool per 100-sample draw would cost more than it saves.
+        Random augmentations use torch's global generator, which PILOT seeds per run."""
+        samples = [self._train[int(i)] for i in indices]
+        inputs = torch.stack([image for _, image, _ in samples])
+        labels = torch.as_tensor(np.asarray([label for _, _, label in samples]), dtype=torch.long)
+        return inputs, labels
+
     def eval_batches(self, indices: np.ndarray) -> Iterator:
         size = self.eval_batch_size
         chunks = [indices[i : i + size].tolist() for i in range(0, len(indices), size)]

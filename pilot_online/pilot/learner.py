@@ -42,7 +42,8 @@ class OnlineLearner(BaseLearner):
         if len(self._multiple_gpus) > 1:
             logger.warning("online learners use one device: training on %s only", self._device)
         self.adapter = adapter_cls(args=self.config)
-        with timm_overrides(self.config["backbone_kwargs"], self.config["pretrained_path"]):
+        overrides = self.adapter.backbone_kwargs(self.config)
+        with timm_overrides(overrides, self.config["pretrained_path"]):
             network = self.adapter.build_network(self.config)
         self.loop = build_loop(self.adapter, network, self.config, args["nb_classes"], self._device)
         self._network = self.loop.network

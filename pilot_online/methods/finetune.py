@@ -1,0 +1,79 @@
+"""Fine-tuning online (``finetune_online``) and experience replay (``er_online``): the paper's
+memory-free lower bound and its memory-based baseline.
+
+The network is PILOT's own plain-ViT class, ``SimpleVitNet`` (``utils/inc_net.py``), on PILOT's
+``vit_base_patch16_224`` backbone; every parameter trains. Two things differ from upstream:
+
+- PILOT grows a ``CosineLinear`` head task by task (``update_fc``, which returns a dict). Online
+  there are no tasks, so the head is one ``nn.Linear`` over all classes, set once at build:
+  prototypes are replayed through it and FGH's class mode reweights its rows.
+- PILOT's factory builds the plain ViT with ``pretrained=True`` and no dropout arguments
+  hard-coded; :meth:`FinetuneOnline.backbone_kwargs` forces the config's ``pretrained``, ``drop``
+  and ``drop_path`` onto that ``timm.create_model`` call instead.
+
+``er_online`` is the same model with the ``ReplayMixin`` of the loop (a reservoir of 1,000 stream
+samples, 100 replayed per step): replay is a mechanism, so it composes with any method.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.registry import register_method
+
+#: The ``backbone_type`` names PILOT's ``get_backbone`` maps to a plain (prompt-free) ViT-B/16.
+PLAIN_VIT_BACKBONES = (
+    "vit_base_patch16_224",
+    "vit_base_patch16_224_in21k",
+    "pretrained_vit_b16_224",
+    "pretrained_vit_b16_224_in21k",
+)
+
+#: The paper's replay settings: 1,000 samples in memory, 100 replayed per step.
+REPLAY_KEYS: dict[str, ConfigKey] = {
+    "er_memory_size": ConfigKey(1000, "experience-replay reservoir size (paper: 1000)"),
+}
+
+
+@register_method("finetune_online")
+class FinetuneOnline(MethodAdapter):
+    paper_name: ClassVar[str] = "Fine-tuning"
+    base_model_name: ClassVar[str] = "finetune"  # PILOT's transforms for its fine-tuning learner
+    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT_BACKBONES
+
+    def backbone_kwargs(self, args: dict) -> dict[str, Any]:
+        return {
+            "pretrained": bool(args["pretrained"]),
+            "drop_rate": float(args["drop"]),
+            "drop_path_rate": float(args["drop_path"]),
+            **super().backbone_kwargs(args),
+        }
+
+    def build_network(self, args: dict) -> nn.Module:
+        from utils.inc_net import SimpleVitNet
+
+        network = SimpleVitNet(self.pilot_args(args), True)
+        network.fc = nn.Linear(network.feature_dim, int(args["nb_classes"]))
+        network.requires_grad_(True)
+        return network
+
+    def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
+        features = network.backbone(x)  # timm ViT with num_classes=0: the pooled, normed token
+        return StepOutput(network.fc(features), features)
+
+    def classifier(self, network: nn.Module) -> nn.Linear:
+        return network.fc
+
+
+@register_method("er_online")
+class EROnline(FinetuneOnline):
+    """Fine-tuning plus experience replay (the loop's ``ReplayMixin``, on by default here)."""
+
+    paper_name: ClassVar[str] = "ER"
+
+    memory_based: ClassVar[bool] = True
+    config_keys: ClassVar[dict[str, ConfigKey]] = REPLAY_KEYS

@@ -1,0 +1,49 @@
+"""Linear probe online (``linear_probe_online``) and ER + linear probe
+(``er_linear_probe_online``).
+
+The fine-tuning network (PILOT's ``SimpleVitNet`` with one ``nn.Linear`` head, see
+``finetune.py``) with the whole backbone frozen: only the final FC layer trains. Features are
+computed afresh at every step, under ``no_grad`` (nothing needs their gradient) and never cached:
+training transforms are random for real datasets, so cached features would change the result.
+The frozen backbone stays in eval mode (a fixed feature extractor: no dropout).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from ..engine.adapter import ConfigKey, StepOutput
+from ..engine.registry import register_method
+from .finetune import REPLAY_KEYS, FinetuneOnline
+
+
+@register_method("linear_probe_online")
+class LinearProbeOnline(FinetuneOnline):
+    paper_name: ClassVar[str] = "Linear probe"
+
+    def build_network(self, args: dict) -> nn.Module:
+        network = super().build_network(args)
+        network.backbone.requires_grad_(False)
+        return network
+
+    def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
+        with torch.no_grad():
+            features = network.backbone(x)
+        return StepOutput(network.fc(features), features)
+
+    def train_mode(self, network: nn.Module) -> None:
+        network.eval()
+        network.fc.train()
+
+
+@register_method("er_linear_probe_online")
+class ERLinearProbeOnline(LinearProbeOnline):
+    """Linear probe plus experience replay (the loop's ``ReplayMixin``, on by default here)."""
+
+    paper_name: ClassVar[str] = "ER + Linear probe"
+
+    memory_based: ClassVar[bool] = True
+    config_keys: ClassVar[dict[str, ConfigKey]] = REPLAY_KEYS

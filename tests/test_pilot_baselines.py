@@ -1,0 +1,92 @@
+"""End-to-end runs of the baseline rows (fine-tuning, linear probe, ER, ER + linear probe) through
+a real, patched PILOT (``PILOT_ROOT``), with the helpers of test_pilot_integration.py.
+
+A full ViT-B/16 trains in the fine-tuning rows: on 2 CPU cores one such run costs over a minute,
+far more than a prompt run. CI runs each row once, with each stream and each variant (base,
++ P + FGH) covered by two rows and replay + P + FGH by one; ``PILOT_FULL_MATRIX=1`` runs all 16
+(row x variant x stream).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+from conftest import requires_pilot
+from test_pilot_integration import run_driver, tiny_config
+
+pytestmark = requires_pilot
+ROWS = ("finetune", "linear_probe", "er", "er_linear_probe")
+CI_RUNS = {
+    ("finetune", "base", "clear"),
+    ("linear_probe", "p_fgh", "si_blurry"),
+    ("er", "base", "si_blurry"),
+    ("er_linear_probe", "p_fgh", "clear"),
+}
+FULL = os.environ.get("PILOT_FULL_MATRIX") == "1"
+MEMORY, REPLAYED = 60, 20  # the tiny stream has 160 samples: the reservoir fills, then replaces
+
+
+def matrix():
+    for row in ROWS:
+        for variant in ("base", "p_fgh"):
+            for stream in ("clear", "si_blurry"):
+                marks = []
+                if not FULL and (row, variant, stream) not in CI_RUNS:
+                    marks = [pytest.mark.skip(reason="set PILOT_FULL_MATRIX=1 for every run")]
+                yield pytest.param(
+                    row, variant, stream, marks=marks, id=f"{row}-{variant}-{stream}"
+                )
+
+
+@pytest.mark.parametrize(("row", "variant", "stream"), list(matrix()))
+def test_baseline_row_through_pilot_main(pilot, tmp_path, row, variant, stream):
+    config = tiny_config(row, variant, stream, tmp_path / "results")
+    replay = row.startswith("er")
+    if replay:
+        config.update(er_memory_size=MEMORY, er_batch_size=REPLAYED)
+    report, results = run_driver(pilot, config, tmp_path)
+    counters, tasks = results["counters"], results["stream"]["tasks"]
+    sizes = [t["num_samples"] for t in tasks]
+
+    # One pass; replayed samples are not stream samples: counters count the stream only.
+    assert counters["samples_seen"] == counters["stream_length"] == sum(sizes) == 160
+    assert counters["optimizer_steps"] == sum(math.ceil(n / 40) for n in sizes)
+    assert counters["skipped_nonfinite_steps"] == 0
+    assert report["boundary_calls"] == [] and report["learner_calls"] == ["eval_task"] * 2
+
+    # Fine-tuning trains every parameter, the linear probe only the final FC layer.
+    changed = report["changed"]
+    trainable = {n for n, c in changed.items() if c["trainable"]}
+    assert trainable and all(changed[n]["changed"] for n in trainable)
+    assert not [n for n, c in changed.items() if not c["trainable"] and c["changed"]]
+    if "linear_probe" in row:
+        assert trainable == {"fc.weight", "fc.bias"}
+    else:
+        assert trainable == set(changed) and len(trainable) > 100  # the whole ViT-B and fc
+
+    matrix = results["metrics"]["accuracy_matrix"]
+    assert len(matrix) == 2 and matrix[1][0] is None
+    assert results["metrics"]["AP"] is not None and results["metrics"]["A_T"] is not None
+    if stream == "si_blurry":
+        assert len(results["extra"]["periodic_evaluations"]) == 160 // 80
+
+    diagnostics = results["extra"]["diagnostics"]
+    if replay:
+        memory = diagnostics["experience_replay"]
+        assert memory["capacity"] == MEMORY and memory["batch_size"] == REPLAYED
+        assert memory["size"] == MEMORY and memory["stream_samples_offered"] == 160
+        histogram = np.array(memory["class_histogram"])
+        assert histogram.sum() == MEMORY and len(histogram) == 8
+        streamed = sorted({c for t in tasks for c in t["classes"]})
+        assert set(np.flatnonzero(histogram)) <= set(streamed)
+    else:
+        assert "experience_replay" not in diagnostics
+    if variant == "p_fgh":
+        # Prototypes average stream samples only, never the replayed ones.
+        assert diagnostics["prototypes"]["samples"] == 160
+        assert diagnostics["fgh"]["alpha"]
+    else:
+        assert "fgh" not in diagnostics and "prototypes" not in diagnostics
