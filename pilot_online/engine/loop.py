@@ -110,8 +110,9 @@ class OnlineLoop:
         """After the optimiser step, with this step's (pre-update) outputs."""
 
     def report(self) -> dict[str, Any]:
-        """Entries for the results file's ``diagnostics`` section."""
-        return {}
+        """Entries for the results file's ``diagnostics`` (the adapter's under ``method``)."""
+        method = self.adapter.report()
+        return {"method": method} if method else {}
 
     # -- the step --------------------------------------------------------------------------------
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> StepStats:
@@ -129,6 +130,7 @@ class OnlineLoop:
         terms = {"ce": F.cross_entropy(logits, labels)}
         if out.aux_loss is not None:
             terms["method"] = out.aux_loss
+        terms.update(self.adapter.loss_terms(self.network, inputs, labels))
         terms.update(self.loss_terms(out, labels))
         loss = torch.stack([t.reshape(()) for t in terms.values()]).sum()
         correct = (logits.detach().argmax(1) == labels).sum()
@@ -148,6 +150,8 @@ class OnlineLoop:
         self._record_gradient_norms()
         self.optimizer.step()
         self.optimizer_steps += 1
+        detached = {name: t.detach() for name, t in terms.items()}
+        self.adapter.after_step(self.network, inputs, labels, detached)
         self.after_step(out, labels)
         return StepStats(loss.detach(), correct, len(labels))
 
