@@ -25,6 +25,7 @@ METHODS = {
     "coda": ("coda_online", "vit_base_patch16_224_coda_prompt"),
     "l2p": ("l2p_online", "vit_base_patch16_224_l2p"),
     "dualprompt": ("dualprompt_online", "vit_base_patch16_224_dualprompt"),
+    "olora": ("olora_online", "vit_base_patch16_224"),  # timm's plain ViT-B/16, as upstream oLoRA
 }
 
 
