@@ -25,7 +25,7 @@ def smoke(**changes):
 
 
 def test_builtin_methods_are_registered():
-    assert list_methods() == ["coda_online", "dualprompt_online", "l2p_online"]
+    assert list_methods() == ["coda_online", "dualprompt_online", "l2p_online", "olora_online"]
     assert get_method("CODA_ONLINE").base_model_name == "coda_prompt"
 
 
