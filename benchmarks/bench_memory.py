@@ -109,6 +109,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         print(json.dumps(worker(args)))
         return
+    if "coda_online" in args.methods and not Path(args.pilot_root, "utils", "inc_net.py").is_file():
+        sys.exit(
+            f"CODA's network comes from PILOT, and {args.pilot_root} is no PILOT checkout: "
+            "pass --pilot-root or set PILOT_ROOT (or run with --methods olora_online)"
+        )
     rows = []
     for variant in args.variants:
         for method in args.methods:
