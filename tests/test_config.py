@@ -34,6 +34,7 @@ def test_builtin_methods_are_registered():
         "l2p_online",
         "linear_probe_online",
         "mvp_online",
+        "olora_online",
     ]
     assert get_method("CODA_ONLINE").base_model_name == "coda_prompt"
 

@@ -123,6 +123,27 @@ class MethodAdapter:
         (``backbone_kwargs`` of the config; methods add what PILOT's factory hard-codes)."""
         return dict(args.get("backbone_kwargs") or {})
 
+    def loss_terms(
+        self, network: nn.Module, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Loss terms of the method's own beyond ``aux_loss`` (oLoRA: hard-buffer replay and its
+        regulariser), by name; added to the step's loss. None by default."""
+        return {}
+
+    def after_step(
+        self,
+        network: nn.Module,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        terms: Mapping[str, torch.Tensor],
+    ) -> None:
+        """After the optimiser step, with the step's detached loss terms (oLoRA detects loss
+        plateaus and merges its adapter here). No-op by default."""
+
+    def report(self) -> dict[str, Any]:
+        """The method's entries for the results file's ``diagnostics.method``; none by default."""
+        return {}
+
     def pilot_args(self, args: dict, **overrides: Any) -> dict:
         """A copy of ``args`` in which PILOT's factories recognise the upstream method."""
         return {**args, "model_name": self.base_model_name, **overrides}

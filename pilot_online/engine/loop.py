@@ -130,8 +130,9 @@ class OnlineLoop:
         only: replayed samples are not new observations of the stream."""
 
     def report(self) -> dict[str, Any]:
-        """Entries for the results file's ``diagnostics`` section."""
-        return {}
+        """Entries for the results file's ``diagnostics`` (the adapter's under ``method``)."""
+        method = self.adapter.report()
+        return {"method": method} if method else {}
 
     # -- the step --------------------------------------------------------------------------------
     def train_step(
@@ -164,6 +165,7 @@ class OnlineLoop:
         terms = {"ce": self.adapter.classification_loss(self.network, out, batch_labels, mask)}
         if out.aux_loss is not None:
             terms["method"] = out.aux_loss
+        terms.update(self.adapter.loss_terms(self.network, inputs, batch_labels))
         terms.update(self.loss_terms(out, batch_labels))
         loss = torch.stack([t.reshape(()) for t in terms.values()]).sum()
         correct = (logits[:stream_size].detach().argmax(1) == labels).sum()
@@ -183,6 +185,8 @@ class OnlineLoop:
         self._record_gradient_norms()
         self.optimizer.step()
         self.optimizer_steps += 1
+        detached = {name: t.detach() for name, t in terms.items()}
+        self.adapter.after_step(self.network, inputs, batch_labels, detached)
         if replay is not None:
             out = dataclasses.replace(
                 out, logits=out.logits[:stream_size], features=out.features[:stream_size]

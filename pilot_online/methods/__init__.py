@@ -6,6 +6,6 @@ rows); importing this package registers them all. A new method is one more file 
 name in the import below.
 """
 
-from . import coda_prompt, dualprompt, finetune, l2p, linear_probe, mvp
+from . import coda_prompt, dualprompt, finetune, l2p, linear_probe, mvp, olora
 
-__all__ = ["coda_prompt", "dualprompt", "finetune", "l2p", "linear_probe", "mvp"]
+__all__ = ["coda_prompt", "dualprompt", "finetune", "l2p", "linear_probe", "mvp", "olora"]
