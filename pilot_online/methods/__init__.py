@@ -5,6 +5,6 @@ Each file holds one :class:`~pilot_online.engine.adapter.MethodAdapter` register
 here and one more name in the import below.
 """
 
-from . import coda_prompt, dualprompt, l2p
+from . import coda_prompt, convprompt, dualprompt, l2p
 
-__all__ = ["coda_prompt", "dualprompt", "l2p"]
+__all__ = ["coda_prompt", "convprompt", "dualprompt", "l2p"]
