@@ -25,6 +25,7 @@ METHODS = {
     "coda": ("coda_online", "vit_base_patch16_224_coda_prompt"),
     "l2p": ("l2p_online", "vit_base_patch16_224_l2p"),
     "dualprompt": ("dualprompt_online", "vit_base_patch16_224_dualprompt"),
+    "convprompt": ("convprompt_online", "vit_base_patch16_224_dualprompt"),
 }
 
 

@@ -25,12 +25,13 @@ def smoke(**changes):
 
 
 def test_builtin_methods_are_registered():
-    assert list_methods() == ["coda_online", "dualprompt_online", "l2p_online"]
+    assert list_methods() == ["coda_online", "convprompt_online", "dualprompt_online", "l2p_online"]
     assert get_method("CODA_ONLINE").base_model_name == "coda_prompt"
 
 
 def test_unknown_method_lists_the_valid_ones():
-    with pytest.raises(ValueError, match="coda_online, dualprompt_online, l2p_online"):
+    valid = "coda_online, convprompt_online, dualprompt_online, l2p_online"
+    with pytest.raises(ValueError, match=valid):
         get_method("coda")
 
 

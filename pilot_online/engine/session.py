@@ -215,6 +215,7 @@ class OnlineSession:
                 "stream_length": len(self.stream),
                 "tasks_trained": self.tasks_trained,
                 "skipped_nonfinite_steps": loop.skipped_nonfinite_steps,
+                "trainable_parameters": sum(p.numel() for _, p in loop.named_parameters),
                 "skipped_nonfinite_hypergradients": diagnostics.get("fgh", {}).get(
                     "skipped_nonfinite", 0
                 ),
