@@ -31,6 +31,7 @@ METHODS = {
     "er": ("er_online", "vit_base_patch16_224"),
     "er_linear_probe": ("er_linear_probe_online", "vit_base_patch16_224"),
     "olora": ("olora_online", "vit_base_patch16_224"),  # timm's plain ViT-B/16, as upstream oLoRA
+    "convprompt": ("convprompt_online", "vit_base_patch16_224_dualprompt"),
 }
 
 #: The paper's learning-rate grid (appendix table hp_grid, searched on VTAB) and its Best HP, for

@@ -27,6 +27,7 @@ def smoke(**changes):
 def test_builtin_methods_are_registered():
     assert list_methods() == [
         "coda_online",
+        "convprompt_online",
         "dualprompt_online",
         "er_linear_probe_online",
         "er_online",
@@ -40,7 +41,7 @@ def test_builtin_methods_are_registered():
 
 
 def test_unknown_method_lists_the_valid_ones():
-    with pytest.raises(ValueError, match="coda_online, dualprompt_online, er_linear_probe_online"):
+    with pytest.raises(ValueError, match="coda_online, convprompt_online, dualprompt_online"):
         get_method("coda")
 
 

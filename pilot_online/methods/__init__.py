@@ -6,6 +6,15 @@ rows); importing this package registers them all. A new method is one more file 
 name in the import below.
 """
 
-from . import coda_prompt, dualprompt, finetune, l2p, linear_probe, mvp, olora
+from . import coda_prompt, convprompt, dualprompt, finetune, l2p, linear_probe, mvp, olora
 
-__all__ = ["coda_prompt", "dualprompt", "finetune", "l2p", "linear_probe", "mvp", "olora"]
+__all__ = [
+    "coda_prompt",
+    "convprompt",
+    "dualprompt",
+    "finetune",
+    "l2p",
+    "linear_probe",
+    "mvp",
+    "olora",
+]
