@@ -70,7 +70,7 @@ def build(adapter, config: dict[str, Any], build_network=None) -> torch.nn.Modul
     from pilot_online.pilot.backbones import timm_overrides
 
     torch.manual_seed(0)
-    with timm_overrides(config["backbone_kwargs"], config["pretrained_path"]):
+    with timm_overrides(adapter.backbone_kwargs(config), config["pretrained_path"]):
         return (build_network or adapter.build_network)(config)
 
 
@@ -148,10 +148,19 @@ def test_train_mode_logits_do_not_depend_on_batching(method, test_images):
     adapter.train_mode(network)
     x = ArrayDataSource._to_tensor(test_images)
     order = torch.from_numpy(np.random.default_rng(2).permutation(NUM_TEST_IMAGES))
+    # A training forward may update method state by design (MVP counts key use): every call
+    # starts from the same state, so only batch composition differs between the calls.
+    state = {name: value.clone() for name, value in network.state_dict().items()}
+
+    def forward(inputs: torch.Tensor):
+        network.load_state_dict(state)
+        return adapter.forward(network, inputs, train=True)
+
     with torch.no_grad():
-        whole = adapter.forward(network, x, train=True)
-        permuted = adapter.forward(network, x[order], train=True)
-        split = [adapter.forward(network, chunk, train=True) for chunk in x[order].split([3, 6])]
+        whole = forward(x)
+        permuted = forward(x[order])
+        split = [forward(chunk) for chunk in x[order].split([3, 6])]
+    network.load_state_dict(state)
     for name in ("logits", "features"):
         reference = getattr(whole, name)[order]
         torch.testing.assert_close(getattr(permuted, name), reference, rtol=0, atol=1e-5)

@@ -255,6 +255,7 @@ def _check_replay(cfg: dict[str, Any], raw: Mapping[str, Any], adapter: Any) -> 
     if not isinstance(cfg["allow_memory"], bool):
         raise ConfigError(f"allow_memory must be true or false, got {cfg['allow_memory']!r}")
     replay = cfg["er_memory_size"] > 0
+    default_batch = ONLINE_KEYS["er_batch_size"].default
     name = cfg["model_name"]
     if adapter.memory_based and not replay:
         raise ConfigError(
@@ -270,7 +271,9 @@ def _check_replay(cfg: dict[str, Any], raw: Mapping[str, Any], adapter: Any) -> 
         )
     if replay and cfg["er_batch_size"] < 1:
         raise ConfigError("er_batch_size must be >= 1 when experience replay is on")
-    if not replay and "er_batch_size" in raw:
+    # A resolved config (every key written out, as `pilot-online run` and sweep pass it on) holds
+    # the default: only a changed value asks for replay that is off.
+    if not replay and raw.get("er_batch_size", default_batch) != default_batch:
         raise ConfigError(
             "er_batch_size is set but experience replay is off (er_memory_size is 0): remove it, "
             "or set er_memory_size"
