@@ -1,9 +1,9 @@
-"""The smoke matrix: 3 methods x {base, + P, + FGH, + P + FGH} x {clear, Si-Blurry} through PILOT.
+"""The smoke matrix: every method x {base, + P, + FGH, + P + FGH} x {clear, Si-Blurry}, via PILOT.
 
     PILOT_ROOT=/path/to/patched/LAMDA-PILOT python scripts/smoke_matrix.py [--out runs/smoke]
 
 Each method's smoke config (synthetic data, 32 px, random weights, CPU) is swept with
-``pilot-online sweep``; the AP/A_T table of all 24 runs is printed at the end.
+``pilot-online sweep``; one AP/A_T table of all runs is printed at the end.
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ EXPS = Path(__file__).resolve().parent.parent / "exps"
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/smoke_matrix"))
-    parser.add_argument("--methods", default="coda,l2p,dualprompt")
+    every = sorted(p.name[len("smoke_") : -len("_online.json")] for p in EXPS.glob("smoke_*.json"))
+    parser.add_argument("--methods", default=",".join(every))
+    parser.add_argument("--variants", default="base,p,fgh_only,fgh")
+    parser.add_argument("--streams", default="clear,si_blurry")
     args = parser.parse_args()
     status = 0
     for method in args.methods.split(","):
@@ -32,9 +35,9 @@ def main() -> int:
                 "--config",
                 str(EXPS / f"smoke_{method}_online.json"),
                 "--grid",
-                "variant=base,p,fgh_only,fgh",
+                f"variant={args.variants}",
                 "--grid",
-                "stream=clear,si_blurry",
+                f"stream={args.streams}",
                 "--out",
                 str(args.out / method),
             ]
