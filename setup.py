@@ -12,8 +12,8 @@ setup(
     name="pilot-online",
     version=VERSION["__version__"],
     description=(
-        "Online, task-free, memory-free training for LAMDA-PILOT's L2P, DualPrompt and "
-        "CODA-Prompt, with online prototypes and Fine-Grained Hypergradients."
+        "Online, task-free training for LAMDA-PILOT's L2P, DualPrompt, CODA-Prompt and the "
+        "other rows of the paper's tables, with online prototypes and Fine-Grained Hypergradients."
     ),
     long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",

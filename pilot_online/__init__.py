@@ -1,14 +1,15 @@
-"""pilot-online: online, task-free, memory-free training for LAMDA-PILOT's prompt learners.
+"""pilot-online: online, task-free, memory-free training for LAMDA-PILOT's learners.
 
-Importing this package imports nothing from PILOT, timm or torchvision. The core components work on
-any PyTorch model:
+Importing this package imports nothing from PILOT, timm or torchvision. The core components
+(``core/``) work on any PyTorch model:
 
-- :class:`FineGrainedHypergradients` (``fgh.py``): learned per-parameter gradient weights.
-- :class:`PrototypeBank` (``prototypes.py``): online class means replayed through the classifier.
-- streams, metrics, results and the synthetic dataset (``streams.py``, ``metrics.py``, ...).
+- :class:`FineGrainedHypergradients` (``core/fgh.py``): learned per-parameter gradient weights.
+- :class:`PrototypeBank` (``core/prototypes.py``): online class means replayed through the
+  classifier.
+- streams, metrics, results and the synthetic dataset (``core/streams.py``, ...).
 
-The PILOT learners (``l2p_online``, ``dualprompt_online``, ``coda_online``) are built by
-:func:`create_learner`, which PILOT's patched factory calls.
+The PILOT learners (:func:`list_methods`: the paper's rows, from fine-tuning to ConvPrompt) are
+built by :func:`create_learner`, which PILOT's patched factory calls.
 """
 
 from . import methods  # noqa: F401  (importing it registers the built-in methods)

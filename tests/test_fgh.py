@@ -682,3 +682,35 @@ def test_update_mode_hooks_are_torch_step_hooks_and_removable():
     assert all(fgh.state[p]["u"] is u for p, u in before.items())
     other.step()
     assert all(fgh.state[p]["u"] is not u for p, u in before.items())
+
+
+def test_reset_state_makes_the_next_step_a_first_step():
+    # Element mode, gamma 1. Step 1 on a and b stores g1; step 2 pairs: alpha = 1 + g2 * g1.
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(1))
+    fgh = FineGrainedHypergradients([("a", a), ("b", b)], gamma=1.0)
+    for grads in ([[1.0, 2.0], [3.0]], [[0.5, 0.5], [1.0]]):
+        a.grad, b.grad = torch.tensor(grads[0]), torch.tensor(grads[1])
+        fgh.step()
+    assert fgh.coefficients()["a"].tolist() == [1.5, 2.0]  # 1 + .5*1, 1 + .5*2
+    assert fgh.coefficients()["b"].tolist() == [4.0]  # 1 + 1*3
+    fgh.reset_state([a])  # a was restarted (as oLoRA's fresh adapter); b keeps its history
+    a.grad, b.grad = torch.tensor([2.0, 2.0]), torch.tensor([1.0])
+    fgh.step()
+    # a: a first step again: alpha back to 1, untouched; its raw gradient is stored, unscaled.
+    assert fgh.coefficients()["a"].tolist() == [1.0, 1.0] and a.grad.tolist() == [2.0, 2.0]
+    assert fgh.state[a]["prev"].tolist() == [2.0, 2.0]
+    # b: paired with its previous gradient 1: alpha 4 + 1*1 = 5, gradient scaled to 5.
+    assert fgh.coefficients()["b"].tolist() == [5.0] and b.grad.tolist() == [5.0]
+
+
+def test_reset_state_keeps_a_shared_class_alpha():
+    layer = nn.Linear(2, 2)
+    fgh = FineGrainedHypergradients(layer.named_parameters(), granularity="class")
+    for _ in range(2):
+        layer.weight.grad, layer.bias.grad = torch.ones(2, 2), torch.ones(2)
+        fgh.step()
+    alpha = fgh.state[layer.weight]["alpha"]  # per row: 1 + (1*1 + 1*1 + 1*1) = 4
+    assert alpha.tolist() == [4.0, 4.0]
+    fgh.reset_state([layer.weight])
+    assert fgh.state[layer.weight]["alpha"].tolist() == [4.0, 4.0]
+    assert "prev" not in fgh.state[layer.weight]

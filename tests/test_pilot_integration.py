@@ -70,19 +70,25 @@ def run_driver(pilot: Path, config: dict, tmp_path: Path) -> tuple[dict, dict]:
     return report, load_results(report["results_path"])
 
 
+def assert_single_pass(results: dict, batch_size: int = 40) -> list[int]:
+    """One pass: every streamed sample once, one optimizer step per batch, no skipped step.
+    Returns the segment sizes."""
+    counters = results["counters"]
+    sizes = [t["num_samples"] for t in results["stream"]["tasks"]]
+    assert counters["samples_seen"] == counters["stream_length"] == sum(sizes) > 0
+    assert counters["optimizer_steps"] == sum(math.ceil(n / batch_size) for n in sizes)
+    assert counters["skipped_nonfinite_steps"] == 0
+    return sizes
+
+
 @pytest.mark.parametrize("stream", ["clear", "si_blurry"])
 @pytest.mark.parametrize("variant", ["base", "p_fgh"])
 @pytest.mark.parametrize("method", METHODS)
 def test_online_run_through_pilot_main(pilot, tmp_path, method, variant, stream):
     config = tiny_config(method, variant, stream, tmp_path / "results")
     report, results = run_driver(pilot, config, tmp_path)
-    counters, tasks = results["counters"], results["stream"]["tasks"]
-
-    # One pass: every streamed sample once, one optimizer step per batch.
-    sizes = [t["num_samples"] for t in tasks]
-    assert counters["samples_seen"] == counters["stream_length"] == sum(sizes) > 0
-    assert counters["optimizer_steps"] == sum(math.ceil(n / 40) for n in sizes)
-    assert counters["skipped_nonfinite_steps"] == 0
+    tasks = results["stream"]["tasks"]
+    sizes = assert_single_pass(results)
 
     # Task-free: no upstream task-boundary hook ran, no task id reached a prompt network.
     assert report["boundary_calls"] == []

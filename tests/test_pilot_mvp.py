@@ -4,12 +4,11 @@ synthetic dataset at 32 px with random weights. CI runs (clear, base) and (Si-Bl
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
 from conftest import requires_pilot
-from test_pilot_integration import run_driver, tiny_config
+from test_pilot_integration import assert_single_pass, run_driver, tiny_config
 
 pytestmark = requires_pilot
 MVP_PARAMETERS = ("keys", "class_masks", "g_prompts", "e_prompts", "backbone.head.weight")
@@ -25,13 +24,7 @@ def test_mvp_online_run_through_pilot_main(pilot, tmp_path, variant, stream):
     config = tiny_config("mvp", variant, stream, tmp_path / "results")
     config.update(len_g_prompt=2, len_e_prompt=2)  # CI time: MVP's 20-token E-prompts cost 5x
     report, results = run_driver(pilot, config, tmp_path)
-    counters, tasks = results["counters"], results["stream"]["tasks"]
-
-    # One pass, one optimizer step per batch, no task-boundary hook, evaluation per segment.
-    sizes = [t["num_samples"] for t in tasks]
-    assert counters["samples_seen"] == counters["stream_length"] == sum(sizes) > 0
-    assert counters["optimizer_steps"] == sum(math.ceil(n / 40) for n in sizes)
-    assert counters["skipped_nonfinite_steps"] == 0
+    sizes = assert_single_pass(results)
     assert report["boundary_calls"] == [] and report["task_ids"] == []
     assert report["learner_calls"] == ["eval_task"] * 2
 

@@ -3,11 +3,9 @@ on the synthetic dataset at 32 px with random weights, clear + base and Si-Blurr
 
 from __future__ import annotations
 
-import math
-
 import pytest
 from conftest import requires_pilot
-from test_pilot_integration import run_driver, tiny_config
+from test_pilot_integration import assert_single_pass, run_driver, tiny_config
 
 pytestmark = requires_pilot
 
@@ -20,12 +18,8 @@ def test_olora_runs_through_pilot_main(pilot, tmp_path, variant, stream):
     config = tiny_config("olora", variant, stream, tmp_path / "results")
     config["hard_buffer_size"] = 1  # one replayed batch: the same code paths, 2 passes a step
     report, results = run_driver(pilot, config, tmp_path)
-    counters, tasks = results["counters"], results["stream"]["tasks"]
-
-    sizes = [t["num_samples"] for t in tasks]
-    assert counters["samples_seen"] == counters["stream_length"] == sum(sizes) > 0
-    assert counters["optimizer_steps"] == sum(math.ceil(n / 40) for n in sizes)
-    assert counters["skipped_nonfinite_steps"] == 0
+    counters = results["counters"]
+    sizes = assert_single_pass(results)
     assert counters["trainable_parameters"] == TRAINABLE
     assert report["learner_calls"] == ["eval_task"] * 2
 

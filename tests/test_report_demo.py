@@ -134,9 +134,11 @@ def test_collect_accepts_files_and_separates_variants(tmp_path, runs) -> None:
         ),
         ({"fgh": {}}, "+ FGH"),  # build_loop enables FGH (defaults) for an empty object
         ({"fgh": {"gamma": 0.5}}, "+ FGH γ=0.5"),
+        ({"fgh": {"direction": "adam", "gamma": 1e-3}}, "+ FGH(direction=adam)"),
         (
+            # Adam directions default to gamma 1e-3 (appendix), so gamma 1 is shown.
             {"fgh": {"gamma": 1, "granularity": "class", "direction": "adam"}},
-            "+ FGH(direction=adam, granularity=class)",
+            "+ FGH(direction=adam, granularity=class) γ=1",
         ),
     ],
 )
@@ -205,3 +207,11 @@ def test_task_gradient_trace_plot_reads_the_sidecar_trace(tmp_path, runs) -> Non
     assert png.read_bytes()[:8] == PNG_MAGIC
     with pytest.raises(RuntimeError, match="task 99"):
         plot_task_gradient_trace(rows, 99, tmp_path / "none.png")
+
+
+def test_every_registered_method_has_a_paper_row_name():
+    from pilot_online import list_methods
+    from pilot_online.cli.report import PAPER_ROW_ORDER, method_label
+
+    labels = [method_label(name) for name in list_methods()]
+    assert sorted(labels) == sorted(PAPER_ROW_ORDER), set(labels) ^ set(PAPER_ROW_ORDER)

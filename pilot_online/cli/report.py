@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from ..core.fgh import FineGrainedHypergradients
+from ..core.fgh import DEFAULT_GAMMA, FineGrainedHypergradients, validate_options
 from ..core.results import RESULTS_SUFFIX, load_results
 
 #: FGH's option defaults: a label names only the options a run changed.
-FGH_DEFAULTS: dict[str, Any] = FineGrainedHypergradients.__init__.__kwdefaults__
+FGH_DEFAULTS: dict[str, Any] = FineGrainedHypergradients.__init__.__kwdefaults__  # gamma: None
 
 METRIC_COLUMNS = ("AP", "A_T", "forgetting", "A_auc")
 
@@ -69,8 +69,9 @@ def variant_label(config: dict[str, Any]) -> str:
             if k in ("granularity", "direction", "apply") and v != FGH_DEFAULTS[k]
         ]
         parts.append("FGH" + (f"({', '.join(options)})" if options else ""))
-        if fgh.get("gamma", 1) != 1:
-            parts[-1] += f" γ={fgh['gamma']}"
+        gamma = validate_options(**fgh)["gamma"]  # None means the direction's default
+        if gamma != DEFAULT_GAMMA[validate_options(**fgh)["direction"]]:
+            parts[-1] += f" γ={gamma:g}"
     return "base" if not parts else "+ " + " + ".join(parts)
 
 

@@ -573,6 +573,23 @@ class FineGrainedHypergradients:
 
     # ------------------------------------------------------------------ state
 
+    def reset_state(self, params: Iterable[Tensor]) -> None:
+        """Forget what FGH learned about ``params`` (a method restarted them, as oLoRA's fresh
+        adapter after a merge): their stored signals and Adam moments, and their alphas where
+        each parameter owns its own (element, tensor); an alpha shared with other parameters
+        (class, global) is kept. Their next step is a first step again."""
+        restarted = {id(p) for p in params}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in restarted or p not in self.state:
+                    continue
+                state = self.state[p]
+                owns_alpha = self._alpha_owner(group, p) is p
+                shared_alpha = group["granularity"] in ("class", "global") and owns_alpha
+                self.state[p] = (
+                    {"alpha": state["alpha"]} if shared_alpha and "alpha" in state else {}
+                )
+
     @staticmethod
     def _alpha_owner(group: dict[str, Any], p: Tensor) -> Tensor:
         """The parameter whose state holds the alpha that scales ``p``."""

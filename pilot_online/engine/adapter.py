@@ -17,7 +17,7 @@ Adapters import PILOT lazily (inside ``build_network``), so registering one need
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -136,9 +136,11 @@ class MethodAdapter:
         inputs: torch.Tensor,
         labels: torch.Tensor,
         terms: Mapping[str, torch.Tensor],
-    ) -> None:
+    ) -> Iterable[nn.Parameter]:
         """After the optimiser step, with the step's detached loss terms (oLoRA detects loss
-        plateaus and merges its adapter here). No-op by default."""
+        plateaus and merges its adapter here). Returns the parameters the method restarted,
+        whose optimiser and FGH state the loop then drops; none by default."""
+        return ()
 
     def report(self) -> dict[str, Any]:
         """The method's entries for the results file's ``diagnostics.method``; none by default."""

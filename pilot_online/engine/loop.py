@@ -129,6 +129,12 @@ class OnlineLoop:
         """After the optimiser step, with this step's (pre-update) outputs on the stream batch
         only: replayed samples are not new observations of the stream."""
 
+    def reset_state(self, params: list[nn.Parameter]) -> None:
+        """The method restarted ``params`` (oLoRA's fresh adapter): their optimiser state (Adam's
+        moments) must not carry the old parameters' history. Mixins drop their own state too."""
+        for p in params:
+            self.optimizer.state.pop(p, None)
+
     def report(self) -> dict[str, Any]:
         """Entries for the results file's ``diagnostics`` (the adapter's under ``method``)."""
         method = self.adapter.report()
@@ -141,8 +147,10 @@ class OnlineLoop:
         """One online step on one stream batch (``indices``: its dataset indices, for replay).
 
         Replayed samples join the stream batch in one forward pass (a ViT normalises per sample,
-        so one pass over the concatenation equals two passes, at less cost); the loss is the mean
-        over both. Counters, accuracy and ``after_step`` cover the stream batch only."""
+        so for the methods without batch-level state this equals two passes, at less cost; with
+        the prompt vote of L2P/DualPrompt the replayed samples vote too, and MVP counts their key
+        use); the loss is the mean over both. Counters, accuracy and ``after_step`` cover the
+        stream batch only."""
         replay = self.replay_batch(indices, labels)
         stream_size = len(labels)
         inputs = inputs.to(self.device, non_blocking=True)
@@ -186,7 +194,9 @@ class OnlineLoop:
         self.optimizer.step()
         self.optimizer_steps += 1
         detached = {name: t.detach() for name, t in terms.items()}
-        self.adapter.after_step(self.network, inputs, batch_labels, detached)
+        restarted = list(self.adapter.after_step(self.network, inputs, batch_labels, detached))
+        if restarted:
+            self.reset_state(restarted)
         if replay is not None:
             out = dataclasses.replace(
                 out, logits=out.logits[:stream_size], features=out.features[:stream_size]

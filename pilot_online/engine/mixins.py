@@ -80,6 +80,10 @@ class FGHMixin:
         super().transform_gradients()
         self.fgh.step()
 
+    def reset_state(self: OnlineLoop, params: list[torch.nn.Parameter]) -> None:
+        super().reset_state(params)
+        self.fgh.reset_state(params)
+
     def report(self: OnlineLoop) -> dict[str, Any]:
         report = super().report()
         alphas = {}

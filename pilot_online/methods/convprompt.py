@@ -92,6 +92,7 @@ class ConvPromptNet(nn.Module):
 @register_method("convprompt_online")
 class ConvPromptOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "dualprompt"  # PILOT's DualPrompt ViT and data transforms
+    paper_name: ClassVar[str] = "ConvPrompt"
     backbone_marker: ClassVar[str] = "_dualprompt"
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "prompt_layers": ConfigKey(

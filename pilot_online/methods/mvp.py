@@ -238,7 +238,10 @@ class MVPOnline(MethodAdapter):
             chosen = distances.detach().argmin(dim=1)
         if train:
             with torch.no_grad():
-                network.key_counts += torch.bincount(chosen, minlength=len(network.key_counts))
+                # index_add_, not bincount: bincount sizes its output on the host (a sync).
+                network.key_counts.index_add_(
+                    0, chosen, torch.ones_like(chosen, dtype=network.key_counts.dtype)
+                )
 
         features = network.backbone.fc_norm(network.prompted_features(tokens, chosen))
         logits = network.backbone.head(features)

@@ -68,6 +68,11 @@ class OLoRANet(nn.Module):
 class OLoRAOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "olora"  # no PILOT counterpart: PILOT's default transforms
     backbone_marker: ClassVar[str] = "vit_base_patch16_224"
+    backbone_types: ClassVar[tuple[str, ...]] = (
+        "vit_base_patch16_224",
+        "vit_base_patch16_224_in21k",
+    )
+    paper_name: ClassVar[str] = "oLoRA"
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "lora_rank": ConfigKey(4, "LoRA rank r on the q and v projections (upstream 4)"),
         "lora_layer": ConfigKey(None, "ViT block indices that get LoRA; null = all (upstream)"),
@@ -159,20 +164,23 @@ class OLoRAOnline(MethodAdapter):
         inputs: torch.Tensor,
         labels: torch.Tensor,
         terms: Mapping[str, torch.Tensor],
-    ) -> None:
+    ) -> list[nn.Parameter]:
         # The one host read per step: the window needs the loss, the buffer its ordering.
         values = torch.stack([terms["ce"].reshape(()), *(t.detach() for t in self._hard_losses)])
         batch_loss, *hard = values.tolist()
         self._hard_losses = []  # drop the references to this step's graph
         window_loss = batch_loss + (sum(hard) if self.args["hard_loss"] else 0.0)
+        restarted: list[nn.Parameter] = []
         if self.detector.update(window_loss):
             self._consolidate(network)
+            restarted = list(self._lora)  # a fresh adapter: no momentum from the merged one
         candidates = [BufferEntry(inputs, labels, batch_loss)]
         candidates += [
             BufferEntry(entry.inputs, entry.labels, loss)
             for entry, loss in zip(self.buffer.entries, hard)
         ]
         self.buffer.update(candidates)
+        return restarted
 
     def _consolidate(self, network: nn.Module) -> None:
         """At a plateau: importance from the hard buffer, then merge the LoRA and start afresh."""
