@@ -205,7 +205,7 @@ def test_task_gradient_trace_plot_reads_the_sidecar_trace(tmp_path, runs) -> Non
     assert trace.shape[0] == load_results(rows[0]["file"])["counters"]["optimizer_steps"]
     png = plot_task_gradient_trace(rows, 0, tmp_path / "trace.png")
     assert png.read_bytes()[:8] == PNG_MAGIC
-    with pytest.raises(RuntimeError, match="task 99"):
+    with pytest.raises(RuntimeError, match="task 100 "):  # 0-based 99: the message counts from 1
         plot_task_gradient_trace(rows, 99, tmp_path / "none.png")
 
 

@@ -1,4 +1,4 @@
-"""The ``pilot-online`` command: setup | run | sweep | check-config | report | demo."""
+"""The ``pilot-online`` command: setup | run | sweep | check-config | report | figures | demo."""
 
 from __future__ import annotations
 
@@ -65,6 +65,26 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_figures(args: argparse.Namespace) -> int:
+    from .figures import load_runs, write_figures
+
+    runs = load_runs(args.paths)
+    if not runs:
+        print("no results files found under " + ", ".join(map(str, args.paths)), file=sys.stderr)
+        return 1
+    written = write_figures(
+        runs,
+        args.out,
+        which=args.which,
+        trace_task=args.trace_task,
+        max_steps=args.max_steps,
+        gamma_metric=args.gamma_metric,
+    )
+    for path in written:
+        print(path)
+    return 0 if written else 1
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -105,6 +125,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace-task", type=int, default=2, help="task k for --plot-trace (1-based)"
     )
     report.set_defaults(func=_cmd_report)
+
+    from .figures import FIGURES
+
+    figures = sub.add_parser("figures", help="the paper's figures (PNG + PDF) from results files")
+    figures.add_argument("paths", nargs="+", type=Path, help="results files or folders to search")
+    figures.add_argument("--out", type=Path, required=True, help="folder for the figures")
+    figures.add_argument(
+        "--which", nargs="+", choices=FIGURES, default=list(FIGURES), help="figures to draw"
+    )
+    figures.add_argument(
+        "--trace-task", type=int, default=2, help="task k of the single-task G^k trace (1-based)"
+    )
+    figures.add_argument("--max-steps", type=int, help="draw the first N steps of G^k traces")
+    figures.add_argument("--gamma-metric", default="AP", help="metric against gamma (Fig. 3)")
+    figures.set_defaults(func=_cmd_figures)
 
     demo = sub.add_parser("demo", help="core-only demo: synthetic stream, small timm ViT, P + FGH")
     demo.add_argument("--train-per-class", type=int, default=100, help="stream length knob")

@@ -1,5 +1,5 @@
-"""Tables and plots from results files: the paper's AP/A_T tables (mean ± std over seeds) and its
-gradient-imbalance figure (normalised task gradient norms G^k_n)."""
+"""Tables from results files: the paper's AP/A_T tables (mean ± std over seeds). Its figures live
+in ``figures.py``; ``report --plot`` draws Fig. 1 and 2 through it."""
 
 from __future__ import annotations
 
@@ -159,72 +159,31 @@ def format_table(rows: list[dict[str, Any]], group: bool = True) -> str:
     )
 
 
+def _runs_of(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from .figures import load_runs
+
+    return load_runs(row["file"] for row in rows)
+
+
 def plot_gradient_imbalance(rows: list[dict[str, Any]], output: Path) -> Path:
-    """Bars of G^k_n per task for each configuration (paper Fig. 1), averaged over seeds."""
-    plt = _pyplot()
-    groups: dict[tuple, list[np.ndarray]] = {}
-    for row in rows:
-        if row["G_n"] is not None:
-            groups.setdefault(_group_key(row), []).append(
-                np.array([np.nan if v is None else v for v in row["G_n"]], dtype=float)
-            )
-    if not groups:
-        raise RuntimeError("no results file holds gradient statistics (task_grad_norm_normalized)")
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(groups)
-    for i, (key, curves) in enumerate(sorted(groups.items(), key=lambda kv: str(kv[0]))):
-        mean = np.nanmean(np.stack(curves), axis=0)
-        tasks = np.arange(1, len(mean) + 1)
-        ax.bar(tasks + (i - (len(groups) - 1) / 2) * width, mean, width, label=f"{key[0]} {key[4]}")
-    ax.set_xlabel("task k")
-    ax.set_ylabel("normalised gradient norm $G^k_n$")
-    ax.set_title("Gradient imbalance: classifier rows per task, after FGH reweighting")
-    ax.legend(fontsize="small")
-    return _save(fig, output)
+    """Bars of G^k_n per task for each configuration (paper Fig. 1), averaged over seeds:
+    ``output`` (PNG) and the same stem as PDF (:func:`figures.gradient_imbalance_figure`)."""
+    from .figures import FigureSkipped, gradient_imbalance_figure
+
+    try:
+        data = gradient_imbalance_figure(_runs_of(rows), Path(output).with_suffix(""))
+    except FigureSkipped as err:
+        raise RuntimeError(str(err)) from None
+    return data.paths[0]
 
 
 def plot_task_gradient_trace(rows: list[dict[str, Any]], task: int, output: Path) -> Path:
-    """Per-step mean gradient norm of the classifier rows of task ``task``'s classes (paper
-    Fig. 2: gradients on an old task keep flowing with prototypes, more so with FGH)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4))
-    plotted = 0
-    for row in rows:
-        if row["trace"] is None or not Path(row["trace"]).is_file():
-            continue
-        classes = row["task_classes"][task] if task < len(row["task_classes"]) else []
-        if not classes:
-            continue
-        trace = np.load(row["trace"])[:, classes].mean(axis=1)
-        ax.plot(
-            np.arange(1, len(trace) + 1),
-            trace,
-            label=f"{row['method']} {row['variant']} seed {row['seed']}",
-        )
-        plotted += 1
-    if not plotted:
-        raise RuntimeError(f"no results file has a gradient trace with classes in task {task}")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel(f"$G^{{{task + 1}}}$ (mean row gradient norm)")
-    ax.set_title(f"Classifier gradients of task {task + 1}'s classes over the stream")
-    ax.legend(fontsize="small")
-    return _save(fig, output)
+    """Per-step G^k of task ``task`` (0-based) for each configuration (paper Fig. 2): ``output``
+    (PNG) and the same stem as PDF (:func:`figures.gradient_trace_figure`)."""
+    from .figures import FigureSkipped, gradient_trace_figure
 
-
-def _pyplot():
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise RuntimeError("plots need matplotlib: pip install 'pilot-online[plots]'") from err
-    return plt
-
-
-def _save(fig, output: Path) -> Path:
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(output, dpi=120)
-    _pyplot().close(fig)  # else pyplot keeps every figure a long session draws
-    return output
+        data = gradient_trace_figure(_runs_of(rows), Path(output).with_suffix(""), [task + 1])
+    except FigureSkipped as err:
+        raise RuntimeError(str(err)) from None
+    return data.paths[0]

@@ -703,6 +703,35 @@ class FineGrainedHypergradients:
                     out[name] = self._alpha_view(group, p).expand(p.shape).clone()
         return out
 
+    @torch.no_grad()
+    def alpha_statistics(self) -> list[dict[str, Tensor]]:
+        """Per param group, ``mean``, ``std``, ``min`` and ``max`` over its distinct coefficients
+        (an alpha not created yet counts as its starting 1), as 0-d device tensors: no host sync,
+        and no copy of all alphas at once (live logging calls this every few steps)."""
+        out = []
+        for group in self.param_groups:
+            owners = {id(o): o for o in (self._alpha_owner(group, p) for p in group["params"])}
+            alphas = []
+            for owner in owners.values():
+                alpha = self.state.get(owner, {}).get("alpha")
+                if alpha is None:  # first step not taken yet: the alphas are still 1
+                    granularity = group["granularity"]
+                    size = {"element": owner.numel(), "class": owner.shape[0]}.get(granularity, 1)
+                    alpha = torch.ones(size, dtype=owner.dtype, device=owner.device)
+                alphas.append(alpha.reshape(-1))
+            count = sum(a.numel() for a in alphas)
+            mean = torch.stack([a.double().sum() for a in alphas]).sum() / count
+            var = torch.stack([(a.double() - mean).square().sum() for a in alphas]).sum() / count
+            out.append(
+                {
+                    "mean": mean,
+                    "std": var.sqrt(),
+                    "min": torch.stack([a.min() for a in alphas]).min(),
+                    "max": torch.stack([a.max() for a in alphas]).max(),
+                }
+            )
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         """``{"state": {position: {field: tensor | int}}, "param_groups": [{options, "params",
         "names"}], "num_steps", "num_skipped"}``, laid out like ``torch.optim``'s.

@@ -43,6 +43,7 @@ __all__ = [
     "summarize",
     "task_accuracies",
     "task_gradient_norms",
+    "task_gradient_trace",
 ]
 
 
@@ -324,6 +325,30 @@ def task_gradient_norms(
     if not peak > 0:
         return task_norm, np.full(num_tasks, np.nan)
     return task_norm, task_norm / peak
+
+
+def task_gradient_trace(
+    class_grad_norm_trace: Any, task_classes: Sequence[Sequence[int]]
+) -> np.ndarray:
+    """Per-step task gradient norms ``G^k_t = mean_{j in C_k} ||g_t^j||`` (paper Fig. 2).
+
+    ``class_grad_norm_trace`` is ``steps x classes`` (the norm of each classifier column's gradient
+    at each optimizer step); the result is ``steps x tasks``. Averaging it over the steps gives
+    :func:`task_gradient_norms`'s ``G^k``. A task without classes gets a NaN column.
+    """
+    trace = np.asarray(class_grad_norm_trace, dtype=np.float64)
+    if trace.ndim != 2:
+        raise ValueError(f"class_grad_norm_trace must be steps x classes, got shape {trace.shape}.")
+    columns = []
+    for k, classes in enumerate(task_classes):
+        ids = np.asarray(classes, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= trace.shape[1]):
+            raise ValueError(
+                f"task_classes[{k}] holds class ids in [{ids.min()}, {ids.max()}] but the trace "
+                f"has only {trace.shape[1]} classes."
+            )
+        columns.append(trace[:, ids].mean(axis=1) if ids.size else np.full(len(trace), np.nan))
+    return np.stack(columns, axis=1) if columns else np.zeros((len(trace), 0))
 
 
 # --------------------------------------------------------------------------------------------

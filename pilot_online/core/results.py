@@ -39,6 +39,25 @@ counters.skipped_nonfinite_hypergradients  int           FGH updates skipped: no
 extra                                      object        free-form additions ({} if none)
 =========================================  ============  ==========================================
 
+What the online session puts under ``extra`` (optional for readers: older files may lack a key):
+
+============================================  ==========  =======================================
+key (under ``extra``)                         type        meaning
+============================================  ==========  =======================================
+periodic_evaluations                          [object]    {samples_seen, accuracy}: A_auc's curve
+per_class_final_accuracy                      [num|null]  accuracy (%) of each class at the end
+gradient_imbalance.class_mean_grad_norm       [num]       g^j = mean over steps of ||g_t^j||
+gradient_imbalance.task_grad_norm             [num|null]  G^k = mean of g^j, classes of task k
+gradient_imbalance.task_grad_norm_normalized  [num|null]  G^k_n = G^k / max_l G^l (Fig. 1)
+gradient_imbalance.task_grad_norm_trace       [[num]]     steps x tasks: G^k at each optimizer
+                                                          step, 4 significant digits (Fig. 2);
+                                                          only with ``grad_trace``
+gradient_imbalance.trace_file                 str         sidecar .gradtrace.npy (steps x classes)
+diagnostics                                   object      the mixins' and the method's reports
+============================================  ==========  =======================================
+
+The classes of task k are those first exposed in task k (``stream.tasks[k].new_classes``).
+
 ``metrics.F_last`` follows upstream Si-Blurry: the mean, over classes whose best earlier
 end-of-task accuracy is above zero, of that best minus the final accuracy.
 

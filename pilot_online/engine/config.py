@@ -20,6 +20,7 @@ from ..core.fgh import validate_options as validate_fgh_options
 from ..core.masks import LOGIT_MASKS
 from ..core.streams import BLURRED_SELECTIONS, STREAMS
 from .adapter import ConfigKey
+from .live_log import LOGGERS, check_logger_available
 from .loop import OPTIMIZERS
 
 #: Keys PILOT's ``main.py``/``trainer.py``/``BaseLearner`` read, with the online defaults.
@@ -89,6 +90,12 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
     "allow_memory": ConfigKey(
         False, "let a memory-free row keep samples (experience replay on with er_memory_size)"
     ),
+    "logger": ConfigKey(
+        None,
+        "live logging: null (off) or tensorboard (scalars every log_interval)",
+        choices=LOGGERS,
+    ),
+    "logger_dir": ConfigKey(None, "TensorBoard folder (default: beside the results file)"),
 }
 
 #: The paper's FGH setting (Eq. 8, gamma 1) and its four ablation rows: base, + P, + FGH and
@@ -238,6 +245,12 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
             "weights (timm 0.6 npz), or set it to null to download them"
         )
     _check_fgh(cfg["fgh"])
+    if cfg["logger_dir"] is not None and not isinstance(cfg["logger_dir"], str):
+        raise ConfigError(f"logger_dir must be null or a folder path, got {cfg['logger_dir']!r}")
+    try:
+        check_logger_available(cfg["logger"])
+    except ImportError as err:
+        raise ConfigError(str(err)) from None
     try:
         adapter.check_config(cfg)
     except (TypeError, ValueError) as err:

@@ -44,6 +44,8 @@ class StepStats:
     correct: torch.Tensor
     samples: int
     skipped: bool = False
+    #: The loss's terms by name (``ce``, ``prototypes``, ``method``, ...), detached.
+    terms: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 #: The constant-LR optimisers of online training, by config name (the ``optimizer`` choices),
@@ -202,7 +204,7 @@ class OnlineLoop:
                 out, logits=out.logits[:stream_size], features=out.features[:stream_size]
             )
         self.after_step(out, labels)
-        return StepStats(loss.detach(), correct, stream_size)
+        return StepStats(loss.detach(), correct, stream_size, terms=detached)
 
     def _skip_nonfinite(self, loss, correct, samples, terms) -> StepStats:
         self.skipped_nonfinite_steps += 1
@@ -223,7 +225,8 @@ class OnlineLoop:
                 f"init_lr (now {self.config.get('init_lr')}) or the FGH gamma, or check the inputs "
                 "for NaNs; raise max_nonfinite_steps to tolerate longer streaks"
             )
-        return StepStats(loss.detach(), correct, samples, skipped=True)
+        detached = {name: t.detach() for name, t in terms.items()}
+        return StepStats(loss.detach(), correct, samples, skipped=True, terms=detached)
 
     @torch.no_grad()
     def _record_gradient_norms(self) -> None:
@@ -236,11 +239,12 @@ class OnlineLoop:
         if self._grad_trace is not None:
             self._grad_trace.append(norms.to(torch.float16 if norms.is_cuda else norms.dtype))
 
-    def gradient_statistics(self) -> dict[str, np.ndarray]:
-        """``mean``: g^j = mean over steps of ||g_t^j||; ``trace``: steps x classes, if kept."""
+    def gradient_statistics(self, include_trace: bool = True) -> dict[str, np.ndarray]:
+        """``mean``: g^j = mean over steps of ||g_t^j||; ``trace``: steps x classes, if kept
+        (and ``include_trace``)."""
         steps = max(self.optimizer_steps, 1)
         stats = {"mean": (self._grad_norm_sum / steps).float().cpu().numpy()}
-        if self._grad_trace:
+        if include_trace and self._grad_trace:
             stats["trace"] = torch.stack(self._grad_trace).float().cpu().numpy()
         return stats
 

@@ -97,6 +97,12 @@ class OnlineSession:
         self.tasks_trained = 0
         period = config.get("eval_period")
         self._next_periodic = period if period else None
+        self.live_log = None  # live logging (``logger``): only built when asked for
+        if config.get("logger") is not None:
+            from .live_log import make_live_logger
+
+            task_classes = [s.new_classes for s in stream.summary()]
+            self.live_log = make_live_logger(config, loop, task_classes, results_path)
 
     # -- training ----------------------------------------------------------------------------------
     def train_task(self, task: int) -> None:
@@ -112,6 +118,8 @@ class OnlineSession:
         start = time.perf_counter()
         for step, (inputs, labels) in enumerate(self.data.train_batches(batch_indices), start=1):
             stats = self.loop.train_step(inputs, labels, batch_indices[step - 1])
+            if self.live_log is not None:
+                self.live_log.on_step(stats)
             if not stats.skipped:
                 loss_sum += stats.loss
                 steps_in_window += 1
@@ -131,6 +139,8 @@ class OnlineSession:
                 start = time.perf_counter()
         self.train_seconds += time.perf_counter() - start
         bar.close()
+        if self.live_log is not None:
+            self.live_log.flush()
         self.tasks_trained = task + 1
 
     def _periodic_evaluation(self) -> None:
@@ -141,6 +151,8 @@ class OnlineSession:
         y_pred, y_true = self._predict(allowed, topk=1)
         accuracy = float(np.mean(y_pred[:, 0] == y_true) * 100) if len(y_true) else float("nan")
         self.periodic.append({"samples_seen": self.loop.samples_seen, "accuracy": accuracy})
+        if self.live_log is not None:
+            self.live_log.on_eval("periodic", {"accuracy": accuracy})
 
     # -- evaluation --------------------------------------------------------------------------------
     def _predict(self, allowed: np.ndarray, topk: int) -> tuple[np.ndarray, np.ndarray]:
@@ -178,6 +190,12 @@ class OnlineSession:
         grouped["old"] = accuracy(exposure_of_sample < task)
         grouped["new"] = accuracy(exposure_of_sample == task)
         self.end_of_task.append(grouped["total"])
+        if self.live_log is not None:
+            named = {"accuracy": grouped["total"], "old": grouped["old"], "new": grouped["new"]}
+            named.update(
+                {f"task_{t + 1}": v for t, v in enumerate(column[: task + 1]) if np.isfinite(v)}
+            )
+            self.live_log.on_eval("task_end", named)
         topk_hit = (y_pred == y_true[:, None]).any(1) if len(y_true) else np.zeros(0, dtype=bool)
         return {
             "grouped": grouped,
@@ -203,6 +221,16 @@ class OnlineSession:
         diagnostics = loop.report()
         task_classes = [s.new_classes for s in self.stream.summary()]
         g, g_n = metrics.task_gradient_norms(gradients["mean"], task_classes)
+        imbalance = {
+            "class_mean_grad_norm": gradients["mean"],
+            "task_grad_norm": g,
+            "task_grad_norm_normalized": g_n,
+        }
+        if "trace" in gradients:  # G^k per step (paper Fig. 2), 4 significant digits: compact
+            per_step = metrics.task_gradient_trace(gradients["trace"], task_classes)
+            imbalance["task_grad_norm_trace"] = [
+                [float(f"{v:.4g}") for v in row] for row in per_step
+            ]
         config = {k: (str(v) if k == "device" else v) for k, v in self.config.items()}
         results = build_results(
             config=to_jsonable(config),
@@ -230,11 +258,7 @@ class OnlineSession:
             extra={
                 "periodic_evaluations": self.periodic,
                 "per_class_final_accuracy": history[-1] if history is not None else None,
-                "gradient_imbalance": {
-                    "class_mean_grad_norm": gradients["mean"],
-                    "task_grad_norm": g,
-                    "task_grad_norm_normalized": g_n,
-                },
+                "gradient_imbalance": imbalance,
                 "diagnostics": diagnostics,
             },
         )
@@ -248,6 +272,8 @@ class OnlineSession:
 
         Returns the results; ``self.written_path`` is where they went (None without a path)."""
         results = self.results(status, error)
+        if self.live_log is not None:  # the run is over (finished or failed): flush and close
+            self.live_log.close()
         if self.results_path is None:
             return results
         path = self.results_path

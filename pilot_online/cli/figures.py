@@ -1,0 +1,592 @@
+"""The paper's figures from results files, as PNG and PDF.
+
+Each figure function takes loaded results dicts (one run or many) and an output path stem, works
+out the plotted numbers first, draws them, writes ``<stem>.png`` and ``<stem>.pdf``, and returns
+the numbers (:class:`FigureData`), so tests compare data, not pixels. Runs are grouped by
+configuration (method, dataset, stream, learning rate, variant); a group's curve is the mean over
+its seeds, with the standard deviation where there are several.
+
+========================  ===========================================  ==========================
+figure (``--which``)      what it shows                                paper
+========================  ===========================================  ==========================
+``imbalance``             G^k_n per task k (bars)                      Fig. 1
+``trace``                 G^k over optimizer steps, one panel per      Fig. 2 (task 2), appendix
+                          task, and task 2 alone                       grid (every task)
+``gamma``                 AP against the FGH gamma, one curve per      Fig. 3
+                          method/variant/stream (a ``fgh.gamma`` sweep)
+``accuracy``              accuracy on the seen classes against         the A_auc curve
+                          stream samples (periodic evaluations)        (Si-Blurry)
+``heatmap``               accuracy matrix: after task l (rows), on     appendix tables
+                          task k (columns)
+========================  ===========================================  ==========================
+
+Matplotlib is imported only when drawing (``pip install -e ".[plots]"``), with the Agg backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..core.fgh import validate_options
+from ..core.metrics import task_gradient_trace
+from ..core.results import RESULTS_SUFFIX, load_results
+from .report import method_label, variant_label
+
+logger = logging.getLogger(__name__)
+
+#: ``--which`` names, in the order ``write_figures`` draws them.
+FIGURES = ("imbalance", "trace", "gamma", "accuracy", "heatmap")
+#: Output stems (file names without suffix) that ``write_figures`` uses.
+STEMS = {
+    "imbalance": "fig1_gradient_imbalance",
+    "trace": "fig2_gradient_trace_task2",
+    "trace_grid": "gradient_trace_all_tasks",
+    "gamma": "fig3_gamma_sensitivity",
+    "accuracy": "accuracy_over_stream",
+    "heatmap": "accuracy_matrix",
+}
+PLOTS_HINT = 'pip install -e ".[plots]" (or pip install matplotlib)'
+
+
+class FigureSkipped(RuntimeError):
+    """The given results hold none of the data a figure needs; the message says what is missing."""
+
+
+@dataclass
+class Series:
+    """One plotted curve: ``y`` (mean over ``runs`` seeds) against ``x``; ``std`` over the seeds
+    (None for a single run). For the heat map, ``y`` is the matrix and ``x`` the task numbers."""
+
+    label: str
+    x: np.ndarray
+    y: np.ndarray
+    std: np.ndarray | None = None
+    runs: int = 1
+
+
+@dataclass
+class FigureData:
+    """What a figure shows: panels (title -> curves), markers (e.g. task ends), written files."""
+
+    name: str
+    panels: dict[str, list[Series]]
+    markers: list[float] = field(default_factory=list)
+    paths: list[Path] = field(default_factory=list)
+
+    def series(self, panel: str | None = None) -> dict[str, Series]:
+        """The curves of one panel (the only one by default), by label."""
+        if panel is None:
+            (panel,) = self.panels
+        return {s.label: s for s in self.panels[panel]}
+
+
+# -- loading ---------------------------------------------------------------------------------------
+def load_runs(paths: Iterable[Path | str]) -> list[dict[str, Any]]:
+    """The complete results files in ``paths`` (files or folders, searched deeply), loaded.
+
+    A file written before the per-step G^k trace was stored in the results
+    (``task_grad_norm_trace``) gets it from its ``.gradtrace.npy`` sidecar, when that exists."""
+    files: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            files += sorted(path.rglob(f"*{RESULTS_SUFFIX}"))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"{path} is neither a results file nor a folder")
+    runs = []
+    for file in files:
+        if ".partial" in file.name:
+            continue
+        results = load_results(file)
+        imbalance = results.get("extra", {}).get("gradient_imbalance", {})
+        sidecar = file.parent / imbalance["trace_file"] if imbalance.get("trace_file") else None
+        if "task_grad_norm_trace" not in imbalance and sidecar and sidecar.is_file():
+            task_classes = [t["new_classes"] for t in results["stream"]["tasks"]]
+            imbalance["task_grad_norm_trace"] = task_gradient_trace(np.load(sidecar), task_classes)
+        runs.append(results)
+    return runs
+
+
+# -- grouping --------------------------------------------------------------------------------------
+_KEY_FIELDS = ("method", "dataset", "stream", "lr", "variant")
+
+
+def _fields(results: dict[str, Any], config: dict[str, Any] | None = None) -> dict[str, Any]:
+    config = results["config"] if config is None else config
+    return {
+        "method": method_label(config.get("model_name")),
+        "dataset": config.get("dataset"),
+        "stream": config.get("stream"),
+        "lr": config.get("init_lr"),
+        "variant": variant_label(config),
+    }
+
+
+def _key(fields: dict[str, Any]) -> tuple:
+    return tuple(fields[name] for name in _KEY_FIELDS)
+
+
+def _group(runs: Sequence[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for results in runs:
+        groups.setdefault(_key(_fields(results)), []).append(results)
+    return dict(sorted(groups.items(), key=lambda kv: tuple(map(str, kv[0]))))
+
+
+def _labels(keys: Iterable[tuple]) -> dict[tuple, str]:
+    """Method and variant always; dataset, stream and LR only where the groups differ in them."""
+    keys = list(keys)
+    varying = [
+        i
+        for i, name in enumerate(_KEY_FIELDS)
+        if name in ("dataset", "stream", "lr") and len({k[i] for k in keys}) > 1
+    ]
+    labels = {}
+    for key in keys:
+        extra = [f"lr {key[i]:g}" if _KEY_FIELDS[i] == "lr" else str(key[i]) for i in varying]
+        labels[key] = ", ".join([f"{key[0]} {key[4]}", *extra])
+    return labels
+
+
+def _as_float(values: Any) -> np.ndarray:
+    """JSON numbers (null -> NaN), nested lists included, as a float array."""
+    return np.array(values, dtype=float)
+
+
+def _mean_std(stack: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Mean over axis 0 ignoring NaN (all-NaN stays NaN, silently); std only for several runs."""
+    finite = np.isfinite(stack)
+    counts = finite.sum(axis=0)
+    sums = np.where(finite, stack, 0.0).sum(axis=0)
+    mean = np.divide(sums, counts, out=np.full(sums.shape, np.nan), where=counts > 0)
+    if len(stack) < 2:
+        return mean, None
+    squares = np.where(finite, (stack - mean) ** 2, 0.0).sum(axis=0)
+    std = np.sqrt(np.divide(squares, counts, out=np.full(sums.shape, np.nan), where=counts > 0))
+    return mean, std
+
+
+def _task_end_steps(results: dict[str, Any]) -> list[float]:
+    """Optimizer steps at each task end: every task's batches (``ceil(samples / batch)``)."""
+    stream = results["stream"]
+    batch = stream.get("params", {}).get("batch_size") or results["config"].get("batch_size")
+    if not batch:
+        return []
+    sizes = [math.ceil(t["num_samples"] / batch) for t in stream["tasks"]]
+    return [float(s) for s in np.cumsum(sizes)[:-1]]
+
+
+def _task_end_samples(results: dict[str, Any]) -> list[float]:
+    return [
+        float(s) for s in np.cumsum([t["num_samples"] for t in results["stream"]["tasks"]])[:-1]
+    ]
+
+
+# -- the figures' data -----------------------------------------------------------------------------
+def gradient_imbalance_data(runs: Sequence[dict[str, Any]]) -> FigureData:
+    """Fig. 1: G^k_n = G^k / max_l G^l per task k (``task_grad_norm_normalized``), per group."""
+    groups = {
+        key: [r for r in members if _imbalance(r).get("task_grad_norm_normalized") is not None]
+        for key, members in _group(runs).items()
+    }
+    groups = {key: members for key, members in groups.items() if members}
+    if not groups:
+        raise FigureSkipped(
+            "no results file holds gradient statistics (extra.gradient_imbalance."
+            "task_grad_norm_normalized)"
+        )
+    series = []
+    for key, label in _labels(groups).items():
+        curves = [_as_float(_imbalance(r)["task_grad_norm_normalized"]) for r in groups[key]]
+        mean, std = _mean_std(_stack_truncated(curves))
+        series.append(Series(label, np.arange(1, len(mean) + 1), mean, std, len(curves)))
+    return FigureData("imbalance", {"": series})
+
+
+def gradient_trace_data(
+    runs: Sequence[dict[str, Any]], tasks: Sequence[int] | None = None, max_steps: int | None = None
+) -> FigureData:
+    """Fig. 2 and its appendix grid: G^k at each optimizer step, one panel per task k (1-based
+    ``tasks``; all by default), one curve per group (mean over seeds, truncated to the shortest
+    run). ``max_steps`` keeps the first steps only (the paper shows 250)."""
+    groups = {
+        key: [r for r in members if _imbalance(r).get("task_grad_norm_trace") is not None]
+        for key, members in _group(runs).items()
+    }
+    groups = {key: members for key, members in groups.items() if members}
+    if not groups:
+        raise FigureSkipped(
+            "no results file holds a per-step gradient trace (extra.gradient_imbalance."
+            "task_grad_norm_trace, or a .gradtrace.npy beside it): run with grad_trace true"
+        )
+    traces = {
+        key: [_as_float(_imbalance(r)["task_grad_norm_trace"]) for r in members]
+        for key, members in groups.items()
+    }
+    num_tasks = max(t.shape[1] for ts in traces.values() for t in ts if t.ndim == 2)
+    tasks = list(range(1, num_tasks + 1)) if tasks is None else list(tasks)
+    missing = [k for k in tasks if not 1 <= k <= num_tasks]
+    if missing:
+        raise FigureSkipped(
+            f"no results file has task {missing[0]} (the runs have {num_tasks} tasks; "
+            "tasks are numbered from 1)"
+        )
+    labels = _labels(groups)
+    panels: dict[str, list[Series]] = {}
+    for k in tasks:
+        series = []
+        for key, per_run in traces.items():
+            curves = [t[:max_steps, k - 1] for t in per_run if t.ndim == 2 and t.shape[1] >= k]
+            if not curves:
+                continue
+            mean, std = _mean_std(_stack_truncated(curves))
+            series.append(Series(labels[key], np.arange(1, len(mean) + 1), mean, std, len(curves)))
+        panels[f"task {k}"] = series
+    first = next(iter(groups.values()))[0]
+    limit = max_steps or math.inf
+    markers = [s for s in _task_end_steps(first) if s < limit]
+    return FigureData("trace", panels, markers)
+
+
+def gamma_sensitivity_data(runs: Sequence[dict[str, Any]], metric: str = "AP") -> FigureData:
+    """Fig. 3: ``metric`` (mean ± std over seeds) against the FGH gamma, one curve per method,
+    variant (other FGH options included), dataset, stream and LR. The same configuration without
+    FGH (gamma = 0 disables it, Sec. 5.2), when present, is a series at x = 0."""
+    sweeps: dict[tuple, dict[float, list[float]]] = {}
+    baseline_of: dict[tuple, tuple] = {}  # sweep -> the same configuration without FGH
+    baselines: dict[tuple, list[float]] = {}
+    for results in runs:
+        config = results["config"]
+        value = results["metrics"].get(metric)
+        value = np.nan if value is None else float(value)
+        if config.get("fgh") is None:
+            baselines.setdefault(_key(_fields(results)), []).append(value)
+            continue
+        fgh = dict(config["fgh"])
+        gamma = float(validate_options(**fgh)["gamma"])
+        fgh.pop("gamma", None)
+        key = _key(_fields(results, {**config, "fgh": fgh}))
+        sweeps.setdefault(key, {}).setdefault(gamma, []).append(value)
+        baseline_of[key] = _key(_fields(results, {**config, "fgh": None}))
+    sweeps = {key: points for key, points in sweeps.items() if len(points) > 1}
+    if not sweeps:
+        raise FigureSkipped(
+            "gamma sensitivity needs FGH runs of one configuration at two or more values of "
+            "fgh.gamma (e.g. pilot-online sweep --grid fgh.gamma=1e-4,1e-2,1)"
+        )
+    series = []
+    for key, label in _labels(sorted(sweeps, key=lambda k: tuple(map(str, k)))).items():
+        gammas = sorted(sweeps[key])
+        points = [_mean_std(np.array(sweeps[key][g])[:, None]) for g in gammas]
+        several = any(len(sweeps[key][g]) > 1 for g in gammas)
+        mean = np.array([m[0] for m, _ in points])
+        std = np.array([0.0 if sd is None else sd[0] for _, sd in points]) if several else None
+        count = max(len(sweeps[key][g]) for g in gammas)
+        series.append(Series(label, np.array(gammas), mean, std, count))
+        if baseline_of[key] in baselines:
+            base = np.array(baselines[baseline_of[key]])
+            mean_b, std_b = _mean_std(base[:, None])
+            series.append(Series(f"{label} (γ=0: no FGH)", np.zeros(1), mean_b, std_b, len(base)))
+    return FigureData("gamma", {metric: series})
+
+
+def accuracy_curve_data(runs: Sequence[dict[str, Any]]) -> FigureData:
+    """Accuracy on the classes seen so far against stream samples, from the periodic
+    evaluations (``eval_period``); the mean of each run's curve is its A_auc. Seeds are averaged
+    at the sample counts they share."""
+    groups = {
+        key: [r for r in members if r.get("extra", {}).get("periodic_evaluations")]
+        for key, members in _group(runs).items()
+    }
+    groups = {key: members for key, members in groups.items() if members}
+    if not groups:
+        raise FigureSkipped(
+            "no results file holds periodic evaluations (extra.periodic_evaluations): run with "
+            "eval_period set, e.g. 1000 stream samples"
+        )
+    series = []
+    for key, label in _labels(groups).items():
+        curves = [
+            {p["samples_seen"]: p["accuracy"] for p in r["extra"]["periodic_evaluations"]}
+            for r in groups[key]
+        ]
+        shared = sorted(set.intersection(*(set(c) for c in curves)))
+        stack = np.array([[np.nan if c[s] is None else c[s] for s in shared] for c in curves])
+        mean, std = _mean_std(stack.reshape(len(curves), len(shared)))
+        series.append(Series(label, np.array(shared, dtype=float), mean, std, len(curves)))
+    first = next(iter(groups.values()))[0]
+    return FigureData("accuracy", {"": series}, _task_end_samples(first))
+
+
+def accuracy_matrix_data(runs: Sequence[dict[str, Any]]) -> FigureData:
+    """The accuracy matrix per group (mean over seeds), laid out as the heat map shows it: row l
+    is the evaluation after task l, column k the accuracy on task k (a_{k,l} of the results
+    file's ``acc[task][after]``); tasks not yet seen (k > l) are NaN (masked)."""
+    groups = _group(runs)
+    panels = {}
+    for key, label in _labels(groups).items():
+        matrices = [_as_float(r["metrics"]["accuracy_matrix"]).T for r in groups[key]]
+        shapes = {m.shape for m in matrices}
+        if len(shapes) != 1:
+            raise FigureSkipped(f"{label}: runs of one configuration differ in tasks ({shapes})")
+        mean, std = _mean_std(np.stack(matrices))
+        if not np.isfinite(mean).any():
+            continue
+        tasks = np.arange(1, mean.shape[0] + 1)
+        panels[label] = [Series(label, tasks, mean, std, len(matrices))]
+    if not panels:
+        raise FigureSkipped("no results file holds a measured accuracy matrix")
+    return FigureData("heatmap", panels)
+
+
+def _imbalance(results: dict[str, Any]) -> dict[str, Any]:
+    return results.get("extra", {}).get("gradient_imbalance") or {}
+
+
+def _stack_truncated(curves: list[np.ndarray]) -> np.ndarray:
+    length = min(len(c) for c in curves)
+    return np.stack([c[:length] for c in curves])
+
+
+# -- drawing ---------------------------------------------------------------------------------------
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise RuntimeError(f"figures need matplotlib: {PLOTS_HINT}") from err
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, stem: Path) -> list[Path]:
+    """``<stem>.png`` and ``<stem>.pdf`` (the PDF without a creation date: reruns match)."""
+    plt = _pyplot()
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    paths = [stem.with_name(stem.name + ".png"), stem.with_name(stem.name + ".pdf")]
+    fig.savefig(paths[0], dpi=150)
+    fig.savefig(paths[1], metadata={"CreationDate": None})
+    plt.close(fig)  # else pyplot keeps every figure a long session draws
+    return paths
+
+
+def _grid(plt, panels: int, width: float = 4.0, height: float = 3.0, max_cols: int = 5):
+    cols = min(panels, max_cols)
+    rows = math.ceil(panels / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    for ax in axes.flat[panels:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat[:panels])
+
+
+def _line(ax, s: Series, **kwargs) -> None:
+    (line,) = ax.plot(s.x, s.y, label=s.label if s.runs == 1 else f"{s.label} ({s.runs})", **kwargs)
+    if s.std is not None:
+        ax.fill_between(s.x, s.y - s.std, s.y + s.std, color=line.get_color(), alpha=0.2, lw=0)
+
+
+def _draw_imbalance(data: FigureData, stem: Path) -> list[Path]:
+    plt = _pyplot()
+    series = data.panels[""]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(series)
+    for i, s in enumerate(series):
+        offset = (i - (len(series) - 1) / 2) * width
+        ax.bar(s.x + offset, s.y, width, yerr=s.std, label=s.label, capsize=2)
+    ax.set_xticks(series[0].x)
+    ax.set_xlabel("task k")
+    ax.set_ylabel("normalised gradient norm $G^k_n$")
+    ax.set_title("Gradient imbalance of the classifier rows (after FGH's reweighting)")
+    ax.legend(fontsize="small")
+    return _save(fig, stem)
+
+
+def _draw_trace(data: FigureData, stem: Path) -> list[Path]:
+    plt = _pyplot()
+    fig, axes = _grid(plt, len(data.panels), width=8 if len(data.panels) == 1 else 4)
+    for ax, (title, series) in zip(axes, data.panels.items()):
+        for s in series:
+            _line(ax, s, lw=1)
+        for step in data.markers:
+            ax.axvline(step, color="grey", lw=0.5, ls=":")
+        k = title.removeprefix("task ")
+        ax.set_title(f"$G^{{{k}}}$ over training")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(f"$G^{{{k}}}$")
+    axes[0].legend(fontsize="x-small")
+    return _save(fig, stem)
+
+
+def _draw_gamma(data: FigureData, stem: Path) -> list[Path]:
+    plt = _pyplot()
+    ((metric, series),) = data.panels.items()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for s in series:
+        if s.x[0] == 0:  # gamma = 0 cannot sit on a log axis: a dashed level
+            ax.axhline(s.y[0], ls="--", lw=1, label=s.label, color="grey")
+            continue
+        ax.errorbar(s.x, s.y, yerr=s.std, marker="o", capsize=3, label=s.label)
+    ax.set_xscale("log")
+    ax.set_xlabel("FGH γ")
+    ax.set_ylabel(f"{metric} (%)")
+    ax.set_title(f"Sensitivity to γ ({metric})")
+    ax.legend(fontsize="small")
+    return _save(fig, stem)
+
+
+def _draw_accuracy(data: FigureData, stem: Path) -> list[Path]:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for s in data.panels[""]:
+        _line(ax, s, marker=".")
+    for samples in data.markers:
+        ax.axvline(samples, color="grey", lw=0.5, ls=":")
+    ax.set_xlabel("stream samples seen")
+    ax.set_ylabel("accuracy on seen classes (%)")
+    ax.set_title("Accuracy over the stream (its mean is $A_{auc}$)")
+    ax.legend(fontsize="small")
+    return _save(fig, stem)
+
+
+def _draw_heatmap(data: FigureData, stem: Path) -> list[Path]:
+    plt = _pyplot()
+    fig, axes = _grid(plt, len(data.panels), width=4.5, height=4, max_cols=4)
+    for ax, (title, (s,)) in zip(axes, data.panels.items()):
+        matrix = np.ma.masked_invalid(s.y)
+        image = ax.imshow(matrix, vmin=0, vmax=100, cmap="viridis")
+        if len(s.x) <= 12:
+            for (row, col), value in np.ndenumerate(s.y):
+                if np.isfinite(value):
+                    color = "white" if value < 50 else "black"
+                    ax.text(col, row, f"{value:.0f}", ha="center", va="center", color=color)
+        ax.set_xticks(range(len(s.x)), [str(t) for t in s.x])
+        ax.set_yticks(range(len(s.x)), [str(t) for t in s.x])
+        ax.set_xlabel("accuracy on task k")
+        ax.set_ylabel("after task l")
+        ax.set_title(title if s.runs == 1 else f"{title} ({s.runs} runs)", fontsize="small")
+        fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+    return _save(fig, stem)
+
+
+# -- one call per figure ---------------------------------------------------------------------------
+def gradient_imbalance_figure(runs: Sequence[dict[str, Any]], stem: Path) -> FigureData:
+    """Fig. 1 (G^k_n per task) to ``<stem>.png`` / ``.pdf``; returns the plotted data."""
+    data = gradient_imbalance_data(runs)
+    data.paths = _draw_imbalance(data, Path(stem))
+    return data
+
+
+def gradient_trace_figure(
+    runs: Sequence[dict[str, Any]],
+    stem: Path,
+    tasks: Sequence[int] | None = None,
+    max_steps: int | None = None,
+) -> FigureData:
+    """Fig. 2 (``tasks=[2]``) or its appendix grid (every task, by default)."""
+    data = gradient_trace_data(runs, tasks, max_steps)
+    data.paths = _draw_trace(data, Path(stem))
+    return data
+
+
+def gamma_sensitivity_figure(
+    runs: Sequence[dict[str, Any]], stem: Path, metric: str = "AP"
+) -> FigureData:
+    """Fig. 3: ``metric`` against gamma, from runs of a ``fgh.gamma`` sweep."""
+    data = gamma_sensitivity_data(runs, metric)
+    data.paths = _draw_gamma(data, Path(stem))
+    return data
+
+
+def accuracy_curve_figure(runs: Sequence[dict[str, Any]], stem: Path) -> FigureData:
+    """Accuracy over the stream (the A_auc curve) from the periodic evaluations."""
+    data = accuracy_curve_data(runs)
+    data.paths = _draw_accuracy(data, Path(stem))
+    return data
+
+
+def accuracy_matrix_figure(runs: Sequence[dict[str, Any]], stem: Path) -> FigureData:
+    """The accuracy matrix as a heat map, one panel per configuration."""
+    data = accuracy_matrix_data(runs)
+    data.paths = _draw_heatmap(data, Path(stem))
+    return data
+
+
+def _default_skip(name: str, reason: str) -> None:
+    print(f"figures: skipped {name}: {reason}", file=sys.stderr)
+
+
+def write_figures(
+    results_list: Sequence[dict[str, Any]],
+    out_dir: Path,
+    *,
+    which: Iterable[str] = FIGURES,
+    trace_task: int = 2,
+    max_steps: int | None = None,
+    gamma_metric: str = "AP",
+    on_skip: Callable[[str, str], None] = _default_skip,
+) -> list[Path]:
+    """Every figure in ``which`` that ``results_list`` (loaded results dicts) supports, into
+    ``out_dir`` (file names: ``STEMS``); returns the written paths. A figure without its data is
+    skipped, and ``on_skip(name, reason)`` says why (by default on stderr)."""
+    out_dir = Path(out_dir)
+    which = list(which)
+    unknown = sorted(set(which) - set(FIGURES))
+    if unknown:
+        raise ValueError(f"unknown figure(s) {unknown}; choose from {', '.join(FIGURES)}")
+    if not results_list:
+        raise ValueError("no results to draw: pass at least one loaded results file")
+    trace_stem = STEMS["trace"].replace("task2", f"task{trace_task}")
+    jobs: dict[str, list[tuple[str, Callable[[], FigureData]]]] = {
+        "imbalance": [
+            (
+                "imbalance",
+                lambda: gradient_imbalance_figure(results_list, out_dir / STEMS["imbalance"]),
+            )
+        ],
+        "trace": [
+            (
+                f"trace (task {trace_task})",
+                lambda: gradient_trace_figure(
+                    results_list, out_dir / trace_stem, [trace_task], max_steps
+                ),
+            ),
+            (
+                "trace (all tasks)",
+                lambda: gradient_trace_figure(
+                    results_list, out_dir / STEMS["trace_grid"], None, max_steps
+                ),
+            ),
+        ],
+        "gamma": [
+            (
+                "gamma",
+                lambda: gamma_sensitivity_figure(
+                    results_list, out_dir / STEMS["gamma"], gamma_metric
+                ),
+            )
+        ],
+        "accuracy": [
+            ("accuracy", lambda: accuracy_curve_figure(results_list, out_dir / STEMS["accuracy"]))
+        ],
+        "heatmap": [
+            ("heatmap", lambda: accuracy_matrix_figure(results_list, out_dir / STEMS["heatmap"]))
+        ],
+    }
+    written: list[Path] = []
+    for name, job in [job for figure in FIGURES if figure in which for job in jobs[figure]]:
+        try:
+            written += job().paths
+        except FigureSkipped as reason:
+            on_skip(name, str(reason))
+    return written

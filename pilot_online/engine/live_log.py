@@ -1,0 +1,193 @@
+"""Live logging of a run to TensorBoard (config ``"logger": "tensorboard"``).
+
+The session calls one object through three hooks (:meth:`TensorBoardLogger.on_step`, ``on_eval``,
+``close``); with ``logger`` null no object exists and ``torch.utils.tensorboard`` is never
+imported, so a run without the key is unchanged. The x axis of every scalar is the global stream
+step: the number of stream batches consumed so far (1 after the first batch).
+
+Step scalars are kept on the device and read once every ``log_interval`` steps (the session's
+progress bar reads the device there too), so logging adds no per-step host sync:
+
+=============================  =============================================================
+tag                            value
+=============================  =============================================================
+``train/loss``                 the step's training loss (sum of its terms)
+``train/loss_<term>``          each term: ``ce``, ``prototypes`` (L_P), ``method`` (aux), ...
+``train/batch_accuracy``       accuracy (%) of the step's predictions on its stream batch,
+                               made before the update (online accuracy)
+``train/running_accuracy``     the same, cumulated over the stream so far
+``fgh/alpha_{mean,std,min,max}``  over FGH's coefficients (``fgh/group<i>/...`` for several
+                               groups); every ``log_interval`` steps
+``gradient_imbalance/G_n/task_<k>``  running G^k_n (paper Sec. 5.1) of each task whose classes
+                               were seen, from the mean classifier-row gradient norms so far
+``gradient_imbalance/max_over_mean``  max over seen classes of g^j, divided by their mean
+``eval/periodic_accuracy``     accuracy of each periodic evaluation (``eval_period``)
+``eval/accuracy``, ``eval/old``, ``eval/new``, ``eval/task_<k>``  task-end evaluation
+=============================  =============================================================
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ..core.metrics import task_gradient_norms
+
+if TYPE_CHECKING:
+    from .loop import OnlineLoop, StepStats
+
+#: Values of the ``logger`` config key (null: no live logging).
+LOGGERS = (None, "tensorboard")
+INSTALL_HINT = 'pip install tensorboard (or pip install -e ".[tensorboard]")'
+
+
+def check_logger_available(name: str | None) -> None:
+    """Fail before any training when the configured logger's package is missing."""
+    if name == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        raise ImportError(f'"logger": "tensorboard" needs the tensorboard package: {INSTALL_HINT}')
+
+
+def default_log_dir(results_path: Path | None, logger_dir: str | None) -> Path:
+    """One folder per run: ``<logger_dir>/<results stem>``, or ``<results stem>.tensorboard``
+    beside the results file (``runs/tensorboard/<time>`` when the run writes no results)."""
+    stem = results_path.name.removesuffix(".results.json") if results_path else None
+    if logger_dir is not None:
+        return Path(logger_dir) / (stem or time.strftime("run-%Y%m%d-%H%M%S", time.gmtime()))
+    if results_path is not None:
+        return results_path.with_name(f"{stem}.tensorboard")
+    return Path("runs", "tensorboard", time.strftime("run-%Y%m%d-%H%M%S", time.gmtime()))
+
+
+class TensorBoardLogger:
+    """Writes a run's scalars with ``torch.utils.tensorboard.SummaryWriter``."""
+
+    def __init__(
+        self,
+        log_dir: Path,
+        loop: OnlineLoop,
+        task_classes: list[list[int]],
+        interval: int = 10,
+    ) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:
+            raise ImportError(
+                f'"logger": "tensorboard" needs the tensorboard package: {INSTALL_HINT}'
+            ) from err
+        self.log_dir = Path(log_dir)
+        self.writer = SummaryWriter(log_dir=str(self.log_dir))
+        self.loop = loop
+        self.task_classes = task_classes
+        self.interval = max(int(interval), 1)
+        self.step = 0  # stream batches consumed
+        self.correct = 0
+        self.samples = 0
+        self._pending: list[tuple[int, StepStats]] = []
+        self._closed = False
+
+    # -- hooks -------------------------------------------------------------------------------------
+    def on_step(self, stats: StepStats) -> None:
+        """One stream batch was trained on; its device tensors are read at the next flush."""
+        self.step += 1
+        self._pending.append((self.step, stats))
+        if len(self._pending) >= self.interval:
+            self.flush()
+
+    def on_eval(self, kind: str, accuracies: dict[str, float]) -> None:
+        """An evaluation (``periodic`` or ``task_end``) with its accuracies by name (%)."""
+        self.flush()
+        for name, value in accuracies.items():
+            tag = "eval/periodic_accuracy" if kind == "periodic" else f"eval/{name}"
+            self.writer.add_scalar(tag, value, self.step)
+        self.writer.flush()
+
+    def flush(self) -> None:
+        """Write the pending steps' scalars (one device read) and the interval's summaries."""
+        if not self._pending:
+            return
+        steps = [step for step, _ in self._pending]
+        stats = [s for _, s in self._pending]
+        self._pending = []
+        names = sorted({name for s in stats for name in s.terms})
+        rows = [
+            torch.stack(
+                [
+                    s.loss.float().reshape(()),
+                    s.correct.float().reshape(()),
+                    *(
+                        s.terms[n].float().reshape(())
+                        if n in s.terms
+                        else s.loss.new_tensor(math.nan)
+                        for n in names
+                    ),
+                ]
+            )
+            for s in stats
+        ]
+        values = torch.stack(rows).cpu().numpy()  # the one host sync
+        for step, s, row in zip(steps, stats, values):
+            self.writer.add_scalar("train/loss", row[0], step)
+            for name, value in zip(names, row[2:]):
+                self.writer.add_scalar(f"train/loss_{name}", value, step)
+            self.correct += int(row[1])
+            self.samples += s.samples
+            self.writer.add_scalar("train/batch_accuracy", 100.0 * row[1] / s.samples, step)
+            self.writer.add_scalar(
+                "train/running_accuracy", 100.0 * self.correct / self.samples, step
+            )
+        self._log_alphas(steps[-1])
+        self._log_imbalance(steps[-1])
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.flush()
+        self.writer.close()
+        self._closed = True
+
+    # -- interval summaries ------------------------------------------------------------------------
+    def _log_alphas(self, step: int) -> None:
+        fgh = getattr(self.loop, "fgh", None)
+        if fgh is None:
+            return
+        groups = fgh.alpha_statistics()
+        for index, group in enumerate(groups):
+            prefix = "fgh/" if len(groups) == 1 else f"fgh/group{index}/"
+            for name in ("mean", "std", "min", "max"):
+                self.writer.add_scalar(f"{prefix}alpha_{name}", float(group[name]), step)
+
+    def _log_imbalance(self, step: int) -> None:
+        g = self.loop.gradient_statistics(include_trace=False)["mean"]
+        seen = self.loop.seen.cpu().numpy()
+        tasks = [
+            k for k, classes in enumerate(self.task_classes) if classes and seen[classes].any()
+        ]
+        if not tasks or self.loop.optimizer_steps == 0:
+            return
+        _, g_n = task_gradient_norms(g, [self.task_classes[k] for k in tasks])
+        for k, value in zip(tasks, g_n):
+            if np.isfinite(value):
+                self.writer.add_scalar(f"gradient_imbalance/G_n/task_{k + 1}", value, step)
+        seen_norms = g[seen[: len(g)]]
+        if seen_norms.size and seen_norms.mean() > 0:
+            ratio = float(seen_norms.max() / seen_norms.mean())
+            self.writer.add_scalar("gradient_imbalance/max_over_mean", ratio, step)
+
+
+def make_live_logger(
+    config: Any, loop: OnlineLoop, task_classes: list[list[int]], results_path: Path | None
+) -> TensorBoardLogger | None:
+    """The logger ``config["logger"]`` asks for, or None (no import, nothing created)."""
+    name = config.get("logger")
+    if name is None:
+        return None
+    if name != "tensorboard":
+        raise ValueError(f"unknown logger {name!r}; valid: null, 'tensorboard'")
+    log_dir = default_log_dir(results_path, config.get("logger_dir"))
+    return TensorBoardLogger(log_dir, loop, task_classes, int(config.get("log_interval", 10)))

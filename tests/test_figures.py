@@ -1,0 +1,302 @@
+"""Figures (``cli/figures.py``) from tiny hand-written results files: the plotted numbers are
+checked against values worked out by hand, and each figure is written as a non-empty PNG and PDF.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pilot_online import cli
+from pilot_online.cli import figures
+from pilot_online.core.metrics import task_gradient_trace
+from pilot_online.core.results import build_results, to_jsonable
+
+pytest.importorskip("matplotlib", reason="figures need matplotlib: pip install -e '.[plots]'")
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+NAN = float("nan")
+
+
+def make_results(
+    *,
+    seed: int = 0,
+    model: str = "coda_online",
+    lr: float = 5e-3,
+    stream: str = "clear",
+    prototypes: bool = True,
+    fgh: dict | None = None,
+    matrix: list | None = None,
+    ap: float = 50.0,
+    g_n: list | None = None,
+    trace: list | None = None,
+    periodic: list | None = None,
+    task_samples: tuple[int, ...] = (250, 200, 100),
+    batch_size: int = 100,
+) -> dict:
+    """A valid results dict (schema of core/results.py) holding only the given numbers."""
+    tasks = len(task_samples)
+    config = {
+        "model_name": model,
+        "dataset": "cifar224",
+        "stream": stream,
+        "init_lr": lr,
+        "seed": seed,
+        "batch_size": batch_size,
+        "online_prototypes": prototypes,
+        "fgh": fgh,
+    }
+    stream_dict = {
+        "kind": stream,
+        "params": {"batch_size": batch_size},
+        "num_samples": sum(task_samples),
+        "num_tasks": tasks,
+        "tasks": [
+            {"task": k, "num_samples": n, "new_classes": [2 * k, 2 * k + 1]}
+            for k, n in enumerate(task_samples)
+        ],
+    }
+    matrix = matrix if matrix is not None else [[NAN] * tasks for _ in range(tasks)]
+    extra = {"gradient_imbalance": {}}
+    if g_n is not None:
+        extra["gradient_imbalance"]["task_grad_norm_normalized"] = g_n
+    if trace is not None:
+        extra["gradient_imbalance"]["task_grad_norm_trace"] = trace
+    if periodic is not None:
+        extra["periodic_evaluations"] = [{"samples_seen": s, "accuracy": a} for s, a in periodic]
+    results = build_results(
+        config=config,
+        stream=stream_dict,
+        metrics={"accuracy_matrix": matrix, "A_k": [], "AP": ap, "A_T": ap},
+        timing={
+            "train_seconds": 1.0,
+            "eval_seconds": 1.0,
+            "samples_per_second": 1.0,
+            "peak_memory_bytes": None,
+        },
+        counters={
+            "optimizer_steps": 6,
+            "samples_seen": sum(task_samples),
+            "skipped_nonfinite_steps": 0,
+            "skipped_nonfinite_hypergradients": 0,
+        },
+        extra=extra,
+    )
+    return json.loads(json.dumps(to_jsonable(results)))  # exactly what a file holds (NaN: null)
+
+
+def assert_written(data: figures.FigureData, stem: Path) -> None:
+    png, pdf = stem.with_name(stem.name + ".png"), stem.with_name(stem.name + ".pdf")
+    assert data.paths == [png, pdf]
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 1000
+    assert pdf.read_bytes()[:5] == b"%PDF-" and pdf.stat().st_size > 1000
+
+
+def test_task_gradient_trace_by_hand() -> None:
+    # steps x classes -> steps x tasks: mean of the task's classes' row-gradient norms per step.
+    trace = [[1.0, 2.0, 3.0, 4.0, 9.0], [5.0, 6.0, 7.0, 8.0, 9.0]]
+    out = task_gradient_trace(trace, [[0, 1], [2, 3, 4], []])
+    np.testing.assert_allclose(out[:, :2], [[1.5, 16 / 3], [5.5, 8.0]])
+    assert np.isnan(out[:, 2]).all()  # a task without classes of its own
+    with pytest.raises(ValueError, match="only 5 classes"):
+        task_gradient_trace(trace, [[0, 5]])
+
+
+def test_gradient_imbalance_by_hand(tmp_path) -> None:
+    # Two seeds of CODA + P; one seed of CODA base. G^k_n is averaged over seeds, null skipped.
+    runs = [
+        make_results(seed=0, g_n=[1.0, 0.5, 0.25]),
+        make_results(seed=1, g_n=[0.5, 1.0, None]),
+        make_results(seed=0, prototypes=False, g_n=[1.0, 0.8, 0.6]),
+        make_results(seed=0, prototypes=False, fgh={"gamma": 1}),  # no gradient stats: ignored
+    ]
+    data = figures.gradient_imbalance_figure(runs, tmp_path / "fig1")
+    assert_written(data, tmp_path / "fig1")
+    series = data.series()
+    assert set(series) == {"CODA + P", "CODA base"}
+    p = series["CODA + P"]
+    np.testing.assert_array_equal(p.x, [1, 2, 3])
+    np.testing.assert_allclose(p.y, [0.75, 0.75, 0.25])
+    np.testing.assert_allclose(p.std, [0.25, 0.25, 0.0])
+    assert p.runs == 2
+    base = series["CODA base"]
+    np.testing.assert_allclose(base.y, [1.0, 0.8, 0.6])
+    assert base.std is None and base.runs == 1
+
+
+def test_gradient_trace_by_hand(tmp_path) -> None:
+    # Stream: tasks of 250, 200 and 100 samples, batch 100 -> 3 + 2 + 1 steps; task ends at 3, 5.
+    seed0 = [[1.0, 0.0, 0.0], [2.0, 0.0, 0.0], [3.0, 1.0, 0.0], [4.0, 2.0, 0.0], [5, 3, 1], [6, 4, 2]]
+    seed1 = [[3.0, 0.0, 0.0], [4.0, 0.0, 0.0], [5.0, 3.0, 0.0], [6.0, 4.0, 0.0], [7, 5, 3]]
+    runs = [make_results(seed=0, trace=seed0), make_results(seed=1, trace=seed1)]
+
+    single = figures.gradient_trace_figure(runs, tmp_path / "fig2", tasks=[2])
+    assert_written(single, tmp_path / "fig2")
+    assert list(single.panels) == ["task 2"]
+    (curve,) = single.panels["task 2"]
+    # Seeds are averaged over the steps both have (5): task 2's column.
+    np.testing.assert_array_equal(curve.x, [1, 2, 3, 4, 5])
+    np.testing.assert_allclose(curve.y, [0.0, 0.0, 2.0, 3.0, 4.0])
+    np.testing.assert_allclose(curve.std, [0.0, 0.0, 1.0, 1.0, 1.0])
+    assert single.markers == [3.0, 5.0]
+
+    grid = figures.gradient_trace_figure(runs, tmp_path / "grid", max_steps=4)
+    assert_written(grid, tmp_path / "grid")
+    assert list(grid.panels) == ["task 1", "task 2", "task 3"]
+    np.testing.assert_allclose(grid.panels["task 1"][0].y, [2.0, 3.0, 4.0, 5.0])
+    assert grid.markers == [3.0]  # the task end at step 5 is past the 4 steps shown
+
+    with pytest.raises(figures.FigureSkipped, match="task 4 "):
+        figures.gradient_trace_data(runs, tasks=[4])
+    with pytest.raises(figures.FigureSkipped, match="grad_trace"):
+        figures.gradient_trace_data([make_results()])
+
+
+def test_trace_of_an_older_file_comes_from_its_sidecar(tmp_path) -> None:
+    results = make_results()
+    results["extra"]["gradient_imbalance"]["trace_file"] = "run.results.gradtrace.npy"
+    (tmp_path / "run.results.json").write_text(json.dumps(results))
+    # steps x classes; the tasks' classes are {0, 1}, {2, 3}, {4, 5}.
+    np.save(tmp_path / "run.results.gradtrace.npy", np.array([[1, 3, 2, 2, 0, 4]], dtype=float))
+    (run,) = figures.load_runs([tmp_path])
+    np.testing.assert_allclose(run["extra"]["gradient_imbalance"]["task_grad_norm_trace"], [[2, 2, 2]])
+
+
+def test_gamma_sensitivity_by_hand(tmp_path) -> None:
+    runs = [
+        make_results(seed=0, fgh={"gamma": 1e-3}, ap=50.0),
+        make_results(seed=1, fgh={"gamma": 1e-3}, ap=54.0),
+        make_results(seed=0, fgh={"gamma": 1.0}, ap=60.0),
+        make_results(seed=1, fgh={"gamma": 1.0}, ap=62.0),
+        make_results(seed=0, fgh={"gamma": 0.1}, ap=58.0),
+        # The same configuration without FGH: gamma = 0.
+        make_results(seed=0, fgh=None, ap=40.0),
+        make_results(seed=1, fgh=None, ap=44.0),
+        # Another method at one gamma only: no sweep, no curve.
+        make_results(seed=0, model="l2p_online", fgh={"gamma": 1.0}, ap=30.0),
+    ]
+    data = figures.gamma_sensitivity_figure(runs, tmp_path / "fig3")
+    assert_written(data, tmp_path / "fig3")
+    series = data.series("AP")
+    assert set(series) == {"CODA + P + FGH", "CODA + P + FGH (γ=0: no FGH)"}
+    sweep = series["CODA + P + FGH"]
+    np.testing.assert_allclose(sweep.x, [1e-3, 0.1, 1.0])
+    np.testing.assert_allclose(sweep.y, [52.0, 58.0, 61.0])
+    np.testing.assert_allclose(sweep.std, [2.0, 0.0, 1.0])
+    baseline = series["CODA + P + FGH (γ=0: no FGH)"]
+    np.testing.assert_allclose(baseline.x, [0.0])
+    np.testing.assert_allclose(baseline.y, [42.0])
+    np.testing.assert_allclose(baseline.std, [2.0])
+
+    with pytest.raises(figures.FigureSkipped, match="two or more values of fgh.gamma"):
+        figures.gamma_sensitivity_data(runs[2:4] + runs[5:])
+
+
+def test_gamma_default_of_the_direction_counts_as_its_value() -> None:
+    # direction "adam" defaults to gamma 1e-3: a run without gamma sits at x = 1e-3.
+    runs = [
+        make_results(fgh={"direction": "adam"}, ap=10.0),
+        make_results(fgh={"direction": "adam", "gamma": 1.0}, ap=20.0),
+    ]
+    (sweep,) = figures.gamma_sensitivity_data(runs).panels["AP"]
+    assert sweep.label == "CODA + P + FGH(direction=adam)"
+    np.testing.assert_allclose(sweep.x, [1e-3, 1.0])
+    np.testing.assert_allclose(sweep.y, [10.0, 20.0])
+
+
+def test_accuracy_over_the_stream_by_hand(tmp_path) -> None:
+    runs = [
+        make_results(seed=0, stream="si_blurry", periodic=[(100, 10.0), (200, 20.0), (300, 30.0)]),
+        make_results(seed=1, stream="si_blurry", periodic=[(100, 20.0), (200, 40.0)]),
+    ]
+    data = figures.accuracy_curve_figure(runs, tmp_path / "auc")
+    assert_written(data, tmp_path / "auc")
+    (curve,) = data.panels[""]
+    np.testing.assert_array_equal(curve.x, [100, 200])  # the sample counts both seeds share
+    np.testing.assert_allclose(curve.y, [15.0, 30.0])
+    np.testing.assert_allclose(curve.std, [5.0, 10.0])
+    assert data.markers == [250.0, 450.0]  # task ends, in stream samples
+    with pytest.raises(figures.FigureSkipped, match="eval_period"):
+        figures.accuracy_curve_data([make_results()])
+
+
+def test_accuracy_matrix_heat_map_by_hand(tmp_path) -> None:
+    # Results store acc[task][after task]; the heat map shows rows = after task l, columns = task k.
+    first = [[90.0, 80.0, 70.0], [None, 85.0, 75.0], [None, None, 95.0]]
+    second = [[80.0, 70.0, 60.0], [None, 75.0, 65.0], [None, None, 85.0]]
+    runs = [make_results(seed=0, matrix=first), make_results(seed=1, matrix=second)]
+    data = figures.accuracy_matrix_figure(runs, tmp_path / "heat")
+    assert_written(data, tmp_path / "heat")
+    (matrix,) = data.panels["CODA + P"]
+    expected = [[85.0, NAN, NAN], [75.0, 80.0, NAN], [65.0, 70.0, 90.0]]
+    np.testing.assert_allclose(matrix.y, expected)  # NaN above the diagonal: masked
+    np.testing.assert_allclose(matrix.std[np.isfinite(matrix.std)], [5.0] * 6)
+    np.testing.assert_array_equal(matrix.x, [1, 2, 3])
+
+
+def one_full_run() -> dict:
+    return make_results(
+        g_n=[1.0, 0.5, 0.5],
+        trace=[[1, 0, 0], [2, 0, 0], [1, 1, 0], [1, 2, 0], [1, 1, 1], [1, 1, 2]],
+        periodic=[(100, 50.0), (300, 60.0), (500, 70.0)],
+        matrix=[[90.0, 80.0, 70.0], [None, 85.0, 75.0], [None, None, 95.0]],
+    )
+
+
+def test_write_figures_from_a_single_results_file(tmp_path) -> None:
+    skipped: dict[str, str] = {}
+    written = figures.write_figures(
+        [one_full_run()], tmp_path, on_skip=lambda name, why: skipped.update({name: why})
+    )
+    names = sorted(p.name for p in written)
+    stems = [
+        "accuracy_matrix",
+        "accuracy_over_stream",
+        "fig1_gradient_imbalance",
+        "fig2_gradient_trace_task2",
+        "gradient_trace_all_tasks",
+    ]
+    assert names == sorted(f"{s}.{ext}" for s in stems for ext in ("pdf", "png"))
+    assert all(p.stat().st_size > 1000 for p in written)
+    assert list(skipped) == ["gamma"] and "fgh.gamma" in skipped["gamma"]
+
+    only = figures.write_figures([one_full_run()], tmp_path / "only", which=["heatmap"])
+    assert [p.name for p in only] == ["accuracy_matrix.png", "accuracy_matrix.pdf"]
+    with pytest.raises(ValueError, match="unknown figure"):
+        figures.write_figures([one_full_run()], tmp_path, which=["fig9"])
+
+
+def test_cli_figures(tmp_path, capsys) -> None:
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    (folder / "a.results.json").write_text(json.dumps(one_full_run()))
+    (folder / "b.partial.results.json").write_text(json.dumps(one_full_run()))  # skipped
+    out = tmp_path / "figs"
+    assert cli.main(["figures", str(folder), "--out", str(out), "--trace-task", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "skipped gamma" in captured.err and "fgh.gamma" in captured.err
+    assert (out / "fig2_gradient_trace_task3.pdf").is_file()
+    assert len(captured.out.split()) == 10 and all(Path(p).is_file() for p in captured.out.split())
+
+    assert cli.main(["figures", str(folder), "--out", str(out), "--which", "gamma"]) == 1
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main(["figures", str(empty), "--out", str(out)]) == 1
+    assert "no results files found" in capsys.readouterr().err
+
+
+def test_report_plot_writes_png_and_pdf(tmp_path) -> None:
+    (tmp_path / "a.results.json").write_text(json.dumps(one_full_run()))
+    assert cli.main(["report", str(tmp_path), "--plot", str(tmp_path / "fig1.png")]) == 0
+    assert (tmp_path / "fig1.png").read_bytes()[:8] == PNG_MAGIC
+    assert (tmp_path / "fig1.pdf").read_bytes()[:5] == b"%PDF-"
+
+
+def test_missing_matplotlib_names_the_install(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    with pytest.raises(RuntimeError, match=r'pip install -e "\.\[plots\]"'):
+        figures.gradient_imbalance_figure([one_full_run()], tmp_path / "fig1")
