@@ -32,6 +32,7 @@ setup(
         # PILOT run needs it) and utils/inc_net.py (easydict). Install with PILOT: ".[pilot]".
         "pilot": ["scipy", "easydict"],
         "plots": ["matplotlib"],
+        "tensorboard": ["tensorboard"],  # "logger": "tensorboard" (live logging)
         "test": ["pytest", "ruff"],
     },
     entry_points={"console_scripts": ["pilot-online=pilot_online.cli:main"]},

@@ -130,7 +130,14 @@ def test_gradient_imbalance_by_hand(tmp_path) -> None:
 
 def test_gradient_trace_by_hand(tmp_path) -> None:
     # Stream: tasks of 250, 200 and 100 samples, batch 100 -> 3 + 2 + 1 steps; task ends at 3, 5.
-    seed0 = [[1.0, 0.0, 0.0], [2.0, 0.0, 0.0], [3.0, 1.0, 0.0], [4.0, 2.0, 0.0], [5, 3, 1], [6, 4, 2]]
+    seed0 = [
+        [1.0, 0.0, 0.0],
+        [2.0, 0.0, 0.0],
+        [3.0, 1.0, 0.0],
+        [4.0, 2.0, 0.0],
+        [5, 3, 1],
+        [6, 4, 2],
+    ]
     seed1 = [[3.0, 0.0, 0.0], [4.0, 0.0, 0.0], [5.0, 3.0, 0.0], [6.0, 4.0, 0.0], [7, 5, 3]]
     runs = [make_results(seed=0, trace=seed0), make_results(seed=1, trace=seed1)]
 
@@ -163,7 +170,9 @@ def test_trace_of_an_older_file_comes_from_its_sidecar(tmp_path) -> None:
     # steps x classes; the tasks' classes are {0, 1}, {2, 3}, {4, 5}.
     np.save(tmp_path / "run.results.gradtrace.npy", np.array([[1, 3, 2, 2, 0, 4]], dtype=float))
     (run,) = figures.load_runs([tmp_path])
-    np.testing.assert_allclose(run["extra"]["gradient_imbalance"]["task_grad_norm_trace"], [[2, 2, 2]])
+    np.testing.assert_allclose(
+        run["extra"]["gradient_imbalance"]["task_grad_norm_trace"], [[2, 2, 2]]
+    )
 
 
 def test_gamma_sensitivity_by_hand(tmp_path) -> None:
@@ -192,7 +201,7 @@ def test_gamma_sensitivity_by_hand(tmp_path) -> None:
     np.testing.assert_allclose(baseline.y, [42.0])
     np.testing.assert_allclose(baseline.std, [2.0])
 
-    with pytest.raises(figures.FigureSkipped, match="two or more values of fgh.gamma"):
+    with pytest.raises(figures.FigureSkipped, match=r"two or more values of fgh\.gamma"):
         figures.gamma_sensitivity_data(runs[2:4] + runs[5:])
 
 

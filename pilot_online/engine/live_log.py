@@ -17,7 +17,7 @@ tag                            value
                                made before the update (online accuracy)
 ``train/running_accuracy``     the same, cumulated over the stream so far
 ``fgh/alpha_{mean,std,min,max}``  over FGH's coefficients (``fgh/group<i>/...`` for several
-                               groups); every ``log_interval`` steps
+                               groups); every ``log_interval`` steps and at each task end
 ``gradient_imbalance/G_n/task_<k>``  running G^k_n (paper Sec. 5.1) of each task whose classes
                                were seen, from the mean classifier-row gradient norms so far
 ``gradient_imbalance/max_over_mean``  max over seen classes of g^j, divided by their mean
@@ -89,6 +89,7 @@ class TensorBoardLogger:
         self.correct = 0
         self.samples = 0
         self._pending: list[tuple[int, StepStats]] = []
+        self._summarised_at = 0  # the step of the last alpha / imbalance summary
         self._closed = False
 
     # -- hooks -------------------------------------------------------------------------------------
@@ -96,19 +97,25 @@ class TensorBoardLogger:
         """One stream batch was trained on; its device tensors are read at the next flush."""
         self.step += 1
         self._pending.append((self.step, stats))
-        if len(self._pending) >= self.interval:
+        if self.step % self.interval == 0:
             self.flush()
+            self.summarise()
+
+    def end_task(self) -> None:
+        """A stream segment ended: write what is pending and the summaries at this step."""
+        self.flush()
+        self.summarise()
 
     def on_eval(self, kind: str, accuracies: dict[str, float]) -> None:
         """An evaluation (``periodic`` or ``task_end``) with its accuracies by name (%)."""
-        self.flush()
+        self.flush()  # the steps before it come first in the event file
         for name, value in accuracies.items():
             tag = "eval/periodic_accuracy" if kind == "periodic" else f"eval/{name}"
             self.writer.add_scalar(tag, value, self.step)
         self.writer.flush()
 
     def flush(self) -> None:
-        """Write the pending steps' scalars (one device read) and the interval's summaries."""
+        """Write the pending steps' scalars, with one device read."""
         if not self._pending:
             return
         steps = [step for step, _ in self._pending]
@@ -141,13 +148,20 @@ class TensorBoardLogger:
             self.writer.add_scalar(
                 "train/running_accuracy", 100.0 * self.correct / self.samples, step
             )
-        self._log_alphas(steps[-1])
-        self._log_imbalance(steps[-1])
+
+    def summarise(self) -> None:
+        """FGH's alpha statistics and the gradient-imbalance summary at the current step."""
+        if self._summarised_at == self.step or self.step == 0:
+            return
+        self._summarised_at = self.step
+        self._log_alphas(self.step)
+        self._log_imbalance(self.step)
 
     def close(self) -> None:
+        """Write everything left and close the event file (idempotent)."""
         if self._closed:
             return
-        self.flush()
+        self.end_task()
         self.writer.close()
         self._closed = True
 

@@ -140,7 +140,7 @@ class OnlineSession:
         self.train_seconds += time.perf_counter() - start
         bar.close()
         if self.live_log is not None:
-            self.live_log.flush()
+            self.live_log.end_task()
         self.tasks_trained = task + 1
 
     def _periodic_evaluation(self) -> None:
