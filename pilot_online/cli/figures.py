@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 #: ``--which`` names, in the order ``write_figures`` draws them.
 FIGURES = ("imbalance", "trace", "gamma", "accuracy", "heatmap")
+#: Metrics Fig. 3 can put against gamma (``metrics`` keys of a results file).
+GAMMA_METRICS = ("AP", "A_T", "A_auc", "A_avg", "A_last")
 #: Output stems (file names without suffix) that ``write_figures`` uses.
 STEMS = {
     "imbalance": "fig1_gradient_imbalance",
@@ -232,7 +234,12 @@ def gradient_trace_data(
         key: [_as_float(_imbalance(r)["task_grad_norm_trace"]) for r in members]
         for key, members in groups.items()
     }
-    num_tasks = max(t.shape[1] for ts in traces.values() for t in ts if t.ndim == 2)
+    traces = {key: [t for t in ts if t.ndim == 2 and t.size] for key, ts in traces.items()}
+    groups = {key: groups[key] for key, ts in traces.items() if ts}
+    traces = {key: traces[key] for key in groups}
+    if not traces:
+        raise FigureSkipped("the gradient traces in these results are empty (no optimizer step)")
+    num_tasks = max(t.shape[1] for ts in traces.values() for t in ts)
     tasks = list(range(1, num_tasks + 1)) if tasks is None else list(tasks)
     missing = [k for k in tasks if not 1 <= k <= num_tasks]
     if missing:
@@ -245,7 +252,7 @@ def gradient_trace_data(
     for k in tasks:
         series = []
         for key, per_run in traces.items():
-            curves = [t[:max_steps, k - 1] for t in per_run if t.ndim == 2 and t.shape[1] >= k]
+            curves = [t[:max_steps, k - 1] for t in per_run if t.shape[1] >= k]
             if not curves:
                 continue
             mean, std = _mean_std(_stack_truncated(curves))
@@ -375,8 +382,8 @@ def _save(fig, stem: Path) -> list[Path]:
     stem.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     paths = [stem.with_name(stem.name + ".png"), stem.with_name(stem.name + ".pdf")]
-    fig.savefig(paths[0], dpi=150)
-    fig.savefig(paths[1], metadata={"CreationDate": None})
+    fig.savefig(paths[0], dpi=150, bbox_inches="tight")
+    fig.savefig(paths[1], bbox_inches="tight", metadata={"CreationDate": None})
     plt.close(fig)  # else pyplot keeps every figure a long session draws
     return paths
 
@@ -408,7 +415,7 @@ def _draw_imbalance(data: FigureData, stem: Path) -> list[Path]:
     ax.set_xlabel("task k")
     ax.set_ylabel("normalised gradient norm $G^k_n$")
     ax.set_title("Gradient imbalance of the classifier rows (after FGH's reweighting)")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
     return _save(fig, stem)
 
 

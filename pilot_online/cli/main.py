@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.set_defaults(func=_cmd_report)
 
-    from .figures import FIGURES
+    from .figures import FIGURES, GAMMA_METRICS
 
     figures = sub.add_parser("figures", help="the paper's figures (PNG + PDF) from results files")
     figures.add_argument("paths", nargs="+", type=Path, help="results files or folders to search")
@@ -138,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace-task", type=int, default=2, help="task k of the single-task G^k trace (1-based)"
     )
     figures.add_argument("--max-steps", type=int, help="draw the first N steps of G^k traces")
-    figures.add_argument("--gamma-metric", default="AP", help="metric against gamma (Fig. 3)")
+    figures.add_argument(
+        "--gamma-metric", default="AP", choices=GAMMA_METRICS, help="metric against gamma (Fig. 3)"
+    )
     figures.set_defaults(func=_cmd_figures)
 
     demo = sub.add_parser("demo", help="core-only demo: synthetic stream, small timm ViT, P + FGH")
