@@ -309,3 +309,21 @@ def test_missing_matplotlib_names_the_install(tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
     with pytest.raises(RuntimeError, match=r'pip install -e "\.\[plots\]"'):
         figures.gradient_imbalance_figure([one_full_run()], tmp_path / "fig1")
+
+
+def test_session_stores_the_per_step_task_gradient_norms(tmp_path) -> None:
+    """A real (tiny) run: G^k at each step is the mean of task k's classifier-row gradient norms
+    in the sidecar trace, and its mean over the steps is the paper's G^k (Sec. 5.1)."""
+    from test_report_demo import run_session
+
+    path = run_session(tmp_path, seed=0, variant={"online_prototypes": True, "fgh": {"gamma": 1}})
+    results = json.loads(path.read_text())
+    imbalance = results["extra"]["gradient_imbalance"]
+    per_class = np.load(path.parent / imbalance["trace_file"])  # steps x classes
+    stored = np.array(imbalance["task_grad_norm_trace"])  # steps x tasks
+    assert stored.shape == (results["counters"]["optimizer_steps"], 3)
+    for k, task in enumerate(results["stream"]["tasks"]):
+        by_hand = per_class[:, task["new_classes"]].mean(axis=1)
+        np.testing.assert_allclose(stored[:, k], by_hand, rtol=5e-4)  # 4 significant digits
+        assert stored[:, k].mean() == pytest.approx(imbalance["task_grad_norm"][k], rel=1e-3)
+    assert stored[-1].min() > 0  # prototypes keep every seen task's rows training
