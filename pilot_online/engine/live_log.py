@@ -1,29 +1,24 @@
 """Live logging of a run to TensorBoard (config ``"logger": "tensorboard"``).
 
-The session calls one object through three hooks (:meth:`TensorBoardLogger.on_step`, ``on_eval``,
-``close``); with ``logger`` null no object exists and ``torch.utils.tensorboard`` is never
-imported, so a run without the key is unchanged. The x axis of every scalar is the global stream
-step: the number of stream batches consumed so far (1 after the first batch).
+The session calls one object through its hooks (:meth:`TensorBoardLogger.on_step`, ``end_task``,
+``on_eval``, ``close``); with ``logger`` null no object exists and ``torch.utils.tensorboard``
+is never imported, so a run without the key is unchanged. The x axis of every scalar is the
+global stream step: the number of stream batches consumed so far (1 after the first batch).
 
 Step scalars are kept on the device and read once every ``log_interval`` steps (the session's
 progress bar reads the device there too), so logging adds no per-step host sync:
 
-=============================  =============================================================
-tag                            value
-=============================  =============================================================
-``train/loss``                 the step's training loss (sum of its terms)
-``train/loss_<term>``          each term: ``ce``, ``prototypes`` (L_P), ``method`` (aux), ...
-``train/batch_accuracy``       accuracy (%) of the step's predictions on its stream batch,
-                               made before the update (online accuracy)
-``train/running_accuracy``     the same, cumulated over the stream so far
-``fgh/alpha_{mean,std,min,max}``  over FGH's coefficients (``fgh/group<i>/...`` for several
-                               groups); every ``log_interval`` steps and at each task end
-``gradient_imbalance/G_n/task_<k>``  running G^k_n (paper Sec. 5.1) of each task whose classes
-                               were seen, from the mean classifier-row gradient norms so far
-``gradient_imbalance/max_over_mean``  max over seen classes of g^j, divided by their mean
-``eval/periodic_accuracy``     accuracy of each periodic evaluation (``eval_period``)
-``eval/accuracy``, ``eval/old``, ``eval/new``, ``eval/task_<k>``  task-end evaluation
-=============================  =============================================================
+- ``train/loss``: the step's training loss (the sum of its terms); ``train/loss_<term>``: each
+  term (``ce``, ``prototypes`` = L_P, ``method`` = the method's own loss, ...);
+- ``train/batch_accuracy``: accuracy (%) of the step's predictions on its stream batch, made
+  before the update (online accuracy); ``train/running_accuracy``: the same over the stream so far;
+- every ``log_interval`` steps and at each task end: ``fgh/alpha_{mean,std,min,max}`` over FGH's
+  coefficients (``fgh/group<i>/...`` for several groups), ``gradient_imbalance/G_n/task_<k>``
+  (running G^k_n, paper Sec. 5.1, over the tasks whose classes were seen, from the mean
+  classifier-row gradient norms so far) and ``gradient_imbalance/max_over_mean`` (max over the
+  seen classes of g^j divided by their mean);
+- at evaluations: ``eval/periodic_accuracy`` (``eval_period``), and at task ends
+  ``eval/accuracy``, ``eval/old``, ``eval/new`` and ``eval/task_<k>`` (tasks numbered from 1).
 """
 
 from __future__ import annotations
