@@ -402,6 +402,17 @@ def test_a_checkpoint_of_another_config_is_refused(tmp_path):
     assert path.exists()  # a refusal deletes nothing
 
 
+def test_a_checkpoint_of_another_stream_is_refused(tmp_path):
+    """Same config, other data (here: the stream of another shuffle): the saved position would
+    point into a different sequence of batches."""
+    run, path = killed_checkpoint(tmp_path)
+    other = clear_stream(run.data[1], init_cls=2, increment=2, batch_size=8, seed=4)
+    moved = Run(run.setup, run.config, other, run.data)
+    with pytest.raises(CheckpointError, match="another stream") as err:
+        moved.session(tmp_path)
+    assert str(path) in str(err.value) and "delete" in str(err.value)
+
+
 def test_keys_that_cannot_change_results_do_not_block_a_resume(tmp_path):
     run, _ = killed_checkpoint(tmp_path)
     relaxed = {**run.config, "log_interval": 1, "num_workers": 7, "checkpoint_every": 5}
