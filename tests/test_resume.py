@@ -558,6 +558,48 @@ def test_seeded_samples_do_not_depend_on_workers_order_or_iterator():
     assert not torch.equal(torch.cat(list(other_seed)), single)
 
 
+@requires_pilot
+def test_pilot_data_source_augments_each_stream_sample_the_same_way(pilot, monkeypatch):
+    """PILOT's DummyDataset with random crops and flips, through PilotDataSource: the stream
+    batches are the same with 0 or 2 workers, and a fresh loader over the remaining batches (a
+    resume) yields what the full pass yielded for them."""
+    from types import SimpleNamespace
+
+    from torchvision import transforms
+
+    monkeypatch.syspath_prepend(str(pilot))
+    from pilot_online.pilot.data import PilotDataSource
+
+    try:
+        images = np.random.default_rng(0).integers(0, 256, (12, 16, 16, 3), dtype=np.uint8)
+        manager = SimpleNamespace(
+            _train_data=images,
+            _train_targets=np.arange(12) % 3,
+            _test_data=images[:3],
+            _test_targets=np.arange(3),
+            _train_trsf=[transforms.RandomCrop(16, padding=4), transforms.RandomHorizontalFlip()],
+            _test_trsf=[],
+            _common_trsf=[transforms.ToTensor()],
+            use_path=False,
+        )
+        batches = [np.array([4, 0, 9]), np.array([11, 2, 7]), np.array([5, 1])]
+
+        def stream(workers: int, batches=batches) -> torch.Tensor:
+            config = {"num_workers": workers, "eval_batch_size": 4}
+            source = PilotDataSource(manager, config, seed=1993)
+            return torch.cat([x for x, _ in source.train_batches(batches)])
+
+        single = stream(0)
+        assert torch.equal(stream(2), single)
+        assert torch.equal(stream(2, batches[1:]), single[3:])
+        # The augmentations are random (a plain pass over the same images differs from them).
+        plain = torch.stack([transforms.ToTensor()(images[i]) for b in batches for i in b])
+        assert not torch.equal(single, plain)
+    finally:
+        for name in [m for m in sys.modules if m.split(".")[0] in ("models", "utils", "backbone")]:
+            del sys.modules[name]
+
+
 # -- the real thing: SIGKILL a `pilot-online run` through PILOT and rerun the same command ---------
 PILOT_CHECKPOINT = "logs/coda_online/synthetic_tiny/0/4/smoke_1993_vit_base_patch16_224_coda_prompt"
 
