@@ -95,10 +95,7 @@ def run_demo(
         path.unlink(missing_ok=True)  # the demo overwrites its own previous output
         session = OnlineSession(loop, stream, data, config, path, progress=False)
         start = time.perf_counter()
-        for task in range(stream.num_tasks):
-            session.train_task(task)
-            session.evaluate_task_end(task)
-        results = session.write()
+        results = session.run()
         summaries[label] = results
         matrix = results["metrics"]["accuracy_matrix"]
         print(f"\n{label}: accuracy matrix a[l][k] (rows: task l, columns: after task k)")

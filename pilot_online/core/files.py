@@ -11,18 +11,26 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> Path:
     """Replace (or create) ``path`` with ``data`` in one step; ``str`` is written as UTF-8."""
-    target = Path(path)
     payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    return write_atomic_with(path, lambda handle: handle.write(payload))
+
+
+def write_atomic_with(path: str | os.PathLike[str], writer: Callable[[BinaryIO], object]) -> Path:
+    """Like :func:`write_atomic`, with ``writer`` streaming the bytes into an open binary file
+    (``torch.save`` of a large checkpoint, without a second copy in memory)."""
+    target = Path(path)
     mode = target.stat().st_mode & 0o7777 if target.exists() else None
     handle, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(handle, "wb") as tmp:
-            tmp.write(payload)
+            writer(tmp)
             tmp.flush()
             os.fsync(tmp.fileno())
         if mode is not None:

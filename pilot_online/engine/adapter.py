@@ -146,6 +146,19 @@ class MethodAdapter:
         """The method's entries for the results file's ``diagnostics.method``; none by default."""
         return {}
 
+    def extra_state(self, network: nn.Module) -> dict[str, Any]:
+        """What a checkpoint must hold beyond the trainable parameters, the network's buffers and
+        the loop's state: the method's own training state (oLoRA: its plateau detector, hard
+        buffer and merged weights). Tensors and plain values only; none by default."""
+        return {}
+
+    def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
+        """Restore what :meth:`extra_state` returned, into a freshly built ``network``."""
+        if state:
+            raise ValueError(
+                f"{type(self).__name__} keeps no extra state but the checkpoint has {sorted(state)}"
+            )
+
     def pilot_args(self, args: dict, **overrides: Any) -> dict:
         """A copy of ``args`` in which PILOT's factories recognise the upstream method."""
         return {**args, "model_name": self.base_model_name, **overrides}

@@ -96,6 +96,10 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
         choices=LOGGERS,
     ),
     "logger_dir": ConfigKey(None, "TensorBoard folder (default: beside the results file)"),
+    "checkpoint_every": ConfigKey(
+        None,
+        "checkpoint every N stream batches and at each task end, and resume from it; null = off",
+    ),
 }
 
 #: The paper's FGH setting (Eq. 8, gamma 1) and its four ablation rows: base, + P, + FGH and
@@ -234,6 +238,12 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
         not isinstance(cfg["eval_period"], int) or cfg["eval_period"] < 1
     ):
         raise ConfigError("eval_period must be null or a positive number of stream samples")
+    every = cfg["checkpoint_every"]
+    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+        raise ConfigError(
+            f"checkpoint_every must be null (no checkpoints) or a positive number of stream "
+            f"batches, got {every!r}"
+        )
     seeds = cfg["seed"] if isinstance(cfg["seed"], list) else [cfg["seed"]]
     if not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise ConfigError('"seed" must be a list of integers, e.g. [1993, 1994]')

@@ -248,6 +248,59 @@ class OnlineLoop:
             stats["trace"] = torch.stack(self._grad_trace).float().cpu().numpy()
         return stats
 
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything training changed: trainable parameters and the network's buffers (not the
+        frozen weights, which the network rebuilds identically), the adapter's extra state, the
+        optimiser, counters and gradient statistics. Mixins add their components' state."""
+        trace = self._grad_trace
+        return {
+            "parameters": {name: p.detach() for name, p in self.named_parameters},
+            "buffers": dict(self.network.named_buffers()),
+            "adapter": self.adapter.extra_state(self.network),
+            "optimizer": self.optimizer.state_dict(),
+            "seen": self.seen,
+            "optimizer_steps": self.optimizer_steps,
+            "samples_seen": self.samples_seen,
+            "skipped_nonfinite_steps": self.skipped_nonfinite_steps,
+            "nonfinite_streak": self._nonfinite_streak,
+            "grad_norm_sum": self._grad_norm_sum,
+            "grad_trace": None if trace is None else (torch.stack(trace) if trace else []),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` into a loop built from the same config and network."""
+        for kind, current in (
+            ("parameters", dict(self.named_parameters)),
+            ("buffers", dict(self.network.named_buffers())),
+        ):
+            saved = state[kind]
+            if set(saved) != set(current):
+                raise ValueError(
+                    f"the checkpoint's trainable {kind} differ from the network's: "
+                    f"missing {sorted(set(current) - set(saved))[:5]}, "
+                    f"unexpected {sorted(set(saved) - set(current))[:5]}"
+                )
+            for name, tensor in current.items():
+                if tensor.shape != saved[name].shape:
+                    raise ValueError(
+                        f"{kind[:-1]} {name} has shape {tuple(tensor.shape)} but "
+                        f"{tuple(saved[name].shape)} in the checkpoint"
+                    )
+                tensor.copy_(saved[name])
+        self.adapter.load_extra_state(self.network, state["adapter"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.seen.copy_(state["seen"])
+        self.optimizer_steps = int(state["optimizer_steps"])
+        self.samples_seen = int(state["samples_seen"])
+        self.skipped_nonfinite_steps = int(state["skipped_nonfinite_steps"])
+        self._nonfinite_streak = int(state["nonfinite_streak"])
+        self._grad_norm_sum.copy_(state["grad_norm_sum"])
+        trace = state["grad_trace"]
+        if self._grad_trace is not None:
+            self._grad_trace = [row.to(self.device) for row in trace] if len(trace) else []
+
     # -- evaluation ------------------------------------------------------------------------------
     @torch.no_grad()
     def predict(

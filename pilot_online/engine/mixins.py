@@ -45,6 +45,13 @@ class PrototypeMixin:
         super().after_step(out, labels)
         self.prototypes.update(out.features, labels, validate=False)
 
+    def state_dict(self: OnlineLoop) -> dict[str, Any]:
+        return {**super().state_dict(), "prototypes": self.prototypes.state_dict()}
+
+    def load_state_dict(self: OnlineLoop, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.prototypes.load_state_dict(state["prototypes"])
+
     def report(self: OnlineLoop) -> dict[str, Any]:
         report = super().report()
         report["prototypes"] = {
@@ -83,6 +90,13 @@ class FGHMixin:
     def reset_state(self: OnlineLoop, params: list[torch.nn.Parameter]) -> None:
         super().reset_state(params)
         self.fgh.reset_state(params)
+
+    def state_dict(self: OnlineLoop) -> dict[str, Any]:
+        return {**super().state_dict(), "fgh": self.fgh.state_dict()}
+
+    def load_state_dict(self: OnlineLoop, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.fgh.load_state_dict(state["fgh"])
 
     def report(self: OnlineLoop) -> dict[str, Any]:
         report = super().report()
@@ -154,6 +168,13 @@ class ReplayMixin:
         if replay is None:
             return memory_inputs, memory_labels
         return torch.cat([replay[0], memory_inputs]), torch.cat([replay[1], memory_labels])
+
+    def state_dict(self: OnlineLoop) -> dict[str, Any]:
+        return {**super().state_dict(), "memory": self.memory.state_dict()}
+
+    def load_state_dict(self: OnlineLoop, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.memory.load_state_dict(state["memory"])
 
     def report(self: OnlineLoop) -> dict[str, Any]:
         report = super().report()

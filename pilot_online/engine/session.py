@@ -10,6 +10,7 @@ Needs no PILOT: data comes from any :class:`DataSource`.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import resource
@@ -25,7 +26,15 @@ from tqdm.auto import tqdm
 from ..core import metrics
 from ..core.files import write_atomic
 from ..core.results import build_results, to_jsonable, write_results
+from ..core.rng import capture_rng_state, restore_rng_state
 from ..core.streams import Stream
+from .checkpoint import (
+    CheckpointError,
+    checkpoint_path_for,
+    load_checkpoint,
+    remove_stale_temporaries,
+    save_checkpoint,
+)
 from .loop import OnlineLoop
 
 logger = logging.getLogger(__name__)
@@ -57,7 +66,15 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class OnlineSession:
-    """Drives an :class:`OnlineLoop` through a :class:`Stream` and records everything measured."""
+    """Drives an :class:`OnlineLoop` through a :class:`Stream` and records everything measured.
+
+    Drive it task by task with :meth:`train_task` then :meth:`complete_task`, and :meth:`finish`
+    after the last task (or all at once with :meth:`run`). With ``checkpoint_every`` set, the
+    session checkpoints every that many stream batches and at every task end but the last, and
+    a new session over the same config resumes from the checkpoint when it is built: the tasks
+    already completed are skipped by :meth:`train_task` (and :meth:`complete_task` returns their
+    stored evaluation), the current one restarts at the saved batch.
+    """
 
     def __init__(
         self,
@@ -67,6 +84,7 @@ class OnlineSession:
         config: Mapping[str, Any],
         results_path: Path | None = None,
         progress: bool = True,
+        checkpoint_path: Path | None = None,
     ) -> None:
         self.loop, self.stream, self.data, self.config = loop, stream, data, config
         self.results_path = results_path
@@ -103,20 +121,73 @@ class OnlineSession:
 
             task_classes = [s.new_classes for s in stream.summary()]
             self.live_log = make_live_logger(config, loop, task_classes, results_path)
+        # Resuming: PILOT's evaluation report of each completed task, the stream batches trained
+        # so far, and where a restored run picks up (task, batches of it already trained).
+        self.task_reports: list[dict[str, Any]] = []
+        self.batches_trained = 0
+        self.resume_position = (0, 0)
+        self.resumed_from: list[dict[str, int]] = []
+        self.checkpoint_every = config.get("checkpoint_every") or None
+        self.checkpoint_path = self._checkpoint_location(checkpoint_path)
+        if self.checkpoint_path is not None:
+            remove_stale_temporaries(self.checkpoint_path)
+            if self.checkpoint_path.exists():
+                self._resume()
+                if self.live_log is not None:  # live curves go on at the resumed stream step
+                    self.live_log.step = self.batches_trained
+
+    # -- driving -----------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Every task (train, then evaluate), then the results file; resumes if checkpointed."""
+        try:
+            for task in range(self.stream.num_tasks):
+                self.train_task(task)
+                self.complete_task(task)
+        except BaseException as err:
+            self.write(status="failed", error=f"{type(err).__name__}: {err}")
+            raise
+        return self.finish()
+
+    def complete_task(self, task: int) -> dict[str, Any]:
+        """Evaluate at the end of ``task`` (:meth:`evaluate_task_end`), keep its report and
+        checkpoint; a task completed before a resume returns its stored report."""
+        if task < len(self.task_reports):
+            return self.task_reports[task]
+        report = self.evaluate_task_end(task)
+        self.task_reports.append(report)
+        if self.checkpoint_path is not None and task + 1 < self.stream.num_tasks:
+            self.save_checkpoint(task + 1, 0)
+        return report
+
+    def finish(self) -> dict[str, Any]:
+        """Write the final results, then delete the checkpoint: a finished run is not resumed."""
+        results = self.write()
+        if self.checkpoint_path is not None:
+            self.checkpoint_path.unlink(missing_ok=True)
+        return results
 
     # -- training ----------------------------------------------------------------------------------
     def train_task(self, task: int) -> None:
-        """Consume one stream segment in a single pass."""
+        """Consume one stream segment in a single pass (after a resume: what is left of it)."""
+        resume_task, resume_step = self.resume_position
+        if task < resume_task:
+            return  # trained (and evaluated) before the checkpoint this session resumed from
+        first = resume_step if task == resume_task else 0
         batch_indices = [batch.indices for batch in self.stream.batches(task)]
         interval = int(self.config.get("log_interval", 10))
         bar = tqdm(
-            total=len(batch_indices), desc=f"task {task}", disable=not self.progress, leave=False
+            total=len(batch_indices),
+            initial=first,
+            desc=f"task {task}",
+            disable=not self.progress,
+            leave=False,
         )
         loss_sum = torch.zeros((), device=self.loop.device)
         correct_sum = torch.zeros((), device=self.loop.device, dtype=torch.long)
         seen_in_window = steps_in_window = 0
         start = time.perf_counter()
-        for step, (inputs, labels) in enumerate(self.data.train_batches(batch_indices), start=1):
+        batches = self.data.train_batches(batch_indices[first:])
+        for step, (inputs, labels) in enumerate(batches, start=first + 1):
             stats = self.loop.train_step(inputs, labels, batch_indices[step - 1])
             if self.live_log is not None:
                 self.live_log.on_step(stats)
@@ -137,6 +208,14 @@ class OnlineSession:
                 self.train_seconds += time.perf_counter() - start
                 self._periodic_evaluation()
                 start = time.perf_counter()
+            self.batches_trained += 1
+            if (
+                self.checkpoint_path is not None
+                and self.batches_trained % self.checkpoint_every == 0
+            ):
+                self.train_seconds += time.perf_counter() - start
+                self.save_checkpoint(task, step)
+                start = time.perf_counter()
         self.train_seconds += time.perf_counter() - start
         bar.close()
         if self.live_log is not None:
@@ -153,6 +232,106 @@ class OnlineSession:
         self.periodic.append({"samples_seen": self.loop.samples_seen, "accuracy": accuracy})
         if self.live_log is not None:
             self.live_log.on_eval("periodic", {"accuracy": accuracy})
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def _checkpoint_location(self, path: Path | None) -> Path | None:
+        if not self.checkpoint_every:
+            if path is None and self.results_path is not None:
+                path = checkpoint_path_for(self.results_path)
+            if path is not None and path.exists():
+                logger.warning(
+                    "checkpoint_every is null: not resuming from the checkpoint %s (set "
+                    "checkpoint_every to resume it, or delete it)",
+                    path,
+                )
+            return None
+        if path is None and self.results_path is None:
+            raise ValueError(
+                "checkpoint_every is set but the session has no results_path or checkpoint_path "
+                "to put the checkpoint beside: give one, or set checkpoint_every to null"
+            )
+        return path if path is not None else checkpoint_path_for(self.results_path)
+
+    def _stream_digest(self) -> str:
+        """SHA-256 of every task's batches: the checkpoint's position means this exact stream."""
+        digest = hashlib.sha256()
+        for task in range(self.stream.num_tasks):
+            digest.update(f"task {task}".encode())
+            for batch in self.stream.batches(task):
+                digest.update(np.ascontiguousarray(batch.indices, dtype=np.int64).tobytes())
+        return digest.hexdigest()
+
+    def state_dict(self, task: int, step: int) -> dict[str, Any]:
+        """The whole run at a point where ``step`` batches of ``task`` are trained: the loop
+        (parameters, optimiser, mixins, method), the metrics so far and every RNG state."""
+        return {
+            "position": {"task": task, "step": step},
+            "stream_digest": self._stream_digest(),
+            "batches_trained": self.batches_trained,
+            "columns": list(self.columns),
+            "class_history": list(self.class_history),
+            "end_of_task": list(self.end_of_task),
+            "periodic": list(self.periodic),
+            "next_periodic": self._next_periodic,
+            "task_reports": list(self.task_reports),
+            "tasks_trained": self.tasks_trained,
+            "train_seconds": self.train_seconds,
+            "eval_seconds": self.eval_seconds,
+            "resumed_from": list(self.resumed_from),
+            "loop": self.loop.state_dict(),
+            "rng": capture_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the RNG last, so nothing drawn while loading counts)."""
+        if state["stream_digest"] != self._stream_digest():
+            raise CheckpointError(
+                f"checkpoint {self.checkpoint_path} was written for another stream (same config, "
+                "other data: did the dataset change?): delete it to start the run over"
+            )
+        self.loop.load_state_dict(state["loop"])
+        self.columns = [np.asarray(c) for c in state["columns"]]
+        self.class_history = [np.asarray(h) for h in state["class_history"]]
+        self.end_of_task = [float(v) for v in state["end_of_task"]]
+        self.periodic = [dict(p) for p in state["periodic"]]
+        self._next_periodic = state["next_periodic"]
+        self.task_reports = list(state["task_reports"])
+        self.tasks_trained = int(state["tasks_trained"])
+        self.batches_trained = int(state["batches_trained"])
+        self.train_seconds = float(state["train_seconds"])
+        self.eval_seconds = float(state["eval_seconds"])
+        self.resumed_from = list(state["resumed_from"])
+        position = state["position"]
+        self.resume_position = (int(position["task"]), int(position["step"]))
+        restore_rng_state(state["rng"])
+
+    def save_checkpoint(self, task: int, step: int) -> None:
+        """Write the checkpoint atomically (the previous one stays until the rename)."""
+        save_checkpoint(self.checkpoint_path, self.state_dict(task, step), dict(self.config))
+        logger.info("checkpoint at task %d, batch %d: %s", task, step, self.checkpoint_path)
+
+    def _resume(self) -> None:
+        state = load_checkpoint(self.checkpoint_path, dict(self.config))
+        try:
+            self.load_state_dict(state)
+        except (KeyError, ValueError, RuntimeError, TypeError) as err:
+            if isinstance(err, CheckpointError):
+                raise
+            raise CheckpointError(
+                f"checkpoint {self.checkpoint_path} does not fit this run "
+                f"({type(err).__name__}: {err}): delete it to start the run over"
+            ) from err
+        task, step = self.resume_position
+        self.resumed_from.append(
+            {"task": task, "step": step, "samples_seen": self.loop.samples_seen}
+        )
+        logger.warning(
+            "resuming from %s: task %d after %d of its batches (%d stream samples trained)",
+            self.checkpoint_path,
+            task,
+            step,
+            self.loop.samples_seen,
+        )
 
     # -- evaluation --------------------------------------------------------------------------------
     def _predict(self, allowed: np.ndarray, topk: int) -> tuple[np.ndarray, np.ndarray]:
@@ -256,6 +435,7 @@ class OnlineSession:
                 ),
             },
             extra={
+                **({"resumed_from": self.resumed_from} if self.resumed_from else {}),
                 "periodic_evaluations": self.periodic,
                 "per_class_final_accuracy": history[-1] if history is not None else None,
                 "gradient_imbalance": imbalance,

@@ -202,6 +202,43 @@ class OLoRAOnline(MethodAdapter):
             self.detector.steps,
         )
 
+    # -- checkpoints ---------------------------------------------------------------------------
+    def extra_state(self, network: nn.Module) -> dict[str, Any]:
+        """The plateau detector, the importance, the hard buffer (its batches are training
+        inputs, kept as tensors) and, once a merge happened, the merged (frozen) qkv weights."""
+        state: dict[str, Any] = {
+            "detector": self.detector.state_dict(),
+            "regularizer": self.regularizer.state_dict(),
+            "buffer": [
+                {"inputs": e.inputs, "labels": e.labels, "loss": e.loss}
+                for e in self.buffer.entries
+            ],
+        }
+        if self.detector.plateaus:  # before any merge the rebuilt network already has them
+            state["merged_qkv"] = [adapter.qkv.weight.detach() for adapter in network.adapters]
+        return state
+
+    @torch.no_grad()
+    def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
+        self.detector.load_state_dict(state["detector"])
+        device = network.fc.weight.device
+        regularizer = dict(state["regularizer"])
+        regularizer["omegas"] = [omega.to(device) for omega in regularizer["omegas"]]
+        self.regularizer.load_state_dict(regularizer)
+        self.buffer.entries = [
+            BufferEntry(e["inputs"].to(device), e["labels"].to(device), float(e["loss"]))
+            for e in state["buffer"]
+        ]
+        merged = state.get("merged_qkv")
+        if merged is not None:
+            if len(merged) != len(network.adapters):
+                raise ValueError(
+                    f"the checkpoint has {len(merged)} merged qkv weights, the network "
+                    f"{len(network.adapters)} LoRA adapters"
+                )
+            for adapter, weight in zip(network.adapters, merged):
+                adapter.qkv.weight.copy_(weight)
+
     def report(self) -> dict[str, Any]:
         detector = getattr(self, "detector", None)
         if detector is None:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..core.datasets import DATASETS, PILOT_DATASETS, dataset_names, dataset_spec, make_synthetic
+from ..core.rng import seeded
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,26 @@ def _base_model_name(args: dict[str, Any] | None) -> str | None:
         return None  # an upstream method: keep PILOT's own choice
 
 
+class SeededSamples(torch.utils.data.Dataset):
+    """A dataset whose sample ``i`` is loaded with the random generators seeded by ``(seed, i)``.
+
+    A stream shows each training sample once, so its random augmentation is a function of the run
+    seed and the sample alone: the same whichever DataLoader worker loads it, however many
+    workers there are, and whether or not the run resumed mid-task with a fresh iterator (whose
+    worker seeds are drawn anew). The caller's generators are left as they were.
+    """
+
+    def __init__(self, dataset: Any, seed: int) -> None:
+        self.dataset, self.seed = dataset, int(seed)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        with seeded(self.seed, int(index)):
+            return self.dataset[index]
+
+
 class PilotDataSource:
     """Stream-ordered training batches and test batches from a PILOT ``DataManager``."""
 
@@ -116,6 +137,7 @@ class PilotDataSource:
             transforms.Compose([*dm._train_trsf, *dm._common_trsf]),
             dm.use_path,
         )
+        self._stream_samples = SeededSamples(self._train, seed)
         self._test = DummyDataset(
             dm._test_data,
             dm._test_targets,
@@ -126,7 +148,8 @@ class PilotDataSource:
         self.test_labels = np.asarray(dm._test_targets)
         self.num_workers = int(config["num_workers"])
         self.eval_batch_size = int(config["eval_batch_size"])
-        # Seeded once per run, so random augmentations repeat with the seed.
+        # Worker seeds come from here, not from the global generator; augmentations of stream
+        # samples do not depend on them (``SeededSamples``).
         self._generator = torch.Generator().manual_seed(seed)
         self.pin_memory = torch.cuda.is_available()
 
@@ -142,13 +165,14 @@ class PilotDataSource:
             yield inputs, labels
 
     def train_batches(self, batches: Sequence[np.ndarray]) -> Iterator:
-        return self._loader(self._train, [b.tolist() for b in batches], self._generator)
+        return self._loader(self._stream_samples, [b.tolist() for b in batches], self._generator)
 
     def train_samples(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Training samples by index, through the training transforms (replay's memory draws).
 
         Loaded in this process: a worker pool per 100-sample draw would cost more than it saves.
-        Random augmentations use torch's global generator, which PILOT seeds per run."""
+        Random augmentations use torch's global generator, which PILOT seeds per run and a
+        checkpoint saves (a replayed sample is augmented anew at each draw)."""
         samples = [self._train[int(i)] for i in indices]
         inputs = torch.stack([image for _, image, _ in samples])
         labels = torch.as_tensor(np.asarray([label for _, _, label in samples]), dtype=torch.long)

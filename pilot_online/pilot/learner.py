@@ -18,6 +18,7 @@ from models.base import BaseLearner  # PILOT: this module is imported lazily
 from ..core.results import results_path
 from ..core.streams import build_stream
 from ..engine.adapter import MethodAdapter
+from ..engine.checkpoint import checkpoint_path_for
 from ..engine.config import resolve_config
 from ..engine.loop import build_loop
 from ..engine.session import OnlineSession, unique_results_path
@@ -50,11 +51,13 @@ class OnlineLearner(BaseLearner):
         self.topk = 5
         self.session: OnlineSession | None = None
         directory = Path(self.config["results_dir"] or pilot_log_dir(self.config))
-        self.results_path = unique_results_path(
-            results_path(
-                directory, self.config["prefix"], self.config["seed"], self.config["backbone_type"]
-            )
+        path = results_path(
+            directory, self.config["prefix"], self.config["seed"], self.config["backbone_type"]
         )
+        # The checkpoint's name is fixed by the config, so rerunning the command finds it; the
+        # results file gets a timestamped name only if a finished run already wrote there.
+        self.checkpoint_path = checkpoint_path_for(path)
+        self.results_path = unique_results_path(path)
         logger.info(
             "online learner %s, trainable: %s",
             type(self.loop).__name__,
@@ -74,9 +77,13 @@ class OnlineLearner(BaseLearner):
             logger.info("stream segment %s", summary.to_dict())
         self.results_path.parent.mkdir(parents=True, exist_ok=True)
         data = PilotDataSource(data_manager, cfg, seed=cfg["seed"])
-        return OnlineSession(self.loop, stream, data, cfg, self.results_path)
+        return OnlineSession(
+            self.loop, stream, data, cfg, self.results_path, checkpoint_path=self.checkpoint_path
+        )
 
     def incremental_train(self, data_manager) -> None:
+        """Train on the next segment. The first call builds the session, which resumes from the
+        run's checkpoint if there is one: segments completed before it are then skipped."""
         self._cur_task += 1
         self.data_manager = data_manager
         if self.session is None:
@@ -90,13 +97,13 @@ class OnlineLearner(BaseLearner):
 
     def eval_task(self):
         try:
-            cnn_accy = self.session.evaluate_task_end(self._cur_task)
+            cnn_accy = self.session.complete_task(self._cur_task)
         except BaseException as err:
             self.session.write(status="failed", error=f"{type(err).__name__}: {err}")
             raise
         logger.info("accuracy after segment %d: %s", self._cur_task, cnn_accy["grouped"])
         if self._cur_task == self.session.stream.num_tasks - 1:
-            results = self.session.write()
+            results = self.session.finish()
             logger.info(
                 "AP %.2f  A_T %.2f  (results: %s)",
                 results["metrics"]["AP"],

@@ -1,0 +1,685 @@
+"""Checkpoints and resume (``checkpoint_every``): a run killed mid-stream and rerun ends with the
+same results file as an uninterrupted run, bit for bit on the CPU.
+
+PILOT-free runs drive an :class:`OnlineSession` in-process; a "kill" is an exception raised by
+the data source at a chosen stream batch, after which everything is rebuilt from scratch (a
+fresh network, loop and session, with the global generators reseeded), as a rerun would. The
+models draw random numbers while training (dropout, noise augmentations, replay draws, LoRA
+re-initialisation), so a resume that lost an RNG state or any training state would show up.
+The PILOT test kills a real ``pilot-online run`` with SIGKILL and reruns the same command.
+
+What the comparisons leave out, and why (every other field of the results file must be equal):
+``timing`` (wall-clock seconds, throughput and peak memory of each process), ``created_utc``
+(when the file was written) and ``extra.resumed_from`` (present only in a resumed run: where it
+resumed). Paths: the compared runs write into folders of the same layout, so names are equal.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import offline_env, requires_pilot
+from torch import nn
+
+from pilot_online.core.results import load_results
+from pilot_online.core.streams import clear_stream, si_blurry_stream
+from pilot_online.engine.adapter import MethodAdapter, StepOutput
+from pilot_online.engine.checkpoint import (
+    IGNORED_KEYS,
+    CheckpointError,
+    checkpoint_path_for,
+    comparable_config,
+)
+from pilot_online.engine.config import ONLINE_KEYS, PAPER_FGH, ConfigError, resolve_config
+from pilot_online.engine.loop import build_loop
+from pilot_online.engine.session import OnlineSession
+from pilot_online.version import __version__
+
+HERE = Path(__file__).resolve().parent
+EXPS = HERE.parent / "exps"
+C = 6
+
+
+class Killed(Exception):
+    """Stands for SIGKILL in the in-process tests: everything after the last checkpoint is lost."""
+
+
+# -- a small model that draws random numbers while training ---------------------------------------
+class DropoutNet(nn.Module):
+    def __init__(self, d_in: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        self.body = nn.Linear(d_in, hidden)
+        self.dropout = nn.Dropout(0.3)
+        self.fc = nn.Linear(hidden, C)
+
+
+class DropoutAdapter(MethodAdapter):
+    """relu(body(x)) with dropout in training (torch's global generator), then fc."""
+
+    base_model_name = "dropout_tiny"
+
+    def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
+        features = network.dropout(torch.relu(network.body(x)))
+        return StepOutput(network.fc(features), features)
+
+    def classifier(self, network: nn.Module) -> nn.Linear:
+        return network.fc
+
+
+class NoisySource:
+    """A DataSource over tensors whose training samples get Gaussian noise from torch's global
+    generator (an augmentation run in the training process); ``kill_after`` raises
+    :class:`Killed` instead of yielding stream batch number ``kill_after + 1`` (1-based, counted
+    over the whole session)."""
+
+    def __init__(self, train_x, train_y, test_x, test_y, kill_after: int | None = None) -> None:
+        self.train_x, self.train_y = train_x, torch.as_tensor(train_y)
+        self.test_x, self.test_y = test_x, torch.as_tensor(test_y)
+        self.test_labels = np.asarray(test_y)
+        self.kill_after = kill_after
+        self.batches_yielded = 0
+
+    def _noisy(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.from_numpy(np.array(index, dtype=np.int64))
+        x = self.train_x[index]
+        return x + 0.1 * torch.randn_like(x), self.train_y[index]
+
+    def train_batches(self, batches):
+        for indices in batches:
+            if self.kill_after is not None and self.batches_yielded == self.kill_after:
+                raise Killed(f"killed before stream batch {self.batches_yielded + 1}")
+            self.batches_yielded += 1
+            yield self._noisy(indices)
+
+    def train_samples(self, indices):
+        return self._noisy(indices)
+
+    def eval_batches(self, indices):
+        for start in range(0, len(indices), 16):
+            index = torch.from_numpy(np.array(indices[start : start + 16]))
+            yield self.test_x[index], self.test_y[index]
+
+
+def vector_data(per_class: int = 16, test_per_class: int = 5, d_in: int = 8):
+    """Class c's vectors scatter around a random centre: learnable, not trivially."""
+    g = torch.Generator().manual_seed(7)
+    centres = 1.5 * torch.randn(C, d_in, generator=g)
+    train_y = np.repeat(np.arange(C), per_class)
+    test_y = np.repeat(np.arange(C), test_per_class)
+    train_x = centres[train_y] + torch.randn(len(train_y), d_in, generator=g)
+    test_x = centres[test_y] + torch.randn(len(test_y), d_in, generator=g)
+    return train_x, train_y, test_x, test_y
+
+
+def image_data(per_class: int = 6, test_per_class: int = 2):
+    g = torch.Generator().manual_seed(7)
+    train_y = np.repeat(np.arange(C), per_class)
+    test_y = np.repeat(np.arange(C), test_per_class)
+    pattern = torch.rand(C, 3, 32, 32, generator=g)
+    train_x = pattern[train_y] + 0.3 * torch.rand(len(train_y), 3, 32, 32, generator=g)
+    test_x = pattern[test_y] + 0.3 * torch.rand(len(test_y), 3, 32, 32, generator=g)
+    return train_x, train_y, test_x, test_y
+
+
+def base_config(**overrides) -> dict:
+    config = {key: spec.default for key, spec in ONLINE_KEYS.items()}
+    config.update(
+        model_name="dropout_tiny",
+        optimizer="adam",
+        init_lr=0.01,
+        weight_decay=0.0,
+        seed=3,
+        checkpoint_every=3,
+    )
+    config.update(overrides)
+    return config
+
+
+def reseed(seed: int = 0) -> None:
+    """What a fresh process gets before it builds anything (PILOT's trainer seeds torch)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def tiny_setup(config: dict):
+    reseed()
+    adapter = DropoutAdapter(args=config)
+    return adapter, DropoutNet()
+
+
+class Run:
+    """One scenario (model, stream, data, config) that can be run straight or with kills."""
+
+    def __init__(self, setup, config: dict, stream, data) -> None:
+        self.setup, self.config, self.stream, self.data = setup, config, stream, data
+
+    def session(self, folder: Path, kill_after: int | None = None, config: dict | None = None):
+        config = self.config if config is None else config
+        adapter, network = self.setup(config)
+        loop = build_loop(adapter, network, config, C)
+        source = NoisySource(*self.data, kill_after=kill_after)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "run.results.json"
+        return OnlineSession(loop, self.stream, source, config, path, progress=False)
+
+    def straight(self, folder: Path):
+        session = self.session(folder)
+        return session, session.run()
+
+    def killed_then_resumed(self, folder: Path, kills: list[int]):
+        """Kill at each stream batch in ``kills`` (counted in that attempt), then finish."""
+        for kill in kills:
+            session = self.session(folder, kill_after=kill)
+            with pytest.raises(Killed):
+                session.run()
+            assert session.checkpoint_path.exists()
+        session = self.session(folder)
+        return session, session.run()
+
+
+def comparable(results: dict) -> dict:
+    """The results without the fields a resume may change (see the module docstring)."""
+    results = copy.deepcopy(results)
+    results.pop("timing"), results.pop("created_utc")
+    results["extra"].pop("resumed_from", None)
+    return results
+
+
+def assert_same_run(straight, resumed) -> None:
+    (s_session, s_results), (r_session, r_results) = straight, resumed
+    assert json.dumps(comparable(r_results), sort_keys=True) == json.dumps(
+        comparable(s_results), sort_keys=True
+    )
+    s_trace = s_session.written_path.with_name("run.results.gradtrace.npy").read_bytes()
+    r_trace = r_session.written_path.with_name("run.results.gradtrace.npy").read_bytes()
+    assert s_trace == r_trace
+    s_state, r_state = s_session.loop.state_dict(), r_session.loop.state_dict()
+    for name, p in s_state["parameters"].items():
+        assert torch.equal(p, r_state["parameters"][name]), name
+    for name, b in s_state["buffers"].items():
+        assert torch.equal(b, r_state["buffers"][name]), name
+    if "fgh" in s_state:  # every alpha, not only the results file's summary of them
+        s_alpha, r_alpha = s_session.loop.fgh.coefficients(), r_session.loop.fgh.coefficients()
+        assert s_alpha.keys() == r_alpha.keys()
+        assert all(torch.equal(s_alpha[n], r_alpha[n]) for n in s_alpha)
+    if "prototypes" in s_state:
+        assert torch.equal(s_state["prototypes"]["means"], r_state["prototypes"]["means"])
+        assert torch.equal(s_state["prototypes"]["counts"], r_state["prototypes"]["counts"])
+
+
+def p_fgh_run(stream: str = "clear") -> Run:
+    data = vector_data()
+    if stream == "clear":
+        # 3 tasks of 2 classes (32 samples), batch 8: 4 stream batches per task, 12 in all.
+        built = clear_stream(data[1], init_cls=2, increment=2, batch_size=8, seed=3)
+        config = base_config(online_prototypes=True, fgh=dict(PAPER_FGH))
+    else:
+        built = si_blurry_stream(data[1], num_tasks=3, n=50, m=10, seed=3, batch_size=8)
+        config = base_config(online_prototypes=True, fgh=dict(PAPER_FGH), eval_period=20)
+    return Run(tiny_setup, config, built, data)
+
+
+def er_run() -> Run:
+    data = vector_data()
+    built = clear_stream(data[1], init_cls=2, increment=2, batch_size=8, seed=3)
+    config = base_config(er_memory_size=20, er_batch_size=6, allow_memory=True)
+    return Run(tiny_setup, config, built, data)
+
+
+# -- PILOT-free: session-level resume equals the uninterrupted run --------------------------------
+@pytest.mark.parametrize(
+    "kills",
+    [
+        # Checkpoints: after stream batches 3, 6, 9, 12 and at the ends of tasks 0 and 1.
+        [5],  # in task 1 after its first batch: resumes from task 0's end, one batch redone
+        [4],  # right after task 0's end-of-task checkpoint: nothing lost
+        [7, 2],  # killed twice: from (task 1, batch 2), then from task 1's end
+        [11],  # in the last task: resumes from (task 2, batch 1), two batches redone
+    ],
+)
+def test_p_fgh_resume_equals_the_uninterrupted_run(tmp_path, kills):
+    run = p_fgh_run()
+    straight = run.straight(tmp_path / "straight")
+    resumed = run.killed_then_resumed(tmp_path / "resumed", kills)
+    assert_same_run(straight, resumed)
+    results = resumed[1]
+    # The last attempt resumed from the last checkpoint before its kill.
+    assert results["extra"]["resumed_from"][-1]["samples_seen"] > 0
+    assert len(results["extra"]["resumed_from"]) == len(kills)
+    assert "resumed_from" not in straight[1]["extra"]
+    # FGH moved alphas and prototypes covered every stream sample (the run is not trivial).
+    alphas = results["extra"]["diagnostics"]["fgh"]["alpha"]
+    assert any(a["min"] != 1.0 or a["max"] != 1.0 for a in alphas.values())
+    assert results["extra"]["diagnostics"]["prototypes"]["samples"] == 96
+    assert results["counters"]["optimizer_steps"] == 12
+    # The finished run removed its checkpoint.
+    assert not resumed[0].checkpoint_path.exists()
+
+
+def test_si_blurry_resume_keeps_the_periodic_evaluations(tmp_path):
+    run = p_fgh_run("si_blurry")
+    straight = run.straight(tmp_path / "straight")
+    resumed = run.killed_then_resumed(tmp_path / "resumed", [5])
+    assert_same_run(straight, resumed)
+    # 96 stream samples, evaluated every 20: 4 periodic evaluations, kept across the resume.
+    assert len(resumed[1]["extra"]["periodic_evaluations"]) == 4
+    assert resumed[1]["metrics"]["A_auc"] is not None
+
+
+def test_experience_replay_resume_equals_the_uninterrupted_run(tmp_path):
+    run = er_run()
+    straight = run.straight(tmp_path / "straight")
+    resumed = run.killed_then_resumed(tmp_path / "resumed", [7])  # from (task 1, batch 2)
+    assert_same_run(straight, resumed)
+    replay = resumed[1]["extra"]["diagnostics"]["experience_replay"]
+    assert replay["size"] == 20 and replay["stream_samples_offered"] == 96
+
+
+def test_resume_without_restoring_the_generators_would_differ(tmp_path, monkeypatch):
+    """The test can fail: a resume that loses the RNG state (dropout, noise) ends elsewhere."""
+    from pilot_online.engine import session as session_module
+
+    run = p_fgh_run()
+    straight = run.straight(tmp_path / "straight")
+    monkeypatch.setattr(session_module, "restore_rng_state", lambda state: None)
+    resumed = run.killed_then_resumed(tmp_path / "resumed", [5])
+    resumed_parameters = resumed[0].loop.state_dict()["parameters"]
+    assert not all(
+        torch.equal(p, resumed_parameters[name])
+        for name, p in straight[0].loop.state_dict()["parameters"].items()
+    )
+
+
+# -- methods with state of their own: MVP (key-use counts), oLoRA (merges, buffer, importance) ---
+def test_mvp_resume_restores_the_key_use_counts(tmp_path):
+    pytest.importorskip("timm")
+    from timm.models.vision_transformer import VisionTransformer
+
+    from pilot_online.engine.config import load_json
+    from pilot_online.methods.mvp import MVPNet, MVPOnline
+
+    config = resolve_config({**load_json(EXPS / "smoke_mvp_online.json"), "checkpoint_every": 2})
+    config["fgh"] = dict(PAPER_FGH)
+
+    def setup(config):
+        reseed()
+        vit = VisionTransformer(
+            img_size=32, patch_size=16, embed_dim=16, depth=4, num_heads=2, num_classes=C
+        )
+        network = MVPNet(vit, C, pool_size=4, g_positions=(0, 1), g_length=2,
+                         e_positions=(2, 3), e_length=3)  # fmt: skip
+        return MVPOnline(args=config), network
+
+    data = image_data()
+    # 2 tasks of 3 batches; checkpoints after batches 2, 4 and task 0's end: resumes at (1, 1).
+    built = clear_stream(data[1], init_cls=3, increment=3, batch_size=6, seed=3)
+    run = Run(setup, config, built, data)
+    straight = run.straight(tmp_path / "straight")
+    resumed = run.killed_then_resumed(tmp_path / "resumed", [5])
+    assert_same_run(straight, resumed)
+    counts = resumed[0].loop.network.key_counts
+    assert counts.sum().item() == 36  # every stream sample counted once, across the resume
+
+
+def test_olora_resume_restores_merges_buffer_and_importance(tmp_path, monkeypatch):
+    timm = pytest.importorskip("timm")
+    from timm.models.vision_transformer import VisionTransformer
+
+    from pilot_online.engine.registry import get_method
+
+    # A tiny ViT stands in for ViT-B (the adapter builds it with timm.create_model).
+    monkeypatch.setattr(
+        timm,
+        "create_model",
+        lambda name, **kwargs: VisionTransformer(
+            img_size=32, patch_size=16, embed_dim=16, depth=2, num_heads=2, num_classes=0
+        ),
+    )
+    raw = {
+        "model_name": "olora_online",
+        "backbone_type": "vit_base_patch16_224",
+        "dataset": "synthetic_tiny",
+        "init_lr": 0.01,
+        "pretrained": False,
+        "checkpoint_every": 2,
+        # A plateau whenever the detector is armed; the window of 2 re-arms it on a rising loss.
+        "loss_window_length": 2,
+        "loss_window_mean_threshold": 1e9,
+        "loss_window_variance_threshold": 1e9,
+        "hard_buffer_size": 2,
+        "mas_weight": 10.0,
+    }
+    config = {**resolve_config(raw), "nb_classes": C, "fgh": dict(PAPER_FGH)}
+
+    def setup(config):
+        reseed()
+        adapter = get_method("olora_online")(args=config)
+        return adapter, adapter.build_network(config)
+
+    data = image_data()
+    built = clear_stream(data[1], init_cls=3, increment=3, batch_size=6, seed=3)
+    run = Run(setup, config, built, data)
+    straight = run.straight(tmp_path / "straight")
+    resumed = run.killed_then_resumed(tmp_path / "resumed", [5])  # from (task 1, batch 1)
+    assert_same_run(straight, resumed)
+    s_net, r_net = straight[0].loop.network, resumed[0].loop.network
+    # The merges changed the frozen qkv weights, identically in both runs.
+    for s_adapter, r_adapter in zip(s_net.adapters, r_net.adapters):
+        assert torch.equal(s_adapter.qkv.weight, r_adapter.qkv.weight)
+    report = resumed[1]["extra"]["diagnostics"]["method"]["olora"]
+    assert report["plateaus"] >= 1 and report["hard_buffer_batches"] == 2
+
+
+# -- refusals -----------------------------------------------------------------------------------
+def killed_checkpoint(tmp_path: Path, kill_after: int = 5) -> tuple[Run, Path]:
+    run = p_fgh_run()
+    session = run.session(tmp_path, kill_after=kill_after)
+    with pytest.raises(Killed):
+        session.run()
+    return run, session.checkpoint_path
+
+
+def test_a_checkpoint_of_another_config_is_refused(tmp_path):
+    run, path = killed_checkpoint(tmp_path)
+    changed = {**run.config, "init_lr": 0.02}
+    with pytest.raises(CheckpointError) as err:
+        run.session(tmp_path, config=changed)
+    message = str(err.value)
+    assert str(path) in message
+    assert "init_lr: 0.01 in the checkpoint, 0.02 now" in message
+    assert "Rerun with the config that started the run" in message and "delete" in message
+    assert path.exists()  # a refusal deletes nothing
+
+
+def test_a_checkpoint_of_another_stream_is_refused(tmp_path):
+    """Same config, other data (here: the stream of another shuffle): the saved position would
+    point into a different sequence of batches."""
+    run, path = killed_checkpoint(tmp_path)
+    other = clear_stream(run.data[1], init_cls=2, increment=2, batch_size=8, seed=4)
+    moved = Run(run.setup, run.config, other, run.data)
+    with pytest.raises(CheckpointError, match="another stream") as err:
+        moved.session(tmp_path)
+    assert str(path) in str(err.value) and "delete" in str(err.value)
+
+
+def test_keys_that_cannot_change_results_do_not_block_a_resume(tmp_path):
+    run, _ = killed_checkpoint(tmp_path)
+    relaxed = {**run.config, "log_interval": 1, "num_workers": 7, "checkpoint_every": 5}
+    relaxed["config"] = "/elsewhere/the_same_config.json"
+    session = run.session(tmp_path, config=relaxed)
+    assert session.resume_position == (1, 0)  # the end-of-task checkpoint of task 0
+    assert set(IGNORED_KEYS) == {
+        "config", "results_dir", "log_interval", "num_workers", "checkpoint_every", "logger",
+        "logger_dir",
+    }  # fmt: skip
+
+
+def test_devices_are_compared_by_kind():
+    assert comparable_config({"device": ["0"]}) == comparable_config({"device": ["cuda:1"]})
+    assert comparable_config({"device": [-1]}) == comparable_config({"device": ["cpu"]})
+    assert comparable_config({"device": [-1]}) != comparable_config({"device": ["0"]})
+
+
+def test_a_checkpoint_of_another_version_is_refused(tmp_path):
+    run, path = killed_checkpoint(tmp_path)
+    payload = torch.load(path, weights_only=True)
+    assert payload["pilot_online_version"] == __version__
+    payload["pilot_online_version"] = "0.0.1"
+    torch.save(payload, path)
+    with pytest.raises(CheckpointError) as err:
+        run.session(tmp_path)
+    message = str(err.value)
+    assert f"written by pilot-online 0.0.1, this is {__version__}" in message
+    assert str(path) in message and "delete" in message
+
+
+def test_a_truncated_checkpoint_is_refused_clearly(tmp_path):
+    run, path = killed_checkpoint(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"cannot be read .*corrupt, truncated") as err:
+        run.session(tmp_path)
+    assert str(path) in str(err.value)
+    path.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(CheckpointError, match="delete"):
+        run.session(tmp_path)
+
+
+def test_checkpoint_every_is_validated():
+    raw = json.loads((EXPS / "smoke_coda_online.json").read_text())
+    assert resolve_config(raw)["checkpoint_every"] is None  # off by default
+    assert resolve_config({**raw, "checkpoint_every": 50})["checkpoint_every"] == 50
+    for bad in (0, -3, 2.5, True, "10"):
+        with pytest.raises(ConfigError, match=r"checkpoint_every must be null .* positive"):
+            resolve_config({**raw, "checkpoint_every": bad})
+
+
+def test_checkpoint_path_sits_beside_the_results_file(tmp_path):
+    path = tmp_path / "smoke_1993_vit.results.json"
+    assert checkpoint_path_for(path) == tmp_path / "smoke_1993_vit.ckpt.pt"
+    run = p_fgh_run()
+    config = {**run.config}
+    adapter, network = run.setup(config)
+    loop = build_loop(adapter, network, config, C)
+    with pytest.raises(ValueError, match=r"checkpoint_every is set but .* no results_path"):
+        OnlineSession(loop, run.stream, NoisySource(*run.data), config, None, progress=False)
+
+
+def test_checkpoint_every_null_leaves_a_checkpoint_alone(tmp_path, caplog):
+    run, path = killed_checkpoint(tmp_path)
+    before = path.read_bytes()
+    session = run.session(tmp_path, config={**run.config, "checkpoint_every": None})
+    assert session.checkpoint_path is None and session.resume_position == (0, 0)
+    assert "not resuming from the checkpoint" in caplog.text
+    assert path.read_bytes() == before
+
+
+# -- atomic writes --------------------------------------------------------------------------------
+def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """A write that dies half-way (here: torch.save raising after some bytes) leaves the old
+    checkpoint and no other file: readers never see a partial checkpoint."""
+    from pilot_online.engine import checkpoint as checkpoint_module
+
+    run, path = killed_checkpoint(tmp_path)
+    before = path.read_bytes()
+    real_save = torch.save
+
+    def dying_save(payload, handle):
+        real_save(payload, handle)
+        handle.seek(len(before) // 3)
+        handle.truncate()
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", dying_save)
+    session = run.session(tmp_path)  # resumes at task 1
+    with pytest.raises(OSError, match="disk full"):
+        session.run()
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir() if ".ckpt" in p.name) == [path.name]
+
+
+def test_a_killed_writer_leaves_only_a_temporary_file_which_is_cleaned(tmp_path):
+    """SIGKILL during a write leaves ``.<name>.*.tmp`` beside a complete checkpoint; the next
+    session ignores its contents, deletes it and resumes from the complete checkpoint."""
+    run, path = killed_checkpoint(tmp_path)
+    stale = tmp_path / f".{path.name}.abc123.tmp"
+    stale.write_bytes(path.read_bytes()[:100])
+    session = run.session(tmp_path)
+    assert not stale.exists()
+    assert session.resume_position == (1, 0)
+
+
+# -- seeded augmentations (the PILOT data source) -------------------------------------------------
+class RandomDataset(torch.utils.data.Dataset):
+    """Each item draws from torch's, numpy's and Python's global generators."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index):
+        return torch.tensor([torch.rand(()).item(), np.random.rand(), random.random(), index])
+
+
+def test_seeded_samples_do_not_depend_on_workers_order_or_iterator():
+    from pilot_online.pilot.data import SeededSamples
+
+    dataset = SeededSamples(RandomDataset(), seed=5)
+
+    def load(batches, workers):
+        # The loader's own worker seeds come from a generator of its own (as PilotDataSource's).
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=batches, num_workers=workers, generator=torch.Generator()
+        )
+        return torch.cat(list(loader))
+
+    order = [[3, 0, 7], [11, 2], [5, 9, 1, 4]]
+    reseed(123)
+    state = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    single = load(order, 0)  # loaded in this process
+    # The caller's generators are where they were.
+    assert torch.equal(torch.get_rng_state(), state[0])
+    assert (np.random.get_state()[1] == state[1]).all() and random.getstate() == state[2]
+    assert torch.equal(load(order, 2), single)  # two workers: the same draws
+    # A fresh iterator over the last two batches (a resume) draws what the full pass drew.
+    assert torch.equal(load(order[1:], 2), single[3:])
+    # Each sample's draws depend on the seed and the sample.
+    assert len(set(single[:, 0].tolist())) == len(single) == 9
+    other_seed = torch.utils.data.DataLoader(SeededSamples(RandomDataset(), 6), batch_sampler=order)
+    assert not torch.equal(torch.cat(list(other_seed)), single)
+
+
+@requires_pilot
+def test_pilot_data_source_augments_each_stream_sample_the_same_way(pilot, monkeypatch):
+    """PILOT's DummyDataset with random crops and flips, through PilotDataSource: the stream
+    batches are the same with 0 or 2 workers, and a fresh loader over the remaining batches (a
+    resume) yields what the full pass yielded for them."""
+    from types import SimpleNamespace
+
+    from torchvision import transforms
+
+    monkeypatch.syspath_prepend(str(pilot))
+    from pilot_online.pilot.data import PilotDataSource
+
+    try:
+        images = np.random.default_rng(0).integers(0, 256, (12, 16, 16, 3), dtype=np.uint8)
+        manager = SimpleNamespace(
+            _train_data=images,
+            _train_targets=np.arange(12) % 3,
+            _test_data=images[:3],
+            _test_targets=np.arange(3),
+            _train_trsf=[transforms.RandomCrop(16, padding=4), transforms.RandomHorizontalFlip()],
+            _test_trsf=[],
+            _common_trsf=[transforms.ToTensor()],
+            use_path=False,
+        )
+        batches = [np.array([4, 0, 9]), np.array([11, 2, 7]), np.array([5, 1])]
+
+        def stream(workers: int, batches=batches) -> torch.Tensor:
+            config = {"num_workers": workers, "eval_batch_size": 4}
+            source = PilotDataSource(manager, config, seed=1993)
+            return torch.cat([x for x, _ in source.train_batches(batches)])
+
+        single = stream(0)
+        assert torch.equal(stream(2), single)
+        assert torch.equal(stream(2, batches[1:]), single[3:])
+        # The augmentations are random (a plain pass over the same images differs from them).
+        plain = torch.stack([transforms.ToTensor()(images[i]) for b in batches for i in b])
+        assert not torch.equal(single, plain)
+    finally:
+        for name in [m for m in sys.modules if m.split(".")[0] in ("models", "utils", "backbone")]:
+            del sys.modules[name]
+
+
+# -- the real thing: SIGKILL a `pilot-online run` through PILOT and rerun the same command ---------
+PILOT_CHECKPOINT = "logs/coda_online/synthetic_tiny/0/4/smoke_1993_vit_base_patch16_224_coda_prompt"
+
+
+def pilot_config() -> dict:
+    config = json.loads((EXPS / "smoke_coda_online.json").read_text())  # CODA + P + FGH
+    config.update(
+        dataset="synthetic_tiny",  # 2 tasks of 4 classes x 20 samples
+        init_cls=4,
+        increment=4,
+        batch_size=20,  # 4 stream batches per task
+        eval_batch_size=40,
+        checkpoint_every=3,  # after batch 3 of task 0, at task 0's end, after batch 2 of task 1
+    )
+    return config
+
+
+def cli_run(pilot: Path, config_path: Path, tmp_path: Path, workdir: Path) -> subprocess.Popen:
+    """``pilot-online run`` in ``workdir`` (PILOT's logs/ and our files go there), output to a
+    file (a pipe nobody reads could fill up and stall the run)."""
+    workdir.mkdir(exist_ok=True)
+    with open(workdir / "output.txt", "a") as output:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pilot_online.cli",
+                "run",
+                "--config",
+                str(config_path),
+                "--pilot-root",
+                str(pilot),
+            ],
+            cwd=workdir,
+            env=offline_env(tmp_path),
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+
+
+@requires_pilot
+def test_pilot_run_killed_mid_task_resumes_bit_identical(pilot, tmp_path):
+    """The same command (same config file, results under each working directory's logs/) runs
+    uninterrupted in one folder and is SIGKILLed once a mid-task checkpoint exists, then rerun,
+    in another; the two results files may differ only in timing, date and the resume record."""
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(pilot_config()))
+    straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
+    checkpoint = resumed_dir / f"{PILOT_CHECKPOINT}.ckpt.pt"
+
+    victim = cli_run(pilot, config_path, tmp_path, resumed_dir)
+    straight = cli_run(pilot, config_path, tmp_path, straight_dir)  # meanwhile, uninterrupted
+    deadline = time.monotonic() + 600
+    while not checkpoint.exists() and victim.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert checkpoint.exists(), (resumed_dir / "output.txt").read_text()[-3000:]
+    victim.send_signal(signal.SIGKILL)
+    assert victim.wait() == -signal.SIGKILL
+    results_dir = checkpoint.parent
+    assert not list(results_dir.glob("*.results.json"))  # killed before any results
+
+    rerun = cli_run(pilot, config_path, tmp_path, resumed_dir)
+    assert rerun.wait(timeout=600) == 0, (resumed_dir / "output.txt").read_text()[-3000:]
+    assert straight.wait(timeout=600) == 0, (straight_dir / "output.txt").read_text()[-3000:]
+
+    name = f"{PILOT_CHECKPOINT}.results.json"
+    resumed = load_results(resumed_dir / name)
+    uninterrupted = load_results(straight_dir / name)
+    # It resumed mid-task: the first checkpoint is after batch 3 of task 0's 4 (polled every
+    # 10 ms, it is the newest when the kill lands; task 0's end-of-task one would have step 0).
+    (position,) = resumed["extra"]["resumed_from"]
+    assert position["step"] > 0 and position["samples_seen"] > 0, position
+    assert "resuming from" in (resumed_dir / "output.txt").read_text()
+    assert json.dumps(comparable(resumed), sort_keys=True) == json.dumps(
+        comparable(uninterrupted), sort_keys=True
+    )
+    assert resumed["metrics"]["accuracy_matrix"] == uninterrupted["metrics"]["accuracy_matrix"]
+    assert resumed["extra"]["diagnostics"]["fgh"]["alpha"]  # FGH ran (P + FGH config)
+    trace = f"{PILOT_CHECKPOINT}.results.gradtrace.npy"
+    assert (resumed_dir / trace).read_bytes() == (straight_dir / trace).read_bytes()
+    assert not checkpoint.exists()  # removed once the results were written
+    assert not [p for p in results_dir.iterdir() if p.name.endswith(".tmp")]
