@@ -32,6 +32,8 @@ setup(
         # PILOT run needs it) and utils/inc_net.py (easydict). Install with PILOT: ".[pilot]".
         "pilot": ["scipy", "easydict"],
         "plots": ["matplotlib"],
+        # `pilot-online sweep --engine ray`: on the machine that starts the sweep and every node.
+        "ray": ["ray"],
         "test": ["pytest", "ruff"],
     },
     entry_points={"console_scripts": ["pilot-online=pilot_online.cli:main"]},

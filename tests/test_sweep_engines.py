@@ -155,6 +155,13 @@ def test_checkpoint_every_reaches_every_run_where_the_schema_has_it(tmp_path, mo
     assert [json.loads(p.read_text())["checkpoint_every"] for p in configs] == [50, 50]
 
 
+def test_a_seed_axis_makes_one_run_per_seed(tmp_path):
+    """Seeds as runs of their own spread over a cluster (a config's seed list runs in turn)."""
+    base = tiny_base(tmp_path / "base.json")
+    paths = sweep.build_configs(load_json(base), sweep.parse_grid(["seed=1,2"]), tmp_path)
+    assert [json.loads(p.read_text())["seed"] for p in paths] == [[1], [2]]
+
+
 def test_a_usage_error_fails_the_run_without_retries(tmp_path):
     """An unpatched (here: missing) PILOT makes `pilot-online run` exit 2: reported, not retried."""
     base = tiny_base(tmp_path / "base.json")

@@ -30,7 +30,7 @@ ENGINES = ("local", "ray")
 USAGE_ERROR = 2  # argparse / `pilot-online run` refusals: deterministic, never retried
 LOST = -1  # the engine lost the run (a Ray task that died on every try): no exit status
 RAY_MISSING = (
-    '--engine ray needs Ray: pip install -e ".[ray]" (or pip install "ray[default]"), '
+    '--engine ray needs Ray: pip install -e ".[ray]" (or pip install ray), '
     "on this machine and on every node of the cluster"
 )
 

@@ -55,7 +55,7 @@ def parse_grid(items: list[str]) -> dict[str, list[Any]]:
 
 def apply_point(base: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
     """The config of one grid point (``variant`` expands to a row of ``config.VARIANTS``;
-    ``fgh.gamma`` sets a nested key)."""
+    ``fgh.gamma`` sets a nested key; ``seed`` makes one run per seed)."""
     config = copy.deepcopy(base)
     for key, value in point.items():
         if key == "variant":
@@ -66,6 +66,8 @@ def apply_point(base: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
             if not config.get("fgh"):
                 raise ConfigError(f"{key}: this grid point has no FGH (fgh is null)")
             config["fgh"][key.removeprefix("fgh.")] = value
+        elif key == "seed":  # one run per seed: PILOT's trainer loops over a list
+            config["seed"] = value if isinstance(value, list) else [value]
         else:
             config[key] = value
     return config
