@@ -118,6 +118,27 @@ def test_local_engine_gives_each_run_one_gpu(tmp_path, monkeypatch):
         assert seen in (["GPU=3"], ["GPU=5"])
 
 
+def test_parallel_cpu_runs_split_the_cores_unless_the_user_chose(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(engines.os, "cpu_count", lambda: 8)
+    code = "import os; print('THREADS=' + os.environ.get('OMP_NUM_THREADS', 'unset'))"
+
+    def threads_seen(options: engines.EngineOptions, name: str) -> str:
+        job = script_job(tmp_path, name, code)
+        engine = engines.create_engine(options, say=lambda line: None)
+        try:
+            assert engines.run_jobs([job], engine, retries=0, say=lambda line: None) == [0]
+        finally:
+            engine.close()
+        return job.log.read_text().splitlines()[-1]
+
+    assert threads_seen(engines.EngineOptions(jobs=2), "two") == "THREADS=4"  # 8 cores / 2
+    assert threads_seen(engines.EngineOptions(), "one") == "THREADS=unset"  # torch's default
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads_seen(engines.EngineOptions(jobs=2), "chosen") == "THREADS=3"
+
+
 def test_engine_ray_without_ray_says_what_to_install(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     base = tiny_base(tmp_path / "base.json")
@@ -190,7 +211,7 @@ def run_env(tmp_path_factory):
 @pytest.fixture(scope="module")
 def local_ray(run_env):
     ray = pytest.importorskip("ray", reason=RAY_REASON)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -157,7 +157,8 @@ def visible_gpus() -> list[str]:
 
 class LocalEngine:
     """A pool of ``jobs`` runs at a time; with GPUs each run sees one (``CUDA_VISIBLE_DEVICES``),
-    slots taking the GPUs in turn, so ``--jobs`` above the GPU count shares GPUs."""
+    slots taking the GPUs in turn, so ``--jobs`` above the GPU count shares GPUs; without, the
+    runs share the cores (``OMP_NUM_THREADS``)."""
 
     def __init__(self, options: EngineOptions, say: Callable[[str], None] = print) -> None:
         gpus = visible_gpus()
@@ -165,6 +166,10 @@ class LocalEngine:
         self._devices: queue.Queue[str | None] = queue.Queue()
         for slot in range(slots):
             self._devices.put(gpus[slot % len(gpus)] if gpus else None)
+        # Parallel CPU runs split the cores (as Ray does), unless the user set the thread count.
+        self._threads = None
+        if not gpus and slots > 1 and "OMP_NUM_THREADS" not in os.environ:
+            self._threads = str(max(1, (os.cpu_count() or 1) // slots))
         self._pool = concurrent.futures.ThreadPoolExecutor(slots, thread_name_prefix="sweep-run")
         where = f"GPUs {','.join(gpus)}" if gpus else "CPU"
         say(f"engine local: {slots} run(s) at a time on {where}")
@@ -175,6 +180,8 @@ class LocalEngine:
             env = dict(os.environ)
             if device is not None:
                 env["CUDA_VISIBLE_DEVICES"] = device
+            if self._threads:
+                env["OMP_NUM_THREADS"] = self._threads
             return execute(job, attempt, env)
         finally:
             self._devices.put(device)
