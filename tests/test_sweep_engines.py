@@ -176,6 +176,23 @@ def test_checkpoint_every_reaches_every_run_where_the_schema_has_it(tmp_path, mo
     assert [json.loads(p.read_text())["checkpoint_every"] for p in configs] == [50, 50]
 
 
+def test_every_run_gets_the_sweeps_pilot_root(tmp_path, monkeypatch):
+    """Without --pilot-root, the sweep's own $PILOT_ROOT goes on each command line, so runs on
+    Ray nodes (whose environment is their own) use the same PILOT."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PILOT_ROOT", "shared/pilot")
+    roots = []
+
+    def fake_call(command, **kwargs):
+        roots.append(command[command.index("--pilot-root") + 1])
+        return 0
+
+    monkeypatch.setattr(engines.subprocess, "call", fake_call)
+    base = tiny_base(tmp_path / "base.json")
+    assert run_sweep(sweep_args(base, tmp_path / "out", None))[0] == 0
+    assert roots == [str(tmp_path / "shared" / "pilot")] * 2
+
+
 def test_a_seed_axis_makes_one_run_per_seed(tmp_path):
     """Seeds as runs of their own spread over a cluster (a config's seed list runs in turn)."""
     base = tiny_base(tmp_path / "base.json")

@@ -17,6 +17,7 @@ import argparse
 import copy
 import itertools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -174,8 +175,9 @@ def run_sweep(args: argparse.Namespace) -> int:
     if engine is not None:
         started = time.monotonic()
         command = ("-m", "pilot_online.cli", "run")
-        if args.pilot_root:
-            command += ("--pilot-root", str(Path(args.pilot_root).resolve()))
+        pilot_root = args.pilot_root or os.environ.get("PILOT_ROOT")  # the same on every node
+        if pilot_root:
+            command += ("--pilot-root", str(Path(pilot_root).resolve()))
         jobs = [
             Job(p.stem, (*command, "--config", str(p)), out, p.with_suffix(".log")) for p in todo
         ]
