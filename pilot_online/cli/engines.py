@@ -206,7 +206,13 @@ class RayEngine:
         self._ray = ray
         self._owns_connection = not ray.is_initialized()  # a caller's (a test's) Ray stays up
         if self._owns_connection:
-            ray.init(address=options.address)
+            try:
+                ray.init(address=options.address)
+            except ConnectionError as err:
+                raise EngineUnavailable(
+                    f"no Ray cluster at --address {options.address or '(default)'}: {err} "
+                    "(start one with `ray start --head`, or check the address)"
+                ) from None
         cluster_gpus = ray.cluster_resources().get("GPU", 0)
         gpus = options.gpus_per_run
         if gpus is None:
