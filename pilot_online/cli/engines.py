@@ -100,10 +100,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--retries",
         type=int,
         default=2,
+        metavar="N",
         help="run a failed run again up to N times; it resumes from its checkpoint (default 2)",
     )
     group.add_argument(
-        "--jobs", type=int, help="local: runs at a time (default: one per visible GPU, else 1)"
+        "--jobs",
+        type=int,
+        metavar="N",
+        help="local: runs at a time (default: one per visible GPU, else 1)",
     )
     group.add_argument(
         "--address",
@@ -113,10 +117,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--gpus-per-run",
         type=float,
+        metavar="G",
         help="ray: GPUs each run reserves (default: 1, or 0 on a cluster without GPUs)",
     )
     group.add_argument(
-        "--cpus-per-run", type=float, default=1, help="ray: CPUs each run reserves (default 1)"
+        "--cpus-per-run",
+        type=float,
+        default=1,
+        metavar="C",
+        help="ray: CPUs each run reserves (default 1)",
     )
 
 

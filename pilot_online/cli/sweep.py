@@ -108,7 +108,7 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=V1,V2",
         help="a grid axis (repeatable); variant=base,p,fgh_only,fgh expands to "
-        "the paper's ablation rows; fgh.gamma=... sets FGH options",
+        "the paper's ablation rows; fgh.gamma=... sets FGH options; seed=... one run per seed",
     )
     parser.add_argument("--out", type=Path, required=True, help="folder for configs and results")
     parser.add_argument("--pilot-root", help="patched PILOT checkout (default: $PILOT_ROOT, .)")
