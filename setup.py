@@ -33,6 +33,8 @@ setup(
         "pilot": ["scipy", "easydict"],
         "plots": ["matplotlib"],
         "tensorboard": ["tensorboard"],  # "logger": "tensorboard" (live logging)
+        # `pilot-online sweep --engine ray`: on the machine that starts the sweep and every node.
+        "ray": ["ray"],
         "test": ["pytest", "ruff"],
     },
     entry_points={"console_scripts": ["pilot-online=pilot_online.cli:main"]},

@@ -16,7 +16,7 @@ PILOT_COMMIT=5240714
 CONFIG=${CONFIG:-smoke_coda_online.json}
 
 echo "== installing the plugin and PILOT's dependencies (registry torch + torchvision, timm 0.6.13)"
-"$PYTHON" -m pip install -q -e ".[pilot,test,plots]"
+"$PYTHON" -m pip install -q -e ".[pilot,test,plots,ray,tensorboard]"
 
 SHARED_PILOT="$REPO/../shared/LAMDA-PILOT"
 if [ -n "${PILOT_ROOT:-}" ] && [ -d "$SHARED_PILOT" ] && [ -d "$PILOT_ROOT" ] \

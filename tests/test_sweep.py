@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pilot_online.cli import sweep
+from pilot_online.cli import engines, sweep
 from pilot_online.engine.config import PAPER_FGH, ConfigError, load_json
 
 EXPS = Path(__file__).resolve().parent.parent / "exps"
@@ -62,19 +62,20 @@ def test_runs_get_absolute_paths_from_a_relative_out_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     calls = []
 
-    def fake_call(command, stdout, stderr, cwd):
+    def fake_call(command, stdout, stderr, cwd, env):
         config = Path(command[command.index("--config") + 1])
         root = Path(command[command.index("--pilot-root") + 1])
         calls.append((config, root, Path(cwd)))
         return 0 if len(calls) == 1 else 3  # the second run fails
 
-    monkeypatch.setattr(sweep.subprocess, "call", fake_call)
+    monkeypatch.setattr(engines.subprocess, "call", fake_call)
     args = argparse.Namespace(
         config=SMOKE,
         grid=["variant=base,fgh"],
         out=Path("runs/sweep"),
         pilot_root="pilot",
         dry_run=False,
+        retries=0,
     )
     assert sweep.run_sweep(args) == 1  # a failed run is reported, the others still ran
     assert len(calls) == 2

@@ -2,8 +2,10 @@
 
 The paper's tables are grids: methods x {base, + P, + FGH, + P + FGH} x {clear, Si-Blurry} x
 learning rates (x gamma). A sweep writes one derived config per grid point (so every run can be
-re-run alone), runs them one after another through PILOT's trainer in fresh processes (PILOT
-configures logging once per process), keeps going when one fails, and prints the report table.
+re-run alone), runs each through PILOT's trainer in a fresh process (PILOT configures logging
+once per process) on an engine (``engines.py``: a local pool, or a Ray cluster), runs a failed run
+again, keeps going when one still fails, and prints the report table. A sweep started again skips
+the runs that finished.
 
     pilot-online sweep --config exps/coda_online_fgh.json --grid variant=base,p,fgh_only,fgh \\
         --grid stream=clear,si_blurry --grid init_lr=5e-5,5e-3 --out runs/coda_table
@@ -15,12 +17,22 @@ import argparse
 import copy
 import itertools
 import json
-import subprocess
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from ..engine.config import VARIANTS, ConfigError, load_json, resolve_config
+from ..core.results import load_results, results_path
+from ..engine.config import (
+    ONLINE_KEYS,
+    PILOT_KEYS,
+    VARIANTS,
+    ConfigError,
+    load_json,
+    resolve_config,
+)
+from .engines import add_engine_arguments
 
 
 def parse_grid(items: list[str]) -> dict[str, list[Any]]:
@@ -44,7 +56,7 @@ def parse_grid(items: list[str]) -> dict[str, list[Any]]:
 
 def apply_point(base: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
     """The config of one grid point (``variant`` expands to a row of ``config.VARIANTS``;
-    ``fgh.gamma`` sets a nested key)."""
+    ``fgh.gamma`` sets a nested key; ``seed`` makes one run per seed)."""
     config = copy.deepcopy(base)
     for key, value in point.items():
         if key == "variant":
@@ -55,6 +67,8 @@ def apply_point(base: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
             if not config.get("fgh"):
                 raise ConfigError(f"{key}: this grid point has no FGH (fgh is null)")
             config["fgh"][key.removeprefix("fgh.")] = value
+        elif key == "seed":  # one run per seed: PILOT's trainer loops over a list
+            config["seed"] = value if isinstance(value, list) else [value]
         else:
             config[key] = value
     return config
@@ -94,33 +108,85 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=V1,V2",
         help="a grid axis (repeatable); variant=base,p,fgh_only,fgh expands to "
-        "the paper's ablation rows; fgh.gamma=... sets FGH options",
+        "the paper's ablation rows; fgh.gamma=... sets FGH options; seed=... one run per seed",
     )
     parser.add_argument("--out", type=Path, required=True, help="folder for configs and results")
     parser.add_argument("--pilot-root", help="patched PILOT checkout (default: $PILOT_ROOT, .)")
     parser.add_argument("--dry-run", action="store_true", help="write and check configs only")
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        metavar="N",
+        help="set checkpoint_every=N in every run's config, so a retried run resumes",
+    )
+    add_engine_arguments(parser)
+
+
+def with_checkpoint_every(base: dict[str, Any], steps: int) -> dict[str, Any]:
+    """``base`` with ``checkpoint_every`` set, where this install's schema has that key."""
+    if "checkpoint_every" not in {**PILOT_KEYS, **ONLINE_KEYS}:
+        raise ConfigError(
+            "--checkpoint-every: this pilot-online has no checkpoint_every config key "
+            "(checkpoint/resume); update pilot-online or drop the flag"
+        )
+    return {**base, "checkpoint_every": steps}
+
+
+def run_finished(config_path: Path) -> bool:
+    """Whether every seed of a run left a complete results file (a restarted sweep skips it)."""
+    config = resolve_config(load_json(config_path))
+    seeds = config["seed"] if isinstance(config["seed"], list) else [config["seed"]]
+    for seed in seeds:
+        path = results_path(config["results_dir"], config["prefix"], seed, config["backbone_type"])
+        try:
+            if load_results(path)["status"] != "complete":
+                return False
+        except (OSError, ValueError):
+            return False
+    return True
 
 
 def run_sweep(args: argparse.Namespace) -> int:
+    from .engines import EngineUnavailable, Job, create_engine, engine_options, run_jobs
     from .report import collect, format_table
 
+    def say(line: str) -> None:
+        print(line, flush=True)
+
     out = args.out.resolve()  # each run's process works in ``out``: hand it absolute paths
-    paths = build_configs(load_json(args.config), parse_grid(args.grid), out)
+    base = load_json(args.config)
+    if getattr(args, "checkpoint_every", None) is not None:
+        base = with_checkpoint_every(base, args.checkpoint_every)
+    paths = build_configs(base, parse_grid(args.grid), out)
     print(f"{len(paths)} runs; configs in {out / 'configs'}")
-    failed = []
+    todo = []
     for i, path in enumerate(paths, 1):
-        print(f"[{i}/{len(paths)}] {path.stem}", flush=True)
-        if args.dry_run:
-            continue
-        command = [sys.executable, "-m", "pilot_online.cli", "run", "--config", str(path)]
-        if args.pilot_root:
-            command += ["--pilot-root", str(Path(args.pilot_root).resolve())]
-        log = path.with_suffix(".log")
-        with open(log, "w") as handle:
-            code = subprocess.call(command, stdout=handle, stderr=subprocess.STDOUT, cwd=out)
-        if code:
-            failed.append(path.stem)
-            print(f"    failed (exit {code}); log: {log}", flush=True)
+        finished = run_finished(path)
+        print(f"[{i}/{len(paths)}] {path.stem}" + (": skipped (finished)" if finished else ""))
+        if not finished:
+            todo.append(path)
+    failed = []
+    try:
+        options = engine_options(args)
+        engine = create_engine(options, say) if todo and not args.dry_run else None
+    except EngineUnavailable as err:
+        print(f"pilot-online sweep: {err}", file=sys.stderr)
+        return 2
+    if engine is not None:
+        started = time.monotonic()
+        command = ("-m", "pilot_online.cli", "run")
+        pilot_root = args.pilot_root or os.environ.get("PILOT_ROOT")  # the same on every node
+        if pilot_root:
+            command += ("--pilot-root", str(Path(pilot_root).resolve()))
+        jobs = [
+            Job(p.stem, (*command, "--config", str(p)), out, p.with_suffix(".log")) for p in todo
+        ]
+        try:
+            codes = run_jobs(jobs, engine, options.retries, say)
+        finally:
+            engine.close()
+        failed = [job.name for job, code in zip(jobs, codes) if code]
+        say(f"{len(jobs)} run(s) in {time.monotonic() - started:.0f} s on engine {options.engine}")
     if not args.dry_run and (out / "results").is_dir():
         rows = collect([out / "results"])
         if rows:
