@@ -64,8 +64,13 @@ def point_name(point: dict[str, Any]) -> str:
     return "__".join(f"{k}-{v}" for k, v in point.items()) or "base"
 
 
-def build_configs(base: dict[str, Any], grid: dict[str, list[Any]], out: Path) -> list[Path]:
-    """Write and validate every grid point's config (all are checked before any run starts)."""
+def build_configs(
+    base: dict[str, Any], grid: dict[str, list[Any]], out: Path, name_prefix: str = ""
+) -> list[Path]:
+    """Write and validate every grid point's config (all are checked before any run starts).
+
+    ``name_prefix`` starts every point's name (config file and results prefix): the method in a
+    per-method sweep (``cli/protocol.py``)."""
     paths: list[Path] = []
     keys = list(grid)
     for values in itertools.product(*(grid[k] for k in keys)):
@@ -74,6 +79,8 @@ def build_configs(base: dict[str, Any], grid: dict[str, list[Any]], out: Path) -
             point = {k: v for k, v in point.items() if not k.startswith("fgh.")}  # no FGH: no axis
         config = apply_point(base, point)
         name = point_name(point)
+        if name_prefix:
+            name = f"{name_prefix}__{name}" if point else name_prefix
         path = out / "configs" / f"{name}.json"
         if path in paths:
             continue
@@ -87,7 +94,29 @@ def build_configs(base: dict[str, Any], grid: dict[str, list[Any]], out: Path) -
 
 
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, type=Path, help="the base config")
+    parser.add_argument(
+        "--config",
+        help="the base config, or a template with {method} filled per --methods "
+        "(e.g. 'exps/{method}_online_base.json')",
+    )
+    parser.add_argument("--methods", help="comma-separated methods for a {method} template")
+    parser.add_argument(
+        "--preset",
+        help="hp_grid: the paper's VTAB search (hp_grid table) for each of --methods "
+        "(default: every method of the table; --config default exps/{method}_online_base.json)",
+    )
+    parser.add_argument(
+        "--hp-from",
+        metavar="BEST_JSON",
+        help="run each method's Best HP from `pilot-online best` (tagged hp_column: best)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a base-config key (JSON value; repeatable), e.g. seed=[1993,1994]",
+    )
     parser.add_argument(
         "--grid",
         action="append",
@@ -102,10 +131,21 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
+    from .protocol import protocol_configs, uses_protocol
     from .report import collect, format_table
 
     out = args.out.resolve()  # each run's process works in ``out``: hand it absolute paths
-    paths = build_configs(load_json(args.config), parse_grid(args.grid), out)
+    if uses_protocol(args):
+        paths = protocol_configs(args, out)
+    elif not args.config:
+        raise ConfigError("sweep needs --config (or --preset / --hp-from)")
+    else:
+        base = load_json(args.config)
+        if args.set:
+            from .protocol import parse_sets
+
+            base = apply_point(base, parse_sets(args.set))
+        paths = build_configs(base, parse_grid(args.grid), out)
     print(f"{len(paths)} runs; configs in {out / 'configs'}")
     failed = []
     for i, path in enumerate(paths, 1):
