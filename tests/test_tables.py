@@ -245,3 +245,7 @@ def test_cli_writes_every_table_as_markdown_and_latex(results, tmp_path, capsys)
         assert f"{stem}.md" in names and f"{stem}.tex" in names
     assert "ablation_clear.md" not in names  # no + P / + FGH runs
     assert "20.00 ± 8.16" in (out / "all_acc_clear.md").read_text()
+    index = (out / "tables.md").read_text()  # every Markdown table in one file
+    assert index.count("| Method |") == sum(
+        1 for n in names if n.endswith(".md") and n != "tables.md"
+    )

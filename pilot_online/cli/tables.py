@@ -591,6 +591,10 @@ def write_tables(
             path = out / f"{table.name}.{fmt}"
             write_atomic(path, FORMATS[fmt](table))
             written.append(path)
+    if "md" in formats and tables:  # every Markdown table in one file, for notes and reviews
+        index = out / "tables.md"
+        write_atomic(index, "\n".join(to_markdown(t) for t in tables))
+        written.append(index)
     return written
 
 
