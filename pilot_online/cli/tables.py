@@ -230,7 +230,8 @@ def _finish(table: Table, better: str = "max", bold_per_block: bool = False) -> 
             f"the table's usual count is {modal}."
         )
     if modal:
-        table.notes.insert(0, f"Mean ± std over {modal} seeds (population std).")
+        runs = "runs" if table.kind == "time" else "seeds"
+        table.notes.insert(0, f"Mean ± std over {modal} {runs} (population std).")
     return table
 
 
@@ -394,8 +395,9 @@ def time_table(runs: list[dict[str, Any]], dataset: str, stream: str) -> Table:
     )
     table = _finish(table, better="min")
     table.notes.append(
-        "Time: training + evaluation wall clock per run; memory: peak accelerator memory "
-        "(MB = 2^20 bytes; — where the run had no accelerator)."
+        "Time: training + evaluation wall clock per run; memory: peak accelerator memory on "
+        "CUDA, peak resident memory of the process on CPU (MB = 2^20 bytes); over every run of "
+        "the row (seeds and learning rates)."
     )
     return table
 
