@@ -181,6 +181,8 @@ def test_time_table_formats_minutes_and_megabytes(tmp_path):
     write_run(folder, dataset="cub", seed=0, seconds=(100.0, 20.0), peak=2**30)
     write_run(folder, dataset="cub", seed=1, seconds=(200.0, 40.0), peak=3 * 2**30)
     write_run(folder, dataset="cub", row="ours", seed=0, seconds=(3600.0, 0.0), peak=4 * 2**30)
+    # A Best HP run repeats a searched configuration: the time table does not count it.
+    write_run(folder, dataset="cub", lr=0.01, seed=2, seconds=(9000.0, 0.0), hp_column="best")
     table = tables.time_table(tables.load_runs([folder]), "cub", "clear")
     assert table.name == "time_cub_clear"
     time, memory = table.cell("CODA", "", 0), table.cell("CODA", "", 1)
