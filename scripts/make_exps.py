@@ -17,6 +17,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pilot_online.engine.protocol import HP_GRID
+
 EXPS = Path(__file__).resolve().parent.parent / "exps"
 
 #: short name -> (model_name, backbone_type). Method keys come from the adapters' ``config_keys``
@@ -34,19 +37,17 @@ METHODS = {
     "convprompt": ("convprompt_online", "vit_base_patch16_224_dualprompt"),
 }
 
-#: The paper's learning-rate grid (appendix table hp_grid: VTAB, clear, 5 classes per task) and
-#: its Best HP (bold there), for the rows besides L2P, DualPrompt and CODA. Their ablation
-#: configs run at the Best HP; L2P, DualPrompt and CODA's run at 5e-3, the main tables'
-#: column. Each grid point is also a config, ``<method>_online_hp_lr<lr>.json`` (the base row
-#: on VTAB); the main tables' other columns are ``pilot-online sweep --grid init_lr=5e-5,5e-3``.
+#: The paper's hp_grid table (VTAB, clear, 5 classes per task) lives in
+#: ``pilot_online.engine.protocol.HP_GRID``; ``pilot-online sweep --preset hp_grid`` runs it.
+#: Here: the rows besides L2P, DualPrompt and CODA run their ablation configs at the table's Best
+#: HP (bold there); L2P, DualPrompt and CODA's run at 5e-3, the main tables' column. Each LR of
+#: those rows is also a config, ``<method>_online_hp_lr<lr>.json`` (the base row on VTAB); the
+#: main tables' other columns are ``pilot-online sweep --grid init_lr=5e-5,5e-3``.
+FIXED_LR_METHODS = ("coda", "l2p", "dualprompt")
 LR_GRIDS = {
-    "finetune": ([0.001, 0.005, 0.01, 0.05, 0.1], 0.01),
-    "linear_probe": ([0.001, 0.005, 0.01, 0.05, 0.1], 0.005),
-    "er": ([1e-05, 5e-05, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1], 5e-05),
-    "er_linear_probe": ([0.001, 0.005, 0.01, 0.05, 0.1], 0.01),
-    "mvp": ([0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1], 0.005),
-    "olora": ([0.001, 0.005, 0.01, 0.05, 0.1], 0.005),
-    "convprompt": ([0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1], 0.005),
+    method: (list(row.learning_rates), row.best_lr)
+    for method, row in HP_GRID.items()
+    if method not in FIXED_LR_METHODS
 }
 
 #: Smoke-run replay memory: smaller than the paper's 1000 so that the 800-sample synthetic

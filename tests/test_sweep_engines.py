@@ -20,8 +20,7 @@ from conftest import offline_env
 
 from pilot_online.cli import engines, sweep
 from pilot_online.cli.report import METRIC_COLUMNS, collect, format_table
-from pilot_online.engine import config as config_module
-from pilot_online.engine.config import ConfigError, ConfigKey, load_json
+from pilot_online.engine.config import ConfigError, load_json
 
 EXPS = Path(__file__).resolve().parent.parent / "exps"
 RAY_REASON = 'Ray is not installed: pip install -e ".[ray]" to run the Ray-engine tests'
@@ -161,19 +160,17 @@ def test_engine_options_belong_to_their_engine(tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
-def test_checkpoint_every_reaches_every_run_where_the_schema_has_it(tmp_path, monkeypatch):
+def test_checkpoint_every_reaches_every_run(tmp_path):
     base = tiny_base(tmp_path / "base.json")
-    monkeypatch.delitem(config_module.ONLINE_KEYS, "checkpoint_every", raising=False)
-    monkeypatch.delitem(config_module.PILOT_KEYS, "checkpoint_every", raising=False)
     args = sweep_args(base, tmp_path / "out", None, checkpoint_every=50)
     args.dry_run = True
-    with pytest.raises(ConfigError, match="checkpoint_every"):
-        sweep.run_sweep(args)
-    key = ConfigKey(0, "steps between checkpoints (0: none)")
-    monkeypatch.setitem(config_module.ONLINE_KEYS, "checkpoint_every", key)
     assert run_sweep(args)[0] == 0
     configs = sorted((tmp_path / "out" / "configs").glob("*.json"))
     assert [json.loads(p.read_text())["checkpoint_every"] for p in configs] == [50, 50]
+    args = sweep_args(base, tmp_path / "out0", None, checkpoint_every=0)
+    args.dry_run = True
+    with pytest.raises(ConfigError, match="checkpoint_every"):
+        sweep.run_sweep(args)
 
 
 def test_every_run_gets_the_sweeps_pilot_root(tmp_path, monkeypatch):

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..core.fgh import validate_options
 from ..core.metrics import task_gradient_trace
-from ..core.results import RESULTS_SUFFIX, load_results
+from ..core.results import find_results, load_results
 from .report import method_label, variant_label
 
 logger = logging.getLogger(__name__)
@@ -96,18 +96,8 @@ def load_runs(paths: Iterable[Path | str]) -> list[dict[str, Any]]:
 
     A file written before the per-step G^k trace was stored in the results
     (``task_grad_norm_trace``) gets it from its ``.gradtrace.npy`` sidecar, when that exists."""
-    files: list[Path] = []
-    for path in map(Path, paths):
-        if path.is_dir():
-            files += sorted(path.rglob(f"*{RESULTS_SUFFIX}"))
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise FileNotFoundError(f"{path} is neither a results file nor a folder")
     runs = []
-    for file in files:
-        if ".partial" in file.name:
-            continue
+    for file in find_results(paths):
         results = load_results(file)
         imbalance = results.get("extra", {}).get("gradient_imbalance", {})
         sidecar = file.parent / imbalance["trace_file"] if imbalance.get("trace_file") else None

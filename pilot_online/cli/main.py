@@ -1,4 +1,5 @@
-"""The ``pilot-online`` command: setup | run | sweep | check-config | report | figures | demo."""
+"""The ``pilot-online`` command: setup | run | sweep | best | tables | check-config | report |
+figures | demo."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pathlib import Path
 
 from ..engine.config import ConfigError, key_reference, load_json, resolve_config
 from ..pilot import patching
+from .protocol import add_best_arguments, run_best
 from .sweep import add_sweep_arguments, run_sweep
+from .tables import add_tables_arguments, run_tables
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -109,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = sub.add_parser("sweep", help="a grid of runs (LR, variants, streams...) + table")
     add_sweep_arguments(sweep)
     sweep.set_defaults(func=run_sweep)
+
+    best = sub.add_parser("best", help="choose each method's Best HP from an hp_grid sweep")
+    add_best_arguments(best)
+    best.set_defaults(func=run_best)
+
+    tables = sub.add_parser("tables", help="the paper's tables (Markdown, LaTeX) from results")
+    add_tables_arguments(tables)
+    tables.set_defaults(func=run_tables)
 
     check = sub.add_parser("check-config", help="validate configs without PILOT")
     check.add_argument("configs", nargs="*", type=Path)

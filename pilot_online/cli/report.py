@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..core.fgh import DEFAULT_GAMMA, FineGrainedHypergradients, validate_options
-from ..core.results import RESULTS_SUFFIX, load_results
+from ..core.results import find_results, load_results
 
 #: FGH's option defaults: a label names only the options a run changed.
 FGH_DEFAULTS: dict[str, Any] = FineGrainedHypergradients.__init__.__kwdefaults__  # gamma: None
@@ -77,14 +77,8 @@ def variant_label(config: dict[str, Any]) -> str:
 
 def collect(paths: Iterable[Path]) -> list[dict[str, Any]]:
     """One row per complete results file found in ``paths`` (files or folders, searched deeply)."""
-    files: list[Path] = []
-    for path in paths:
-        path = Path(path)
-        files += sorted(path.rglob(f"*{RESULTS_SUFFIX}")) if path.is_dir() else [path]
     rows = []
-    for file in files:
-        if ".partial" in file.name:
-            continue
+    for file in find_results(paths):
         results = load_results(file)
         config, metrics = results["config"], results["metrics"]
         imbalance = results["extra"].get("gradient_imbalance", {})

@@ -25,8 +25,6 @@ from typing import Any
 
 from ..core.results import load_results, results_path
 from ..engine.config import (
-    ONLINE_KEYS,
-    PILOT_KEYS,
     VARIANTS,
     ConfigError,
     load_json,
@@ -78,8 +76,13 @@ def point_name(point: dict[str, Any]) -> str:
     return "__".join(f"{k}-{v}" for k, v in point.items()) or "base"
 
 
-def build_configs(base: dict[str, Any], grid: dict[str, list[Any]], out: Path) -> list[Path]:
-    """Write and validate every grid point's config (all are checked before any run starts)."""
+def build_configs(
+    base: dict[str, Any], grid: dict[str, list[Any]], out: Path, name_prefix: str = ""
+) -> list[Path]:
+    """Write and validate every grid point's config (all are checked before any run starts).
+
+    ``name_prefix`` starts every point's name (config file and results prefix): the method in a
+    per-method sweep (``cli/protocol.py``)."""
     paths: list[Path] = []
     keys = list(grid)
     for values in itertools.product(*(grid[k] for k in keys)):
@@ -88,6 +91,8 @@ def build_configs(base: dict[str, Any], grid: dict[str, list[Any]], out: Path) -
             point = {k: v for k, v in point.items() if not k.startswith("fgh.")}  # no FGH: no axis
         config = apply_point(base, point)
         name = point_name(point)
+        if name_prefix:
+            name = f"{name_prefix}__{name}" if point else name_prefix
         path = out / "configs" / f"{name}.json"
         if path in paths:
             continue
@@ -101,7 +106,29 @@ def build_configs(base: dict[str, Any], grid: dict[str, list[Any]], out: Path) -
 
 
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, type=Path, help="the base config")
+    parser.add_argument(
+        "--config",
+        help="the base config, or a template with {method} filled per --methods "
+        "(e.g. 'exps/{method}_online_base.json')",
+    )
+    parser.add_argument("--methods", help="comma-separated methods for a {method} template")
+    parser.add_argument(
+        "--preset",
+        help="hp_grid: the paper's VTAB search (hp_grid table) for each of --methods "
+        "(default: every method of the table; --config default exps/{method}_online_base.json)",
+    )
+    parser.add_argument(
+        "--hp-from",
+        metavar="BEST_JSON",
+        help="run each method's Best HP from `pilot-online best` (tagged hp_column: best)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a base-config key (JSON value; repeatable), e.g. seed=[1993,1994]",
+    )
     parser.add_argument(
         "--grid",
         action="append",
@@ -122,16 +149,6 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
 
-def with_checkpoint_every(base: dict[str, Any], steps: int) -> dict[str, Any]:
-    """``base`` with ``checkpoint_every`` set, where this install's schema has that key."""
-    if "checkpoint_every" not in {**PILOT_KEYS, **ONLINE_KEYS}:
-        raise ConfigError(
-            "--checkpoint-every: this pilot-online has no checkpoint_every config key "
-            "(checkpoint/resume); update pilot-online or drop the flag"
-        )
-    return {**base, "checkpoint_every": steps}
-
-
 def run_finished(config_path: Path) -> bool:
     """Whether every seed of a run left a complete results file (a restarted sweep skips it)."""
     config = resolve_config(load_json(config_path))
@@ -148,16 +165,23 @@ def run_finished(config_path: Path) -> bool:
 
 def run_sweep(args: argparse.Namespace) -> int:
     from .engines import EngineUnavailable, Job, create_engine, engine_options, run_jobs
+    from .protocol import parse_sets, protocol_configs, uses_protocol
     from .report import collect, format_table
 
     def say(line: str) -> None:
         print(line, flush=True)
 
     out = args.out.resolve()  # each run's process works in ``out``: hand it absolute paths
-    base = load_json(args.config)
-    if getattr(args, "checkpoint_every", None) is not None:
-        base = with_checkpoint_every(base, args.checkpoint_every)
-    paths = build_configs(base, parse_grid(args.grid), out)
+    if getattr(args, "checkpoint_every", None) is not None:  # a retried run then resumes
+        sets = [*(getattr(args, "set", None) or []), f"checkpoint_every={args.checkpoint_every}"]
+        args = argparse.Namespace(**{**vars(args), "set": sets})
+    if uses_protocol(args):
+        paths = protocol_configs(args, out)
+    elif not args.config:
+        raise ConfigError("sweep needs --config (or --preset / --hp-from)")
+    else:
+        base = apply_point(load_json(args.config), parse_sets(getattr(args, "set", None) or []))
+        paths = build_configs(base, parse_grid(args.grid), out)
     print(f"{len(paths)} runs; configs in {out / 'configs'}")
     todo = []
     for i, path in enumerate(paths, 1):

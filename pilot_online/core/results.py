@@ -74,6 +74,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -270,6 +271,20 @@ def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:
     except ValueError as error:
         raise ValueError(f"{target}: {error}") from error
     return results
+
+
+def find_results(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
+    """The complete results files in ``paths`` (files, or folders searched deeply), sorted per
+    folder; ``*.partial.results.json`` (failed runs) are left out."""
+    files: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            files += sorted(path.rglob(f"*{RESULTS_SUFFIX}"))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"{path} is neither a results file nor a folder")
+    return [file for file in files if ".partial" not in file.name]
 
 
 def results_path(

@@ -22,6 +22,7 @@ from ..core.streams import BLURRED_SELECTIONS, STREAMS
 from .adapter import ConfigKey
 from .live_log import LOGGERS, check_logger_available
 from .loop import OPTIMIZERS
+from .protocol import HP_COLUMNS
 
 #: Keys PILOT's ``main.py``/``trainer.py``/``BaseLearner`` read, with the online defaults.
 PILOT_KEYS: dict[str, ConfigKey] = {
@@ -82,6 +83,11 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
         True, "record per-step classifier-row gradient norms (imbalance plots)"
     ),
     "results_dir": ConfigKey(None, "where results JSON goes (default: PILOT's log directory)"),
+    "hp_column": ConfigKey(
+        HP_COLUMNS[0],
+        "main tables' column the run fills: lr (its init_lr) or best (Best HP, sweep --hp-from)",
+        choices=HP_COLUMNS,
+    ),
     "log_interval": ConfigKey(10, "steps between progress-bar updates (each one syncs the device)"),
     "er_memory_size": ConfigKey(
         0, "experience-replay reservoir size; > 0 turns replay on (memory-based rows only)"

@@ -1,0 +1,131 @@
+"""The paper's evaluation protocol, as data: the two fixed learning rates, the hp_grid table (the
+VTAB search behind the "Best HP" column) and the rule that picks a grid point.
+
+Why one module: scripts/make_exps.py (the per-LR configs), ``pilot-online sweep --preset hp_grid``
+(the search), ``pilot-online best`` (the selection) and ``pilot-online tables`` (the columns) all
+read the table from here, so they cannot disagree with each other or with the paper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+#: The main tables' fixed-learning-rate columns (paper Sec. 4.1, "Performance Across LR").
+FIXED_LRS: tuple[float, ...] = (5e-5, 5e-3)
+
+#: ``hp_column`` values: a run fills its init_lr's column, or the "Best HP" column.
+HP_COLUMNS: tuple[str, ...] = ("lr", "best")
+
+#: Where the Best HP search runs (hp_grid caption): VTAB, clear, 10 tasks of 5 classes.
+HP_SEARCH_SETTINGS: dict[str, Any] = {
+    "dataset": "vtab",
+    "stream": "clear",
+    "init_cls": 5,
+    "increment": 5,
+}
+
+#: The searched rows of a method: ``base`` (the method alone) and ``ours`` (+ P + FGH); each maps
+#: to a row of ``engine.config.VARIANTS``.
+HP_ROWS: dict[str, str] = {"base": "base", "ours": "fgh"}
+
+
+@dataclass(frozen=True)
+class HPGridRow:
+    """One row of the hp_grid table: the learning rates (and gammas) tried, and the bold ones."""
+
+    learning_rates: tuple[float, ...]
+    best_lr: float
+    gammas: tuple[float, ...] = ()  # empty: "N/A" in the paper (no + ours row searched)
+    best_gamma: float | None = None
+
+
+_PROMPT_LRS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1)
+_GAMMAS = (0.00001, 0.0001, 0.001, 0.01, 0.1, 1, 10)
+
+#: The paper's appendix table hp_grid (``tables/hp_grid.tex``), keyed by the method's short name
+#: (exps/<name>_online_*.json; ``model_name`` is ``<name>_online``), in the table's row order.
+HP_GRID: dict[str, HPGridRow] = {
+    "finetune": HPGridRow((0.001, 0.005, 0.01, 0.05, 0.1), 0.01),
+    "linear_probe": HPGridRow((0.001, 0.005, 0.01, 0.05, 0.1), 0.005),
+    "er": HPGridRow((0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1), 0.00005),
+    "er_linear_probe": HPGridRow((0.001, 0.005, 0.01, 0.05, 0.1), 0.01),
+    "mvp": HPGridRow(_PROMPT_LRS, 0.005),
+    "olora": HPGridRow((0.001, 0.005, 0.01, 0.05, 0.1), 0.005),
+    "coda": HPGridRow(_PROMPT_LRS, 0.01, _GAMMAS, 0.1),
+    "convprompt": HPGridRow(_PROMPT_LRS, 0.005, _GAMMAS, 1),
+    "dualprompt": HPGridRow(_PROMPT_LRS, 0.01, _GAMMAS, 1),
+    "l2p": HPGridRow(_PROMPT_LRS, 0.01, _GAMMAS, 1),
+}
+
+SELECTION_RULE = (
+    "For each method and row (base; ours = + P + FGH), the grid point with the highest AP "
+    "averaged over its seeds is chosen (AP: mean of the average accuracies after each task, on "
+    "the search dataset). Seeds whose AP is missing (null) do not count. Ties go to the smaller "
+    "learning rate, then the smaller gamma. A point with fewer seeds than the most common count "
+    "of its method and row stays eligible but is flagged (fewer_seeds), as is a chosen one."
+)
+
+
+def method_short_name(model_name: str) -> str:
+    """``coda_online`` -> ``coda`` (the exps/ and hp_grid naming)."""
+    return str(model_name).removesuffix("_online")
+
+
+def hp_grid_points(
+    method: str,
+    learning_rates: list[float] | None = None,
+    gammas: list[float] | None = None,
+) -> list[dict[str, Any]]:
+    """The grid points of ``method``'s hp_grid row: every LR for the base row, and every
+    LR x gamma for + ours where the table lists gammas. ``learning_rates``/``gammas`` replace
+    the table's values (smoke runs)."""
+    if method not in HP_GRID:
+        raise ValueError(
+            f"method {method!r} has no row in the hp_grid table; choose from {', '.join(HP_GRID)}"
+        )
+    row = HP_GRID[method]
+    lrs = list(learning_rates or row.learning_rates)
+    points = [{"variant": HP_ROWS["base"], "init_lr": lr} for lr in lrs]
+    if row.gammas:
+        points += [
+            {"variant": HP_ROWS["ours"], "init_lr": lr, "fgh.gamma": gamma}
+            for lr in lrs
+            for gamma in (gammas or row.gammas)
+        ]
+    return points
+
+
+def select_best(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """Apply ``SELECTION_RULE`` to one method's row.
+
+    ``points``: ``{"init_lr", "gamma" (None for base), "ap": {seed: AP or None}}`` per grid
+    point. Returns the chosen point with ``AP_mean``, ``AP_std``, ``seeds`` and ``fewer_seeds``,
+    plus ``grid`` (every point, in the same form)."""
+    summaries = []
+    for point in points:
+        seeds = sorted(s for s, ap in point["ap"].items() if ap is not None)
+        values = [point["ap"][s] for s in seeds]
+        mean = sum(values) / len(values) if values else None
+        std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5 if values else None
+        summaries.append(
+            {
+                "init_lr": point["init_lr"],
+                "gamma": point.get("gamma"),
+                "AP_mean": mean,
+                "AP_std": std,
+                "seeds": seeds,
+            }
+        )
+    counts = [len(s["seeds"]) for s in summaries]
+    modal = max(set(counts), key=lambda c: (counts.count(c), c)) if counts else 0
+    for summary in summaries:
+        summary["fewer_seeds"] = len(summary["seeds"]) < modal
+    eligible = [s for s in summaries if s["AP_mean"] is not None]
+    if not eligible:
+        raise ValueError("no grid point has an AP: every run is missing or failed")
+    best = min(
+        eligible,
+        key=lambda s: (-s["AP_mean"], s["init_lr"], s["gamma"] if s["gamma"] is not None else 0),
+    )
+    return {**best, "grid": summaries}

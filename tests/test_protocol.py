@@ -1,0 +1,196 @@
+"""The paper's protocol: the hp_grid table, ``sweep --preset hp_grid``, ``best`` and
+``sweep --hp-from`` (no PILOT: configs are written with --dry-run)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_tables import write_run
+
+from pilot_online.cli.main import main
+from pilot_online.engine.config import load_json
+from pilot_online.engine.protocol import HP_GRID, hp_grid_points, select_best
+
+EXPS = Path(__file__).resolve().parent.parent / "exps"
+SMOKE = str(EXPS / "smoke_{method}_online.json")
+PAPER = str(EXPS / "{method}_online_base.json")
+
+# Typed from the paper's appendix table hp_grid (tables/hp_grid.tex); bold values second.
+PROMPT_LRS = [0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1]
+GAMMAS = [0.00001, 0.0001, 0.001, 0.01, 0.1, 1, 10]
+PAPER_HP_GRID = {
+    "finetune": ([0.001, 0.005, 0.01, 0.05, 0.1], 0.01, [], None),
+    "linear_probe": ([0.001, 0.005, 0.01, 0.05, 0.1], 0.005, [], None),
+    "er": (
+        [0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1],
+        0.00005,
+        [],
+        None,
+    ),
+    "er_linear_probe": ([0.001, 0.005, 0.01, 0.05, 0.1], 0.01, [], None),
+    "mvp": (PROMPT_LRS, 0.005, [], None),
+    "olora": ([0.001, 0.005, 0.01, 0.05, 0.1], 0.005, [], None),
+    "coda": (PROMPT_LRS, 0.01, GAMMAS, 0.1),
+    "convprompt": (PROMPT_LRS, 0.005, GAMMAS, 1),
+    "dualprompt": (PROMPT_LRS, 0.01, GAMMAS, 1),
+    "l2p": (PROMPT_LRS, 0.01, GAMMAS, 1),
+}
+
+
+def test_hp_grid_is_the_papers_table():
+    assert list(HP_GRID) == list(PAPER_HP_GRID)
+    for method, (lrs, best_lr, gammas, best_gamma) in PAPER_HP_GRID.items():
+        row = HP_GRID[method]
+        assert list(row.learning_rates) == lrs and row.best_lr == best_lr, method
+        assert list(row.gammas) == gammas and row.best_gamma == best_gamma, method
+
+
+def test_grid_points_are_lrs_for_base_and_lrs_times_gammas_for_ours():
+    points = hp_grid_points("coda")
+    assert len(points) == 7 + 7 * 7
+    base = [p for p in points if p["variant"] == "base"]
+    ours = [p for p in points if p["variant"] == "fgh"]
+    assert [p["init_lr"] for p in base] == PROMPT_LRS
+    assert {(p["init_lr"], p["fgh.gamma"]) for p in ours} == {
+        (lr, g) for lr in PROMPT_LRS for g in GAMMAS
+    }
+    assert [p["init_lr"] for p in hp_grid_points("finetune")] == [0.001, 0.005, 0.01, 0.05, 0.1]
+    with pytest.raises(ValueError, match="no row in the hp_grid table"):
+        hp_grid_points("nope")
+
+
+def test_preset_writes_exactly_the_table_points_on_vtab(tmp_path, capsys):
+    out = tmp_path / "hp"
+    code = main(
+        [
+            "sweep",
+            "--preset",
+            "hp_grid",
+            "--methods",
+            "coda,finetune",
+            "--config",
+            PAPER,
+            "--out",
+            str(out),
+            "--dry-run",
+        ]
+    )
+    assert code == 0
+    configs = [load_json(p) for p in sorted((out / "configs").glob("*.json"))]
+    assert len(configs) == 7 + 49 + 5
+    for config in configs:
+        assert (config["dataset"], config["stream"]) == ("vtab", "clear")
+        assert (config["init_cls"], config["increment"]) == (5, 5)
+        assert config["prefix"].startswith(config["model_name"].removesuffix("_online") + "__")
+    coda_ours = {
+        (c["init_lr"], c["fgh"]["gamma"])
+        for c in configs
+        if c["model_name"] == "coda_online" and c["online_prototypes"]
+    }
+    assert coda_ours == {(lr, g) for lr in PROMPT_LRS for g in GAMMAS}
+    coda_base = sorted(
+        c["init_lr"] for c in configs if c["model_name"] == "coda_online" and c["fgh"] is None
+    )
+    assert coda_base == PROMPT_LRS
+    finetune = [c for c in configs if c["model_name"] == "finetune_online"]
+    assert sorted(c["init_lr"] for c in finetune) == [0.001, 0.005, 0.01, 0.05, 0.1]
+    assert all(c["fgh"] is None and not c["online_prototypes"] for c in finetune)
+
+
+def test_preset_smoke_overrides(tmp_path, capsys):
+    out = tmp_path / "hp"
+    argv = ["sweep", "--preset", "hp_grid", "--methods", "coda", "--config", SMOKE]
+    argv += ["--set", "dataset=synthetic_small", "--set", "init_cls=4", "--set", "increment=4"]
+    argv += ["--set", "seed=[1993,1994]", "--grid", "init_lr=5e-5,5e-3", "--grid", "fgh.gamma=1"]
+    assert main([*argv, "--out", str(out), "--dry-run"]) == 0
+    configs = [load_json(p) for p in sorted((out / "configs").glob("*.json"))]
+    assert len(configs) == 4  # 2 LRs x (base, + P + FGH at gamma 1)
+    assert {c["dataset"] for c in configs} == {"synthetic_small"}
+    assert all(c["seed"] == [1993, 1994] and c["init_cls"] == 4 for c in configs)
+    assert "replace the hp_grid table's values" in capsys.readouterr().out
+
+
+def test_select_best_ties_go_to_the_smaller_lr_then_gamma():
+    base = select_best(
+        [
+            {"init_lr": 0.01, "gamma": None, "ap": {0: 56.0, 1: 56.0}},
+            {"init_lr": 0.001, "gamma": None, "ap": {0: 55.0, 1: 57.0}},
+        ]
+    )
+    assert base["init_lr"] == 0.001 and base["AP_mean"] == 56.0
+    ours = select_best(
+        [
+            {"init_lr": 0.001, "gamma": 1, "ap": {0: 71.0, 1: 71.0}},
+            {"init_lr": 0.001, "gamma": 0.1, "ap": {0: 70.0, 1: 72.0}},
+        ]
+    )
+    assert (ours["init_lr"], ours["gamma"], ours["AP_std"]) == (0.001, 0.1, 1.0)
+
+
+def test_best_picks_the_argmax_of_mean_ap_and_flags_fewer_seeds(tmp_path, capsys):
+    folder = tmp_path / "hp_grid" / "results"
+    grid = {  # (row, lr, gamma): APs of seeds 0, 1
+        ("base", 0.001, None): (50.0, 60.0),  # 55
+        ("base", 0.01, None): (58.0, 54.0),  # 56 <- best
+        ("base", 0.1, None): (10.0, 12.0),
+        ("ours", 0.001, 0.1): (70.0, 74.0),  # 72 <- best
+        ("ours", 0.001, 1): (71.0, 71.0),
+        ("ours", 0.01, 1): (65.0,),  # one seed: flagged
+    }
+    for (row, lr, gamma), aps in grid.items():
+        for seed, ap in enumerate(aps):
+            write_run(folder, dataset="vtab", lr=lr, row=row, gamma=gamma, seed=seed, ap=ap)
+    write_run(folder, dataset="vtab", lr=0.5, row="p", ap=99.0)  # not a searched row: ignored
+    out = tmp_path / "best.json"
+    assert main(["best", str(tmp_path / "hp_grid"), "--out", str(out)]) == 0
+    best = json.loads(out.read_text())
+    assert "highest AP averaged over its seeds" in best["selection_rule"]
+    assert best["search"] == [{"dataset": "vtab", "stream": "clear"}]
+    coda = best["methods"]["coda"]
+    assert (coda["base"]["init_lr"], coda["base"]["AP_mean"]) == (0.01, 56.0)
+    assert coda["base"]["seeds"] == [0, 1] and not coda["base"]["fewer_seeds"]
+    assert (coda["ours"]["init_lr"], coda["ours"]["fgh.gamma"]) == (0.001, 0.1)
+    assert coda["ours"]["AP_mean"] == 72.0 and coda["ours"]["AP_std"] == 2.0
+    flagged = [(p["init_lr"], p["gamma"]) for p in coda["ours"]["grid"] if p["fewer_seeds"]]
+    assert flagged == [(0.01, 1)]
+    md = out.with_suffix(".md").read_text()
+    assert "Selection rule" in md and "coda ours LR 0.01 gamma 1" in md
+
+
+def test_hp_from_runs_the_chosen_lr_and_gamma_tagged_best(tmp_path, capsys):
+    best = tmp_path / "best.json"
+    best.write_text(
+        json.dumps(
+            {
+                "methods": {
+                    "coda": {
+                        "base": {"init_lr": 0.01},
+                        "ours": {"init_lr": 0.001, "fgh.gamma": 0.1},
+                    }
+                }
+            }
+        )
+    )
+    out = tmp_path / "best_runs"
+    argv = ["sweep", "--hp-from", str(best), "--config", PAPER, "--grid", "dataset=cifar224,cub"]
+    assert main([*argv, "--grid", "stream=clear,si_blurry", "--out", str(out), "--dry-run"]) == 0
+    configs = {p.stem: load_json(p) for p in (out / "configs").glob("*.json")}
+    assert len(configs) == 2 * 2 * 2
+    base = configs["coda__best-base__dataset-cub__stream-si_blurry"]
+    assert (base["init_lr"], base["fgh"], base["online_prototypes"]) == (0.01, None, False)
+    ours = configs["coda__best-ours__dataset-cifar224__stream-clear"]
+    assert (ours["init_lr"], ours["fgh"]["gamma"], ours["online_prototypes"]) == (0.001, 0.1, True)
+    assert {c["hp_column"] for c in configs.values()} == {"best"}
+    argv = ["sweep", "--hp-from", str(best), "--config", PAPER, "--grid", "init_lr=1"]
+    assert main([*argv, "--out", str(out), "--dry-run"]) == 2
+    assert "--hp-from sets init_lr itself" in capsys.readouterr().err
+
+
+def test_a_template_needs_methods_and_a_matching_file(tmp_path, capsys):
+    assert main(["sweep", "--config", SMOKE, "--out", str(tmp_path), "--dry-run"]) == 2
+    assert "name the methods with --methods" in capsys.readouterr().err
+    argv = ["sweep", "--config", SMOKE, "--methods", "nope", "--out", str(tmp_path), "--dry-run"]
+    assert main(argv) == 2
+    assert "no base config for method 'nope'" in capsys.readouterr().err
