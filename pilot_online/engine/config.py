@@ -20,6 +20,7 @@ from ..core.fgh import validate_options as validate_fgh_options
 from ..core.masks import LOGIT_MASKS
 from ..core.streams import BLURRED_SELECTIONS, STREAMS
 from .adapter import ConfigKey
+from .eval_cache import CACHE_MODES
 from .loop import OPTIMIZERS
 
 #: Keys PILOT's ``main.py``/``trainer.py``/``BaseLearner`` read, with the online defaults.
@@ -76,6 +77,11 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
     ),
     "num_workers": ConfigKey(2, "DataLoader workers"),
     "eval_batch_size": ConfigKey(256, "batch size for evaluation"),
+    "eval_query_cache": ConfigKey(
+        "auto",
+        "cache the frozen query pass per test image (L2P, DualPrompt, CODA, MVP); bit-identical",
+        choices=CACHE_MODES,
+    ),
     "max_nonfinite_steps": ConfigKey(10, "consecutive non-finite losses tolerated before stopping"),
     "grad_trace": ConfigKey(
         True, "record per-step classifier-row gradient norms (imbalance plots)"

@@ -11,6 +11,7 @@ This module needs no PILOT: the PILOT learner and the core demo both drive an :c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from ..core.checks import check_choice
 from ..core.fgh import class_grad_norms
 from ..core.masks import classes_present, mask_logits, training_mask
 from .adapter import MethodAdapter, StepOutput
+from .eval_cache import QueryCache
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,9 @@ class OnlineLoop:
         self._grad_trace: list[torch.Tensor] | None = [] if config.get("grad_trace", True) else None
         # Set by the session (``attach_samples``): replay loads memory samples through it.
         self.sample_loader: SampleLoader | None = None
+        # Frozen query features by test-sample index (``engine/eval_cache.py``); methods without a
+        # query pass (``adapter.query_parameters`` empty) never use it.
+        self.query_cache = QueryCache(config.get("eval_query_cache", "auto"), self.device)
         self.setup()
 
     def attach_samples(self, loader: SampleLoader) -> None:
@@ -247,15 +252,44 @@ class OnlineLoop:
     # -- evaluation ------------------------------------------------------------------------------
     @torch.no_grad()
     def predict(
-        self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], allowed: torch.Tensor, topk: int
+        self,
+        batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+        allowed: torch.Tensor,
+        topk: int,
+        sample_ids: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k predictions over ``batches`` with logits outside ``allowed`` masked out."""
+        """Top-k predictions over ``batches`` with logits outside ``allowed`` masked out.
+
+        ``sample_ids``: the test-sample index of each row of ``batches``, in order, given only when
+        the test transforms are deterministic; with them, the query cache serves the method's
+        frozen query pass (``engine/eval_cache.py``)."""
         self.adapter.eval_mode(self.network)
         allowed = allowed.to(self.device)
         topk = max(1, min(topk, int(allowed.sum())))
+        cache = None
+        if sample_ids is not None:
+            query_params = self.adapter.query_parameters(self.network)
+            cache = self.query_cache if self.query_cache.usable(query_params) else None
         preds, truths = [], []
+        offset = 0
         for inputs, labels in batches:
-            out = self.adapter.forward(self.network, inputs.to(self.device), train=False)
+            inputs = inputs.to(self.device)
+            if cache is None:
+                out = self.adapter.forward(self.network, inputs, train=False)
+            else:
+                ids = sample_ids[offset : offset + len(inputs)]
+                if len(ids) != len(inputs):
+                    raise ValueError(
+                        f"the data source yielded more test samples than the {len(sample_ids)} "
+                        "indices it was asked for"
+                    )
+                offset += len(inputs)
+                query = cache.get(
+                    ids,
+                    functools.partial(self.adapter.query_features, self.network, inputs),
+                    self.device,
+                )
+                out = self.adapter.forward_from_query(self.network, inputs, query, train=False)
             logits = mask_logits(out.logits, allowed)
             preds.append(logits.topk(topk, dim=1).indices.cpu())
             truths.append(labels.cpu())

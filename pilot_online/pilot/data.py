@@ -102,6 +102,23 @@ def _base_model_name(args: dict[str, Any] | None) -> str | None:
         return None  # an upstream method: keep PILOT's own choice
 
 
+#: torchvision transforms that map an image to the same tensor every time (PILOT's test ones).
+DETERMINISTIC_TRANSFORMS = frozenset(
+    {"Resize", "CenterCrop", "ToTensor", "PILToTensor", "Normalize", "ConvertImageDtype"}
+)
+
+
+def deterministic_transforms(transforms: Sequence[Any]) -> bool:
+    """Whether every transform is one of :data:`DETERMINISTIC_TRANSFORMS` (an unknown one may be
+    random: the evaluation query cache, which needs the same input at every evaluation, is then
+    not used)."""
+    unknown = [type(t).__name__ for t in transforms]
+    unknown = [name for name in unknown if name not in DETERMINISTIC_TRANSFORMS]
+    if unknown:
+        logger.info("test transforms %s may be random: no evaluation query cache", unknown)
+    return not unknown
+
+
 class PilotDataSource:
     """Stream-ordered training batches and test batches from a PILOT ``DataManager``."""
 
@@ -122,6 +139,7 @@ class PilotDataSource:
             transforms.Compose([*dm._test_trsf, *dm._common_trsf]),
             dm.use_path,
         )
+        self.deterministic_eval = deterministic_transforms([*dm._test_trsf, *dm._common_trsf])
         self.train_labels = np.asarray(dm._train_targets)
         self.test_labels = np.asarray(dm._test_targets)
         self.num_workers = int(config["num_workers"])
