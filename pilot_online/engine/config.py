@@ -21,7 +21,7 @@ from ..core.masks import LOGIT_MASKS
 from ..core.streams import BLURRED_SELECTIONS, STREAMS
 from .adapter import ConfigKey
 from .eval_cache import CACHE_MODES
-from .loop import OPTIMIZERS
+from .loop import AMP_MODES, OPTIMIZERS
 
 #: Keys PILOT's ``main.py``/``trainer.py``/``BaseLearner`` read, with the online defaults.
 PILOT_KEYS: dict[str, ConfigKey] = {
@@ -82,6 +82,9 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
         "cache the frozen query pass per test image (L2P, DualPrompt, CODA, MVP); bit-identical",
         choices=CACHE_MODES,
     ),
+    "amp": ConfigKey(None, 'null (fp32) or "bf16": bfloat16 autocast in training and evaluation'),
+    "sdpa": ConfigKey(False, "ViT attention through torch's scaled_dot_product_attention"),
+    "pin_memory": ConfigKey(False, "DataLoader pinned memory (CUDA: faster host-to-device copies)"),
     "max_nonfinite_steps": ConfigKey(10, "consecutive non-finite losses tolerated before stopping"),
     "grad_trace": ConfigKey(
         True, "record per-step classifier-row gradient norms (imbalance plots)"
@@ -243,6 +246,11 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
             f"pretrained_path {cfg['pretrained_path']!r} is not a file: point it at the ViT "
             "weights (timm 0.6 npz), or set it to null to download them"
         )
+    if cfg["amp"] not in AMP_MODES:
+        raise ConfigError(f'amp must be null or "bf16", got {cfg["amp"]!r}')
+    for key in ("sdpa", "pin_memory"):
+        if not isinstance(cfg[key], bool):
+            raise ConfigError(f"{key} must be true or false, got {cfg[key]!r}")
     _check_fgh(cfg["fgh"])
     try:
         adapter.check_config(cfg)

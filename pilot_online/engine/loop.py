@@ -10,6 +10,7 @@ This module needs no PILOT: the PILOT learner and the core demo both drive an :c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -104,6 +105,8 @@ class OnlineLoop:
         # Frozen query features by test-sample index (``engine/eval_cache.py``); methods without a
         # query pass (``adapter.query_parameters`` empty) never use it.
         self.query_cache = QueryCache(config.get("eval_query_cache", "auto"), self.device)
+        self.amp = config.get("amp")
+        check_amp(self.amp, self.device)
         self.setup()
 
     def attach_samples(self, loader: SampleLoader) -> None:
@@ -167,20 +170,21 @@ class OnlineLoop:
         self.adapter.train_mode(self.network)
         self.optimizer.zero_grad(set_to_none=True)
 
-        out = self.adapter.forward(self.network, inputs, train=True)
-        # Labels were range-checked once for the whole dataset (OnlineSession): no sync here.
-        self.seen |= classes_present(labels, self.num_classes, validate=False)
-        # The batch-wise mask covers the classes of the stream batch and of the replayed samples.
-        mask = training_mask(
-            self.logit_mask, batch_labels, self.seen, self.num_classes, validate=False
-        )
-        logits = out.logits if mask is None else mask_logits(out.logits, mask)
-        terms = {"ce": self.adapter.classification_loss(self.network, out, batch_labels, mask)}
-        if out.aux_loss is not None:
-            terms["method"] = out.aux_loss
-        terms.update(self.adapter.loss_terms(self.network, inputs, batch_labels))
-        terms.update(self.loss_terms(out, batch_labels))
-        loss = torch.stack([t.reshape(()) for t in terms.values()]).sum()
+        with self.autocast():  # a no-op unless amp is set
+            out = self.adapter.forward(self.network, inputs, train=True)
+            # Labels were range-checked once for the whole dataset (OnlineSession): no sync here.
+            self.seen |= classes_present(labels, self.num_classes, validate=False)
+            # The batch-wise mask covers the classes of the stream batch and of replayed samples.
+            mask = training_mask(
+                self.logit_mask, batch_labels, self.seen, self.num_classes, validate=False
+            )
+            logits = out.logits if mask is None else mask_logits(out.logits, mask)
+            terms = {"ce": self.adapter.classification_loss(self.network, out, batch_labels, mask)}
+            if out.aux_loss is not None:
+                terms["method"] = out.aux_loss
+            terms.update(self.adapter.loss_terms(self.network, inputs, batch_labels))
+            terms.update(self.loss_terms(out, batch_labels))
+            loss = torch.stack([t.reshape(()) for t in terms.values()]).sum()
         correct = (logits[:stream_size].detach().argmax(1) == labels).sum()
         self.samples_seen += stream_size
 
@@ -274,28 +278,51 @@ class OnlineLoop:
         offset = 0
         for inputs, labels in batches:
             inputs = inputs.to(self.device)
-            if cache is None:
-                out = self.adapter.forward(self.network, inputs, train=False)
-            else:
-                ids = sample_ids[offset : offset + len(inputs)]
-                if len(ids) != len(inputs):
-                    raise ValueError(
-                        f"the data source yielded more test samples than the {len(sample_ids)} "
-                        "indices it was asked for"
-                    )
-                offset += len(inputs)
-                query = cache.get(
-                    ids,
-                    functools.partial(self.adapter.query_features, self.network, inputs),
-                    self.device,
-                )
-                out = self.adapter.forward_from_query(self.network, inputs, query, train=False)
-            logits = mask_logits(out.logits, allowed)
+            with self.autocast():
+                out = self._predict_batch(inputs, cache, sample_ids, offset)
+            offset += len(inputs)
+            logits = mask_logits(out.logits.float(), allowed)
             preds.append(logits.topk(topk, dim=1).indices.cpu())
             truths.append(labels.cpu())
         if not preds:
             return np.zeros((0, topk), dtype=np.int64), np.zeros(0, dtype=np.int64)
         return torch.cat(preds).numpy(), torch.cat(truths).long().numpy()
+
+    def _predict_batch(self, inputs, cache, sample_ids, offset) -> StepOutput:
+        """One evaluation forward, through the query cache when there is one."""
+        if cache is None:
+            return self.adapter.forward(self.network, inputs, train=False)
+        ids = sample_ids[offset : offset + len(inputs)]
+        if len(ids) != len(inputs):
+            raise ValueError(
+                f"the data source yielded more test samples than the {len(sample_ids)} "
+                "indices it was asked for"
+            )
+        query = cache.get(
+            ids, functools.partial(self.adapter.query_features, self.network, inputs), self.device
+        )
+        return self.adapter.forward_from_query(self.network, inputs, query, train=False)
+
+    def autocast(self):
+        """bf16 autocast when ``amp`` is ``"bf16"``; otherwise nothing at all."""
+        if self.amp is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+
+#: ``amp`` values: null (fp32) or "bf16" (autocast).
+AMP_MODES = (None, "bf16")
+
+
+def check_amp(amp: Any, device: torch.device) -> None:
+    """A clear error for an ``amp`` the device cannot run."""
+    if amp not in AMP_MODES:
+        raise ValueError(f'amp={amp!r} is not one of null, "bf16"')
+    if amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(
+            f"amp: bf16 needs a GPU with bfloat16 support; {torch.cuda.get_device_name(device)} "
+            "has none. Set amp to null"
+        )
 
 
 def build_loop(

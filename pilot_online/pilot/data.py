@@ -146,7 +146,7 @@ class PilotDataSource:
         self.eval_batch_size = int(config["eval_batch_size"])
         # Seeded once per run, so random augmentations repeat with the seed.
         self._generator = torch.Generator().manual_seed(seed)
-        self.pin_memory = torch.cuda.is_available()
+        self.pin_memory = bool(config.get("pin_memory", False)) and torch.cuda.is_available()
 
     def _loader(self, dataset, batch_sampler, generator=None) -> Iterator:
         loader = torch.utils.data.DataLoader(
