@@ -29,13 +29,16 @@ from the rest of the process (the peak resident set size only grows, and tracema
 torch's allocator), so the CPU ``peak`` column is the state alone. FGH's own state must be exactly
 2 floats per trainable scalar (alpha and the previous gradient); a line says pass or fail.
 
-GPU options are not benchmarked yet (issue 10 part 1 leaves bf16 autocast, SDPA and pinned memory
-open).
+**GPU options** (``--options``, default ``sdpa,bf16``): the base loop again with ``sdpa: true``
+(on a copy of the network whose attention modules use ``scaled_dot_product_attention``) and with
+``amp: "bf16"``, timed in the same round-robin, as ratios to base. ``pin_memory`` only changes
+PILOT's DataLoader (``PilotDataSource``), which this benchmark does not use: not timed here.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import warnings
@@ -68,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--eval-images", type=int, default=48)
     parser.add_argument("--eval-batch-size", type=int, default=16)
+    parser.add_argument("--options", default="sdpa,bf16", help="GPU options to time ('' none)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument(
@@ -212,7 +216,18 @@ def bench_method(method: str, args: argparse.Namespace, device: torch.device) ->
 
         return evaluate
 
-    steps = {name: stepper(loop.train_step) for name, loop in loops.items()}
+    options = {}
+    if "sdpa" in args.options:
+        from pilot_online.pilot.attention import use_sdpa
+
+        fused = copy.deepcopy(network)
+        use_sdpa(fused)
+        options["base, sdpa"] = build_loop(adapter, fused, config, args.classes, device)
+    if "bf16" in args.options:
+        options["base, bf16"] = build_loop(
+            adapter, network, {**config, "amp": "bf16"}, args.classes, device
+        )
+    steps = {name: stepper(loop.train_step) for name, loop in {**loops, **options}.items()}
     if method in UPSTREAM:
         steps["upstream"] = stepper(upstream_step(method, adapter, network, config, device))
     step_s = interleaved_medians(steps, device, args.repeats, args.warmup)
@@ -220,7 +235,7 @@ def bench_method(method: str, args: argparse.Namespace, device: torch.device) ->
     base = loops["base"]
     base.query_cache = QueryCache("auto", device)
     has_query = bool(adapter.query_parameters(network))
-    evals = {name: evaluator(loop, cache=has_query) for name, loop in loops.items()}
+    evals = {name: evaluator(loop, cache=has_query) for name, loop in {**loops, **options}.items()}
     if has_query:
         evals["base, no cache"] = evaluator(base, cache=False)
         evaluator(base, cache=True)()  # the first evaluation fills the cache
@@ -238,6 +253,12 @@ def bench_method(method: str, args: argparse.Namespace, device: torch.device) ->
             f"{args.batch_size / step_s[name]:8.1f} {eval_s[name] * 1e3:9.1f} "
             f"{eval_s[name] / eval_s['base']:7.3f} {peaks[name] / mib:9.1f} "
             f"{peaks[name] / peaks['base']:7.3f}"
+        )
+    for name in options:
+        rows.append(
+            f"{method:11} {name:8} {step_s[name] * 1e3:9.1f} {step_s[name] / step_s['base']:7.3f} "
+            f"{args.batch_size / step_s[name]:8.1f} {eval_s[name] * 1e3:9.1f} "
+            f"{eval_s[name] / eval_s['base']:7.3f}"
         )
     trainable = sum(p.numel() for _, p in base.named_parameters)
     fgh_bytes = fgh_state_bytes(loops["+FGH"])
