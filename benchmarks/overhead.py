@@ -249,14 +249,14 @@ def bench_method(method: str, args: argparse.Namespace, device: torch.device) ->
     mib = 2**20
     for name in VARIANTS:
         rows.append(
-            f"{method:11} {name:8} {step_s[name] * 1e3:9.1f} {step_s[name] / step_s['base']:7.3f} "
+            f"{method:11} {name:10} {step_s[name] * 1e3:9.1f} {step_s[name] / step_s['base']:7.3f} "
             f"{args.batch_size / step_s[name]:8.1f} {eval_s[name] * 1e3:9.1f} "
             f"{eval_s[name] / eval_s['base']:7.3f} {peaks[name] / mib:9.1f} "
             f"{peaks[name] / peaks['base']:7.3f}"
         )
     for name in options:
         rows.append(
-            f"{method:11} {name:8} {step_s[name] * 1e3:9.1f} {step_s[name] / step_s['base']:7.3f} "
+            f"{method:11} {name:10} {step_s[name] * 1e3:9.1f} {step_s[name] / step_s['base']:7.3f} "
             f"{args.batch_size / step_s[name]:8.1f} {eval_s[name] * 1e3:9.1f} "
             f"{eval_s[name] / eval_s['base']:7.3f}"
         )
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     memory = "peak MiB" if device.type == "cuda" else "state MiB"
     print(
-        f"{'method':11} {'variant':8} {'step ms':>9} {'x base':>7} {'img/s':>8} {'eval ms':>9} "
+        f"{'method':11} {'variant':10} {'step ms':>9} {'x base':>7} {'img/s':>8} {'eval ms':>9} "
         f"{'x base':>7} {memory:>9} {'x base':>7}"
     )
     for method in args.methods:

@@ -135,6 +135,15 @@ def images() -> np.ndarray:
 def test_cached_evaluation_is_bit_identical(pilot_on_path, name, images):
     adapter, network, config = build_method(name)
     assert adapter.query_parameters(network), f"{name} declares no query pass"
+    if name != "mvp_online":  # the split forward is PILOT's own network forward, bit for bit
+        x = ArrayDataSource._to_tensor(images)
+        adapter.eval_mode(network)
+        with torch.no_grad():
+            if name == "coda_online":
+                upstream = network.fc(network(x, pen=True, train=False))
+            else:
+                upstream = network(x, task_id=-1, train=False)["logits"]
+            assert torch.equal(adapter.forward(network, x, train=False).logits, upstream)
     everything = np.arange(NUM_TEST)
     subset = np.random.default_rng(1).permutation(NUM_TEST)[:7]
 
