@@ -142,6 +142,24 @@ class MethodAdapter:
         whose optimiser and FGH state the loop then drops; none by default."""
         return ()
 
+    # -- the frozen query pass (evaluation query cache, ``engine/eval_cache.py``) -------------
+    def query_parameters(self, network: nn.Module) -> list[nn.Parameter]:
+        """Every parameter of the method's frozen, prompt-free query pass (L2P, DualPrompt, CODA,
+        MVP); empty (the default) when the method has none. A method that lists parameters here
+        also implements :meth:`query_features` and :meth:`forward_from_query`."""
+        return []
+
+    def query_features(self, network: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The query pass alone: one row per sample, a function of that sample's image only."""
+        raise NotImplementedError
+
+    def forward_from_query(
+        self, network: nn.Module, x: torch.Tensor, query: torch.Tensor, train: bool
+    ) -> StepOutput:
+        """:meth:`forward` with the query pass's output given: ``forward`` must equal
+        ``forward_from_query(network, x, query_features(network, x), train)`` exactly."""
+        raise NotImplementedError
+
     def report(self) -> dict[str, Any]:
         """The method's entries for the results file's ``diagnostics.method``; none by default."""
         return {}

@@ -20,8 +20,9 @@ from ..core.fgh import validate_options as validate_fgh_options
 from ..core.masks import LOGIT_MASKS
 from ..core.streams import BLURRED_SELECTIONS, STREAMS
 from .adapter import ConfigKey
+from .eval_cache import CACHE_MODES
 from .live_log import LOGGERS, check_logger_available
-from .loop import OPTIMIZERS
+from .loop import AMP_MODES, OPTIMIZERS
 from .protocol import HP_COLUMNS
 
 #: Keys PILOT's ``main.py``/``trainer.py``/``BaseLearner`` read, with the online defaults.
@@ -78,6 +79,14 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
     ),
     "num_workers": ConfigKey(2, "DataLoader workers"),
     "eval_batch_size": ConfigKey(256, "batch size for evaluation"),
+    "eval_query_cache": ConfigKey(
+        "auto",
+        "cache the frozen query pass per test image (L2P, DualPrompt, CODA, MVP); bit-identical",
+        choices=CACHE_MODES,
+    ),
+    "amp": ConfigKey(None, 'null (fp32) or "bf16": bfloat16 autocast in training and evaluation'),
+    "sdpa": ConfigKey(False, "ViT attention through torch's scaled_dot_product_attention"),
+    "pin_memory": ConfigKey(False, "DataLoader pinned memory (CUDA: faster host-to-device copies)"),
     "max_nonfinite_steps": ConfigKey(10, "consecutive non-finite losses tolerated before stopping"),
     "grad_trace": ConfigKey(
         True, "record per-step classifier-row gradient norms (imbalance plots)"
@@ -260,6 +269,11 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
             f"pretrained_path {cfg['pretrained_path']!r} is not a file: point it at the ViT "
             "weights (timm 0.6 npz), or set it to null to download them"
         )
+    if cfg["amp"] not in AMP_MODES:
+        raise ConfigError(f'amp must be null or "bf16", got {cfg["amp"]!r}')
+    for key in ("sdpa", "pin_memory"):
+        if not isinstance(cfg[key], bool):
+            raise ConfigError(f"{key} must be true or false, got {cfg[key]!r}")
     _check_fgh(cfg["fgh"])
     if cfg["logger_dir"] is not None and not isinstance(cfg["logger_dir"], str):
         raise ConfigError(f"logger_dir must be null or a folder path, got {cfg['logger_dir']!r}")

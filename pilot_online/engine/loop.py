@@ -10,7 +10,9 @@ This module needs no PILOT: the PILOT learner and the core demo both drive an :c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from ..core.checks import check_choice
 from ..core.fgh import class_grad_norms
 from ..core.masks import classes_present, mask_logits, training_mask
 from .adapter import MethodAdapter, StepOutput
+from .eval_cache import QueryCache
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,11 @@ class OnlineLoop:
         self._grad_trace: list[torch.Tensor] | None = [] if config.get("grad_trace", True) else None
         # Set by the session (``attach_samples``): replay loads memory samples through it.
         self.sample_loader: SampleLoader | None = None
+        # Frozen query features by test-sample index (``engine/eval_cache.py``); methods without a
+        # query pass (``adapter.query_parameters`` empty) never use it.
+        self.query_cache = QueryCache(config.get("eval_query_cache", "auto"), self.device)
+        self.amp = config.get("amp")
+        check_amp(self.amp, self.device)
         self.setup()
 
     def attach_samples(self, loader: SampleLoader) -> None:
@@ -164,20 +172,21 @@ class OnlineLoop:
         self.adapter.train_mode(self.network)
         self.optimizer.zero_grad(set_to_none=True)
 
-        out = self.adapter.forward(self.network, inputs, train=True)
-        # Labels were range-checked once for the whole dataset (OnlineSession): no sync here.
-        self.seen |= classes_present(labels, self.num_classes, validate=False)
-        # The batch-wise mask covers the classes of the stream batch and of the replayed samples.
-        mask = training_mask(
-            self.logit_mask, batch_labels, self.seen, self.num_classes, validate=False
-        )
-        logits = out.logits if mask is None else mask_logits(out.logits, mask)
-        terms = {"ce": self.adapter.classification_loss(self.network, out, batch_labels, mask)}
-        if out.aux_loss is not None:
-            terms["method"] = out.aux_loss
-        terms.update(self.adapter.loss_terms(self.network, inputs, batch_labels))
-        terms.update(self.loss_terms(out, batch_labels))
-        loss = torch.stack([t.reshape(()) for t in terms.values()]).sum()
+        with self.autocast():  # a no-op unless amp is set
+            out = self.adapter.forward(self.network, inputs, train=True)
+            # Labels were range-checked once for the whole dataset (OnlineSession): no sync here.
+            self.seen |= classes_present(labels, self.num_classes, validate=False)
+            # The batch-wise mask covers the classes of the stream batch and of replayed samples.
+            mask = training_mask(
+                self.logit_mask, batch_labels, self.seen, self.num_classes, validate=False
+            )
+            logits = out.logits if mask is None else mask_logits(out.logits, mask)
+            terms = {"ce": self.adapter.classification_loss(self.network, out, batch_labels, mask)}
+            if out.aux_loss is not None:
+                terms["method"] = out.aux_loss
+            terms.update(self.adapter.loss_terms(self.network, inputs, batch_labels))
+            terms.update(self.loss_terms(out, batch_labels))
+            loss = torch.stack([t.reshape(()) for t in terms.values()]).sum()
         correct = (logits[:stream_size].detach().argmax(1) == labels).sum()
         self.samples_seen += stream_size
 
@@ -266,6 +275,7 @@ class OnlineLoop:
             "nonfinite_streak": self._nonfinite_streak,
             "grad_norm_sum": self._grad_norm_sum,
             "grad_trace": None if trace is None else (torch.stack(trace) if trace else []),
+            "query_cache": self.query_cache.state_dict(),
         }
 
     @torch.no_grad()
@@ -300,25 +310,81 @@ class OnlineLoop:
         trace = state["grad_trace"]
         if self._grad_trace is not None:
             self._grad_trace = [row.to(self.device) for row in trace] if len(trace) else []
+        # Last, once the network is restored: the cache is valid for the query pass as it is now.
+        self.query_cache.load_state_dict(
+            state["query_cache"], self.adapter.query_parameters(self.network)
+        )
 
     # -- evaluation ------------------------------------------------------------------------------
     @torch.no_grad()
     def predict(
-        self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], allowed: torch.Tensor, topk: int
+        self,
+        batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+        allowed: torch.Tensor,
+        topk: int,
+        sample_ids: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k predictions over ``batches`` with logits outside ``allowed`` masked out."""
+        """Top-k predictions over ``batches`` with logits outside ``allowed`` masked out.
+
+        ``sample_ids``: the test-sample index of each row of ``batches``, in order, given only when
+        the test transforms are deterministic; with them, the query cache serves the method's
+        frozen query pass (``engine/eval_cache.py``)."""
         self.adapter.eval_mode(self.network)
         allowed = allowed.to(self.device)
         topk = max(1, min(topk, int(allowed.sum())))
+        cache = None
+        if sample_ids is not None:
+            query_params = self.adapter.query_parameters(self.network)
+            cache = self.query_cache if self.query_cache.usable(query_params) else None
         preds, truths = [], []
+        offset = 0
         for inputs, labels in batches:
-            out = self.adapter.forward(self.network, inputs.to(self.device), train=False)
-            logits = mask_logits(out.logits, allowed)
+            inputs = inputs.to(self.device)
+            with self.autocast():
+                out = self._predict_batch(inputs, cache, sample_ids, offset)
+            offset += len(inputs)
+            logits = mask_logits(out.logits.float(), allowed)
             preds.append(logits.topk(topk, dim=1).indices.cpu())
             truths.append(labels.cpu())
         if not preds:
             return np.zeros((0, topk), dtype=np.int64), np.zeros(0, dtype=np.int64)
         return torch.cat(preds).numpy(), torch.cat(truths).long().numpy()
+
+    def _predict_batch(self, inputs, cache, sample_ids, offset) -> StepOutput:
+        """One evaluation forward, through the query cache when there is one."""
+        if cache is None:
+            return self.adapter.forward(self.network, inputs, train=False)
+        ids = sample_ids[offset : offset + len(inputs)]
+        if len(ids) != len(inputs):
+            raise ValueError(
+                f"the data source yielded more test samples than the {len(sample_ids)} "
+                "indices it was asked for"
+            )
+        query = cache.get(
+            ids, functools.partial(self.adapter.query_features, self.network, inputs), self.device
+        )
+        return self.adapter.forward_from_query(self.network, inputs, query, train=False)
+
+    def autocast(self):
+        """bf16 autocast when ``amp`` is ``"bf16"``; otherwise nothing at all."""
+        if self.amp is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+
+#: ``amp`` values: null (fp32) or "bf16" (autocast).
+AMP_MODES = (None, "bf16")
+
+
+def check_amp(amp: Any, device: torch.device) -> None:
+    """A clear error for an ``amp`` the device cannot run."""
+    if amp not in AMP_MODES:
+        raise ValueError(f'amp={amp!r} is not one of null, "bf16"')
+    if amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(
+            f"amp: bf16 needs a GPU with bfloat16 support; {torch.cuda.get_device_name(device)} "
+            "has none. Set amp to null"
+        )
 
 
 def build_loop(

@@ -48,7 +48,25 @@ class CodaOnline(MethodAdapter):
         return network
 
     def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
-        features = network(x, pen=True, train=False)
+        # CodaPromptVitNet.forward(pen=True, train=False), in two parts so that evaluation can
+        # reuse the query.
+        return self.forward_from_query(network, x, self.query_features(network, x), train)
+
+    def query_parameters(self, network: nn.Module) -> list[nn.Parameter]:
+        return list(network.backbone.parameters())
+
+    @torch.no_grad()
+    def query_features(self, network: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The CLS token of the frozen backbone's prompt-free pass."""
+        tokens, _ = network.backbone(x)
+        return tokens[:, 0, :]
+
+    def forward_from_query(
+        self, network: nn.Module, x: torch.Tensor, query: torch.Tensor, train: bool
+    ) -> StepOutput:
+        tokens, _ = network.backbone(x, prompt=network.prompt, q=query, train=False)
+        features = tokens[:, 0, :]
+        features = features.view(features.size(0), -1)
         logits = network.fc(features)
         mu = float(self.args["prompt_param"][2])
         aux = None

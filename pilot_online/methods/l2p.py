@@ -64,7 +64,21 @@ class L2POnline(MethodAdapter):
         return network
 
     def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
-        out = network(x, task_id=-1, train=train)
+        # PromptVitNet.forward, in two parts so that evaluation can reuse the query.
+        return self.forward_from_query(network, x, self.query_features(network, x), train)
+
+    def query_parameters(self, network: nn.Module) -> list[nn.Parameter]:
+        return list(network.original_backbone.parameters())
+
+    @torch.no_grad()
+    def query_features(self, network: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The frozen original ViT's pre-logits, which select the prompts."""
+        return network.original_backbone(x)["pre_logits"]
+
+    def forward_from_query(
+        self, network: nn.Module, x: torch.Tensor, query: torch.Tensor, train: bool
+    ) -> StepOutput:
+        out = network.backbone(x, task_id=-1, cls_features=query, train=train)
         features = network.backbone.fc_norm(out["pre_logits"])
         aux = None
         if train and self.args["pull_constraint"] and "reduce_sim" in out:

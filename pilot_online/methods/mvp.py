@@ -226,9 +226,28 @@ class MVPOnline(MethodAdapter):
             use_last_layer=args["use_last_layer"],
         )
 
+    def query_parameters(self, network: nn.Module) -> list[nn.Parameter]:
+        vit = network.backbone
+        params = [*vit.patch_embed.parameters(), vit.cls_token, vit.pos_embed]
+        for block in vit.blocks[: network.query_depth]:
+            params.extend(block.parameters())
+        return params
+
+    def query_features(self, network: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return network.query(network.embed(x))
+
     def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
         tokens = network.embed(x)
-        query = network.query(tokens)
+        return self._forward(network, tokens, network.query(tokens), train)
+
+    def forward_from_query(
+        self, network: nn.Module, x: torch.Tensor, query: torch.Tensor, train: bool
+    ) -> StepOutput:
+        return self._forward(network, network.embed(x), query, train)
+
+    def _forward(
+        self, network: nn.Module, tokens: torch.Tensor, query: torch.Tensor, train: bool
+    ) -> StepOutput:
         distances = network.key_distances(query)  # keys carry the gradient
         if self.args["use_contrastive"]:
             mass = network.key_counts + 1.0

@@ -123,6 +123,23 @@ class SeededSamples(torch.utils.data.Dataset):
             return self.dataset[index]
 
 
+#: torchvision transforms that map an image to the same tensor every time (PILOT's test ones).
+DETERMINISTIC_TRANSFORMS = frozenset(
+    {"Resize", "CenterCrop", "ToTensor", "PILToTensor", "Normalize", "ConvertImageDtype"}
+)
+
+
+def deterministic_transforms(transforms: Sequence[Any]) -> bool:
+    """Whether every transform is one of :data:`DETERMINISTIC_TRANSFORMS` (an unknown one may be
+    random: the evaluation query cache, which needs the same input at every evaluation, is then
+    not used)."""
+    unknown = [type(t).__name__ for t in transforms]
+    unknown = [name for name in unknown if name not in DETERMINISTIC_TRANSFORMS]
+    if unknown:
+        logger.info("test transforms %s may be random: no evaluation query cache", unknown)
+    return not unknown
+
+
 class PilotDataSource:
     """Stream-ordered training batches and test batches from a PILOT ``DataManager``."""
 
@@ -144,6 +161,7 @@ class PilotDataSource:
             transforms.Compose([*dm._test_trsf, *dm._common_trsf]),
             dm.use_path,
         )
+        self.deterministic_eval = deterministic_transforms([*dm._test_trsf, *dm._common_trsf])
         self.train_labels = np.asarray(dm._train_targets)
         self.test_labels = np.asarray(dm._test_targets)
         self.num_workers = int(config["num_workers"])
@@ -151,7 +169,7 @@ class PilotDataSource:
         # Worker seeds come from here, not from the global generator; augmentations of stream
         # samples do not depend on them (``SeededSamples``).
         self._generator = torch.Generator().manual_seed(seed)
-        self.pin_memory = torch.cuda.is_available()
+        self.pin_memory = bool(config.get("pin_memory", False)) and torch.cuda.is_available()
 
     def _loader(self, dataset, batch_sampler, generator=None) -> Iterator:
         loader = torch.utils.data.DataLoader(

@@ -22,6 +22,7 @@ from ..engine.checkpoint import checkpoint_path_for
 from ..engine.config import resolve_config
 from ..engine.loop import build_loop
 from ..engine.session import OnlineSession, unique_results_path
+from .attention import use_sdpa
 from .backbones import timm_overrides
 from .data import PilotDataSource
 
@@ -46,6 +47,8 @@ class OnlineLearner(BaseLearner):
         overrides = self.adapter.backbone_kwargs(self.config)
         with timm_overrides(overrides, self.config["pretrained_path"]):
             network = self.adapter.build_network(self.config)
+        if self.config["sdpa"]:
+            use_sdpa(network)
         self.loop = build_loop(self.adapter, network, self.config, args["nb_classes"], self._device)
         self._network = self.loop.network
         self.topk = 5

@@ -1,0 +1,96 @@
+"""``sdpa: true``: the ViTs' attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+timm 0.6.13 and PILOT's backbones compute attention by hand (``softmax(q k^T * scale) v``), which
+materialises the ``[B, heads, N, N]`` matrix; SDPA picks a fused kernel (flash or memory-efficient
+attention on CUDA). :func:`use_sdpa` swaps, on one network only, the ``forward`` of every
+attention module it recognises for a function of ours computing the same thing, prefixes
+included; PILOT's files are not touched. Recognised (by class name and attributes):
+
+- ``Attention`` of timm and of PILOT's ``vit_l2p``/``vit_dualprompt`` (``forward(x, *args)``);
+- ``PreT_Attention`` (``vit_dualprompt``: key/value prefixes ``[B, 2, length, heads, head_dim]``);
+- CODA's ``Attention`` (``vit_coda_promtpt``: ``forward(x, register_hook, prompt=(pk, pv))``).
+
+fp32 results match the hand-written attention to rounding (a different summation order), not
+bit for bit; off by default.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def _split_heads(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    batch, tokens, width = x.shape
+    heads = module.num_heads
+    qkv = module.qkv(x).reshape(batch, tokens, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
+    return qkv.unbind(0)
+
+
+def _attend(module: nn.Module, q, k, v, shape) -> torch.Tensor:
+    dropout = module.attn_drop.p if module.training else 0.0
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=module.scale)
+    out = out.transpose(1, 2).reshape(shape)
+    return module.proj_drop(module.proj(out))
+
+
+def plain_forward(self: nn.Module, x: torch.Tensor, *args) -> torch.Tensor:
+    q, k, v = _split_heads(self, x)
+    return _attend(self, q, k, v, x.shape)
+
+
+def prefix_forward(self: nn.Module, x: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
+    """PILOT's ``PreT_Attention``: key and value prefixes come first in the key/value sequence."""
+    q, k, v = _split_heads(self, x)
+    if prompt is not None:
+        prefixes = prompt.permute(1, 0, 3, 2, 4)  # [2, B, heads, length, head_dim]
+        k = torch.cat([prefixes[0], k], dim=2)
+        v = torch.cat([prefixes[1], v], dim=2)
+    return _attend(self, q, k, v, x.shape)
+
+
+def coda_forward(
+    self: nn.Module, x: torch.Tensor, register_hook: bool = False, prompt=None
+) -> torch.Tensor:
+    """CODA's ``Attention``: ``prompt = (pk, pv)``, each ``[B, length, dim]``."""
+    if register_hook:
+        raise ValueError("sdpa: true cannot save attention maps (register_hook); set sdpa false")
+    batch, _, width = x.shape
+    q, k, v = _split_heads(self, x)
+    if prompt is not None:
+        heads = self.num_heads
+        pk, pv = (p.reshape(batch, -1, heads, width // heads).permute(0, 2, 1, 3) for p in prompt)
+        k = torch.cat((pk, k), dim=2)
+        v = torch.cat((pv, v), dim=2)
+    return _attend(self, q, k, v, x.shape)
+
+
+def _forward_for(module: nn.Module):
+    if not all(hasattr(module, a) for a in ("qkv", "num_heads", "scale", "proj", "attn_drop")):
+        return None
+    name = type(module).__name__
+    if name == "PreT_Attention":
+        return prefix_forward
+    if name == "Attention":
+        return coda_forward if "attention_map" in vars(module) else plain_forward
+    return None
+
+
+def use_sdpa(network: nn.Module) -> int:
+    """Route every recognised attention module of ``network`` through SDPA; returns how many."""
+    swapped = 0
+    for module in network.modules():
+        forward = _forward_for(module)
+        if forward is not None:
+            module.forward = types.MethodType(forward, module)
+            swapped += 1
+    if not swapped:
+        raise ValueError("sdpa: true, but the network has no attention module sdpa knows")
+    logger.info("sdpa: %d attention modules use scaled_dot_product_attention", swapped)
+    return swapped

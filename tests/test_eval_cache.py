@@ -1,0 +1,271 @@
+"""The evaluation query cache (issue 10): the frozen query pass runs once per test image.
+
+With PILOT: for L2P, DualPrompt, CODA and MVP, two evaluations through ``OnlineLoop.predict`` with
+the cache give logits bit-identical (``torch.equal``) to the same evaluations without it, and the
+second one never calls the query pass. When the two evaluations batch the test set differently,
+the cached logits are bit-identical to the prompted pass fed the queries of the filling batches
+(the cache returns exactly what it stored, at the right indices); against a fresh uncached pass
+they differ only as the uncached pass differs from itself across batch sizes (CPU matmuls round
+per batch shape: ~1e-6), with equal predictions. Without PILOT: the refusal rules on a tiny net.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import TinyAdapter, TinyNet, requires_pilot
+from torch import nn
+
+from pilot_online import get_method
+from pilot_online.engine.adapter import StepOutput
+from pilot_online.engine.config import ConfigError, load_json, resolve_config
+from pilot_online.engine.eval_cache import QueryCache
+from pilot_online.engine.loop import build_loop
+from pilot_online.engine.session import ArrayDataSource
+
+REPO = Path(__file__).resolve().parent.parent
+PILOT_TOP_LEVEL = ("models", "utils", "backbone", "trainer")
+NUM_CLASSES = 8
+NUM_TEST = 10
+CACHED_METHODS = ("l2p_online", "dualprompt_online", "coda_online", "mvp_online")
+
+
+@pytest.fixture(scope="module")
+def pilot_on_path(pilot: Path) -> Iterator[None]:
+    sys.path.insert(0, str(pilot))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(pilot))
+        for name in [m for m in sys.modules if m.split(".")[0] in PILOT_TOP_LEVEL]:
+            del sys.modules[name]
+
+
+def build_method(name: str) -> tuple[Any, nn.Module, dict[str, Any]]:
+    from pilot_online.pilot.backbones import timm_overrides
+
+    path = REPO / "exps" / f"smoke_{name.removesuffix('_online')}_online.json"
+    config = resolve_config(load_json(path))
+    config.update(nb_classes=NUM_CLASSES, nb_tasks=2)
+    adapter = get_method(name)(args=config)
+    torch.manual_seed(0)
+    with timm_overrides(adapter.backbone_kwargs(config), config["pretrained_path"]):
+        network = adapter.build_network(config)
+    return adapter, network, config
+
+
+class Recorder:
+    """Counts query passes and records the logits of every evaluation forward."""
+
+    def __init__(self, adapter) -> None:
+        self.adapter, self.query_calls, self.logits = adapter, 0, []
+        query, forward, from_query = (
+            adapter.query_features,
+            adapter.forward,
+            adapter.forward_from_query,
+        )
+
+        def counted_query(network, x):
+            self.query_calls += 1
+            return query(network, x)
+
+        self.inside_forward = False
+
+        def recorded_forward(network, x, train):
+            self.inside_forward = True  # forward calls forward_from_query: record once
+            try:
+                out = forward(network, x, train)
+            finally:
+                self.inside_forward = False
+            self.logits.append(out.logits)
+            return out
+
+        def recorded_from_query(network, x, q, train):
+            out = from_query(network, x, q, train)
+            if not self.inside_forward:
+                self.logits.append(out.logits)
+            return out
+
+        adapter.query_features = counted_query  # instance attributes shadow the methods
+        adapter.forward = recorded_forward
+        adapter.forward_from_query = recorded_from_query
+
+    def take(self) -> torch.Tensor:
+        logits, self.logits = torch.cat(self.logits), []
+        return logits
+
+    def close(self) -> None:
+        for name in ("query_features", "forward", "forward_from_query"):
+            delattr(self.adapter, name)
+
+
+def two_evaluations(adapter, network, config, images, cache: str, sizes, orders):
+    """Two evaluations through one loop (as a session runs them); logits, predictions and the
+    query passes of each."""
+    loop = build_loop(adapter, network, {**config, "eval_query_cache": cache}, NUM_CLASSES)
+    labels = np.arange(len(images)) % NUM_CLASSES
+    recorder = Recorder(adapter)
+    allowed = torch.ones(NUM_CLASSES, dtype=torch.bool)
+    results = []
+    try:
+        for size, order in zip(sizes, orders):
+            data = ArrayDataSource(images[:1], labels[:1], images, labels, eval_batch_size=size)
+            calls = recorder.query_calls
+            preds, _ = loop.predict(data.eval_batches(order), allowed, 3, sample_ids=order)
+            results.append((recorder.take(), preds, recorder.query_calls - calls))
+    finally:
+        recorder.close()
+    return results
+
+
+@pytest.fixture(scope="module")
+def images() -> np.ndarray:
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 256, size=(NUM_TEST, 32, 32, 3), dtype=np.uint8)
+
+
+@requires_pilot
+@pytest.mark.parametrize("name", CACHED_METHODS)
+def test_cached_evaluation_is_bit_identical(pilot_on_path, name, images):
+    adapter, network, config = build_method(name)
+    assert adapter.query_parameters(network), f"{name} declares no query pass"
+    if name != "mvp_online":  # the split forward is PILOT's own network forward, bit for bit
+        x = ArrayDataSource._to_tensor(images)
+        adapter.eval_mode(network)
+        with torch.no_grad():
+            if name == "coda_online":
+                upstream = network.fc(network(x, pen=True, train=False))
+            else:
+                upstream = network(x, task_id=-1, train=False)["logits"]
+            assert torch.equal(adapter.forward(network, x, train=False).logits, upstream)
+    everything = np.arange(NUM_TEST)
+    subset = np.random.default_rng(1).permutation(NUM_TEST)[:7]
+
+    # Same batches in both evaluations: bit-identical to no cache, no second query pass.
+    sizes, orders = (4, 4), (everything, everything)
+    plain = two_evaluations(adapter, network, config, images, "off", sizes, orders)
+    cached = two_evaluations(adapter, network, config, images, "auto", sizes, orders)
+    assert [calls for *_, calls in cached] == [3, 0], "query passes per evaluation (3 batches)"
+    for (plain_logits, plain_preds, _), (logits, preds, _) in zip(plain, cached):
+        assert torch.equal(logits, plain_logits)
+        np.testing.assert_array_equal(preds, plain_preds)
+    assert len({tuple(row) for row in plain[0][1]}) > 1, "degenerate test: one prediction"
+
+    # Filled at batch size 4, reused at 3 on a permuted subset.
+    sizes, orders = (4, 3), (everything, subset)
+    plain = two_evaluations(adapter, network, config, images, "off", sizes, orders)
+    cached = two_evaluations(adapter, network, config, images, "auto", sizes, orders)
+    assert cached[1][2] == 0, "the reuse pass ran the query network"
+    assert torch.equal(cached[0][0], plain[0][0])
+    labels = np.zeros(NUM_TEST, dtype=np.int64)
+    source = ArrayDataSource(images[:1], labels[:1], images, labels, eval_batch_size=4)
+    adapter.eval_mode(network)
+    with torch.no_grad():
+        fill = [adapter.query_features(network, x) for x, _ in source.eval_batches(everything)]
+        fill_queries = torch.cat(fill)
+        source.eval_batch_size = 3
+        reuse_ids = torch.from_numpy(subset).split(3)
+        expected = torch.cat(
+            [
+                adapter.forward_from_query(network, x, fill_queries[ids], False).logits
+                for (x, _), ids in zip(source.eval_batches(subset), reuse_ids)
+            ]
+        )
+    assert torch.equal(cached[1][0], expected)
+    np.testing.assert_array_equal(cached[1][1], plain[1][1])
+    torch.testing.assert_close(cached[1][0], plain[1][0], rtol=0, atol=1e-5)
+
+
+@requires_pilot
+def test_convprompt_has_no_frozen_query_pass(pilot_on_path):
+    """ConvPrompt's per-layer queries pass through the prompted layers before them."""
+    adapter, network, _ = build_method("convprompt_online")
+    assert adapter.query_parameters(network) == []
+
+
+# -- without PILOT: the refusal rules ----------------------------------------------------------
+class QueryTiny(TinyAdapter):
+    """``body`` is the query pass; the logits read it."""
+
+    def query_parameters(self, network):
+        return list(network.body.parameters())
+
+    def query_features(self, network, x):
+        return torch.relu(network.body(x))
+
+    def forward_from_query(self, network, x, query, train):
+        return StepOutput(network.fc(query), query)
+
+    def forward(self, network, x, train):
+        return self.forward_from_query(network, x, self.query_features(network, x), train)
+
+
+def tiny_predict(loop, x, ids):
+    batches = [(x[ids], torch.zeros(len(ids), dtype=torch.long))]
+    return loop.predict(batches, torch.ones(6, dtype=torch.bool), 1, sample_ids=ids)
+
+
+def test_trainable_query_pass_is_refused():
+    adapter = QueryTiny()
+    network = TinyNet(frozen_body=False)  # the query pass trains: caching would be stale
+    loop = build_loop(adapter, network, {"grad_trace": False}, 6)
+    x = torch.randn(5, 5)
+    tiny_predict(loop, x, np.arange(5))
+    assert loop.query_cache.refused and loop.query_cache.store is None
+
+
+def test_changed_query_weights_empty_the_cache():
+    adapter = QueryTiny()
+    network = TinyNet(frozen_body=True)
+    loop = build_loop(adapter, network, {"grad_trace": False}, 6)
+    x = torch.randn(5, 5)
+    tiny_predict(loop, x, np.arange(5))
+    assert loop.query_cache.misses == 5
+    tiny_predict(loop, x, np.array([3, 1]))
+    assert (loop.query_cache.misses, loop.query_cache.hits) == (5, 2)
+    with torch.no_grad():
+        network.body.weight.mul_(2)  # an in-place change, as load_state_dict makes
+    tiny_predict(loop, x, np.array([3, 1]))
+    assert loop.query_cache.misses == 7, "stale queries served after the weights changed"
+
+
+def test_cache_off_and_bad_mode():
+    loop = build_loop(QueryTiny(), TinyNet(frozen_body=True), {"eval_query_cache": "off"}, 6)
+    tiny_predict(loop, torch.randn(5, 5), np.arange(5))
+    assert loop.query_cache.store is None
+    with pytest.raises(ValueError, match="eval_query_cache"):
+        QueryCache("gpu", torch.device("cpu"))
+    with pytest.raises(ConfigError, match="eval_query_cache"):
+        resolve_config(
+            {**load_json(REPO / "exps" / "smoke_l2p_online.json"), "eval_query_cache": "gpu"}
+        )
+
+
+def test_checkpointed_cache_serves_the_same_queries_after_a_resume():
+    """A resumed loop gets the cache's tensors back: no recomputation (which, in other batches,
+    could differ in the last bits), and exactly the stored rows."""
+    x = torch.randn(5, 5)
+    loop = build_loop(QueryTiny(), TinyNet(frozen_body=True), {"grad_trace": False}, 6)
+    tiny_predict(loop, x, np.array([4, 0, 2]))
+    state = loop.state_dict()
+    fresh = build_loop(QueryTiny(), TinyNet(frozen_body=True), {"grad_trace": False}, 6)
+    with torch.no_grad():  # the query pass the checkpointed run had (TinyNet draws its own)
+        for mine, theirs in zip(fresh.network.body.parameters(), loop.network.body.parameters()):
+            mine.copy_(theirs)
+    poisoned = torch.full((5, 5), float("nan"))  # a recomputed query would be NaN
+    fresh.load_state_dict(state)
+    fresh.predict(
+        [(poisoned[[0, 2, 4]], torch.zeros(3, dtype=torch.long))],
+        torch.ones(6, dtype=torch.bool),
+        1,
+        sample_ids=np.array([0, 2, 4]),
+    )
+    assert (fresh.query_cache.misses, fresh.query_cache.hits) == (0, 3)
+    assert torch.equal(fresh.query_cache.store[[0, 2, 4]], loop.query_cache.store[[0, 2, 4]])
+    assert fresh.query_cache.filled.tolist() == [True, False, True, False, True]
