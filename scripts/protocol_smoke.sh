@@ -17,7 +17,8 @@ shift || true
 ENGINE=("$@")
 METHODS=${METHODS:-coda,linear_probe}
 T='exps/smoke_{method}_online.json'
-S=(--set dataset=synthetic_tiny --set init_cls=2 --set increment=2 --set 'seed=[1993,1994]')
+S=(--set dataset=synthetic_tiny --set init_cls=2 --set increment=2 --set batch_size=20
+    --set eval_period=40 --set 'seed=[1993,1994]')
 sweep() { pilot-online sweep --pilot-root "$PILOT_ROOT" "${ENGINE[@]}" "$@"; }
 
 start=$SECONDS

@@ -21,7 +21,10 @@ import hashlib
 import os
 import shutil
 import stat
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -72,6 +75,54 @@ def pilot(tmp_path_factory) -> Path:
     root = copy_pilot(tmp_path_factory.mktemp("pilot") / "LAMDA-PILOT")
     apply(root)
     return root
+
+
+#: PILOT's top-level packages, dropped from ``sys.modules`` when a test module is done with them.
+PILOT_TOP_LEVEL = ("models", "utils", "backbone", "trainer")
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def pilot_on_path(pilot: Path) -> Iterator[Path]:
+    """The patched PILOT copy importable for one test module (for building PILOT networks in
+    process); its top-level modules are dropped afterwards."""
+    sys.path.insert(0, str(pilot))
+    try:
+        yield pilot
+    finally:
+        sys.path.remove(str(pilot))
+        for name in [m for m in sys.modules if m.split(".")[0] in PILOT_TOP_LEVEL]:
+            del sys.modules[name]
+
+
+def smoke_config(method: str, num_classes: int = 8, **overrides: Any) -> dict[str, Any]:
+    """``exps/smoke_<method>.json`` resolved (32 px, random weights), with ``overrides``."""
+    from pilot_online.engine.config import load_json, resolve_config
+
+    path = REPO / "exps" / f"smoke_{method.removesuffix('_online')}_online.json"
+    assert path.is_file(), f"{method} needs a smoke config at {path} (scripts/make_exps.py)"
+    config = resolve_config({**load_json(path), **overrides})
+    config.update(nb_classes=num_classes, nb_tasks=2)
+    return config
+
+
+def build_network(adapter: MethodAdapter, config: dict[str, Any], build=None) -> nn.Module:
+    """The method's network as ``OnlineLearner`` builds it, with seeded random weights (needs
+    ``pilot_on_path``)."""
+    from pilot_online.pilot.backbones import timm_overrides
+
+    torch.manual_seed(0)
+    with timm_overrides(adapter.backbone_kwargs(config), config["pretrained_path"]):
+        return (build or adapter.build_network)(config)
+
+
+def build_smoke_method(name: str, **overrides: Any) -> tuple[MethodAdapter, nn.Module, dict]:
+    """(adapter, network, config) of a registered method from its smoke config."""
+    from pilot_online.engine.registry import get_method
+
+    config = smoke_config(name, **overrides)
+    adapter = get_method(name)(args=config)
+    return adapter, build_network(adapter, config), config
 
 
 def offline_env(tmp_path: Path) -> dict[str, str]:

@@ -13,7 +13,6 @@ Networks are PILOT's (from the patched copy), built through each adapter from it
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,17 +20,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import requires_pilot
+from conftest import build_network, requires_pilot, smoke_config
 
 from pilot_online import get_method, list_methods
-from pilot_online.engine.config import load_json, resolve_config
 from pilot_online.engine.loop import build_loop
 from pilot_online.engine.session import ArrayDataSource
 
 pytestmark = requires_pilot
 
-REPO = Path(__file__).resolve().parent.parent
-PILOT_TOP_LEVEL = ("models", "utils", "backbone", "trainer")
 NUM_CLASSES = 8
 NUM_TEST_IMAGES = 9  # eval_batch_size 7 leaves a batch of 2
 BATCH_SIZES = (1, 7, 256)
@@ -42,43 +38,25 @@ Built = tuple[Any, torch.nn.Module, dict[str, Any]]
 
 
 @pytest.fixture(scope="module")
-def networks(pilot: Path) -> Iterator[dict[str, Built]]:
-    """Each method's (adapter, network, config), built once for the module (ViT-B builds are slow),
-    with the patched PILOT copy importable; PILOT's top-level modules are dropped afterwards."""
-    sys.path.insert(0, str(pilot))
+def networks(pilot_on_path: Path) -> Iterator[dict[str, Built]]:
+    """Each method's (adapter, network, config), built once for the module (ViT-B builds are
+    slow), with the patched PILOT copy importable."""
     built: dict[str, Built] = {}
-    try:
-        yield built
-    finally:
-        built.clear()
-        sys.path.remove(str(pilot))
-        for name in [m for m in sys.modules if m.split(".")[0] in PILOT_TOP_LEVEL]:
-            del sys.modules[name]
+    yield built
+    built.clear()
 
 
-def smoke_config(method: str) -> dict[str, Any]:
-    path = REPO / "exps" / f"smoke_{method.removesuffix('_online')}_online.json"
-    assert path.is_file(), f"{method} needs a smoke config at {path} (scripts/make_exps.py)"
-    config = resolve_config(load_json(path))
+def checked_smoke_config(method: str) -> dict[str, Any]:
+    config = smoke_config(method, num_classes=NUM_CLASSES)
     assert config["backbone_kwargs"] == {"img_size": 32} and config["pretrained"] is False
-    config.update(nb_classes=NUM_CLASSES, nb_tasks=2)
     return config
-
-
-def build(adapter, config: dict[str, Any], build_network=None) -> torch.nn.Module:
-    """The method's network as ``OnlineLearner`` builds it, with seeded random weights."""
-    from pilot_online.pilot.backbones import timm_overrides
-
-    torch.manual_seed(0)
-    with timm_overrides(adapter.backbone_kwargs(config), config["pretrained_path"]):
-        return (build_network or adapter.build_network)(config)
 
 
 def built_method(networks: dict[str, Built], name: str) -> Built:
     if name not in networks:
-        config = smoke_config(name)
+        config = checked_smoke_config(name)
         adapter = get_method(name)(args=config)
-        networks[name] = (adapter, build(adapter, config), config)
+        networks[name] = (adapter, build_network(adapter, config), config)
     return networks[name]
 
 
@@ -235,7 +213,7 @@ def test_upstream_layout_fails_the_invariance_test(dualprompt, test_images):
     from pilot_online.methods.l2p import L2POnline
 
     adapter, network, config = dualprompt
-    upstream = build(adapter, config, lambda cfg: L2POnline.build_network(adapter, cfg))
+    upstream = build_network(adapter, config, lambda cfg: L2POnline.build_network(adapter, cfg))
     identity = np.arange(NUM_TEST_IMAGES)
     ours, ours_logits = evaluate(adapter, network, config, test_images, 256, identity)
     first_two = np.arange(2)

@@ -11,18 +11,13 @@ per batch shape: ~1e-6), with equal predictions. Without PILOT: the refusal rule
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from conftest import TinyAdapter, TinyNet, requires_pilot
-from torch import nn
+from conftest import TinyAdapter, TinyNet, build_smoke_method, requires_pilot
 
-from pilot_online import get_method
 from pilot_online.engine.adapter import StepOutput
 from pilot_online.engine.config import ConfigError, load_json, resolve_config
 from pilot_online.engine.eval_cache import QueryCache
@@ -30,34 +25,9 @@ from pilot_online.engine.loop import build_loop
 from pilot_online.engine.session import ArrayDataSource
 
 REPO = Path(__file__).resolve().parent.parent
-PILOT_TOP_LEVEL = ("models", "utils", "backbone", "trainer")
 NUM_CLASSES = 8
 NUM_TEST = 10
 CACHED_METHODS = ("l2p_online", "dualprompt_online", "coda_online", "mvp_online")
-
-
-@pytest.fixture(scope="module")
-def pilot_on_path(pilot: Path) -> Iterator[None]:
-    sys.path.insert(0, str(pilot))
-    try:
-        yield
-    finally:
-        sys.path.remove(str(pilot))
-        for name in [m for m in sys.modules if m.split(".")[0] in PILOT_TOP_LEVEL]:
-            del sys.modules[name]
-
-
-def build_method(name: str) -> tuple[Any, nn.Module, dict[str, Any]]:
-    from pilot_online.pilot.backbones import timm_overrides
-
-    path = REPO / "exps" / f"smoke_{name.removesuffix('_online')}_online.json"
-    config = resolve_config(load_json(path))
-    config.update(nb_classes=NUM_CLASSES, nb_tasks=2)
-    adapter = get_method(name)(args=config)
-    torch.manual_seed(0)
-    with timm_overrides(adapter.backbone_kwargs(config), config["pretrained_path"]):
-        network = adapter.build_network(config)
-    return adapter, network, config
 
 
 class Recorder:
@@ -133,7 +103,7 @@ def images() -> np.ndarray:
 @requires_pilot
 @pytest.mark.parametrize("name", CACHED_METHODS)
 def test_cached_evaluation_is_bit_identical(pilot_on_path, name, images):
-    adapter, network, config = build_method(name)
+    adapter, network, config = build_smoke_method(name)
     assert adapter.query_parameters(network), f"{name} declares no query pass"
     if name != "mvp_online":  # the split forward is PILOT's own network forward, bit for bit
         x = ArrayDataSource._to_tensor(images)
@@ -185,7 +155,7 @@ def test_cached_evaluation_is_bit_identical(pilot_on_path, name, images):
 @requires_pilot
 def test_convprompt_has_no_frozen_query_pass(pilot_on_path):
     """ConvPrompt's per-layer queries pass through the prompted layers before them."""
-    adapter, network, _ = build_method("convprompt_online")
+    adapter, network, _ = build_smoke_method("convprompt_online")
     assert adapter.query_parameters(network) == []
 
 

@@ -9,48 +9,20 @@ logits. Without PILOT: the options default off and bad values are refused.
 from __future__ import annotations
 
 import copy
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import TinyAdapter, requires_pilot
+from conftest import TinyAdapter, build_smoke_method, requires_pilot
 
-from pilot_online import get_method
 from pilot_online.engine.config import ConfigError, load_json, resolve_config
 from pilot_online.engine.loop import build_loop
 from pilot_online.engine.session import ArrayDataSource
 
 REPO = Path(__file__).resolve().parent.parent
-PILOT_TOP_LEVEL = ("models", "utils", "backbone", "trainer")
 NUM_CLASSES = 8
 METHODS = ("l2p_online", "dualprompt_online", "coda_online", "mvp_online", "convprompt_online")
-
-
-@pytest.fixture(scope="module")
-def pilot_on_path(pilot: Path) -> Iterator[None]:
-    sys.path.insert(0, str(pilot))
-    try:
-        yield
-    finally:
-        sys.path.remove(str(pilot))
-        for name in [m for m in sys.modules if m.split(".")[0] in PILOT_TOP_LEVEL]:
-            del sys.modules[name]
-
-
-def build_method(name: str, **overrides):
-    from pilot_online.pilot.backbones import timm_overrides
-
-    raw = {**load_json(REPO / "exps" / f"smoke_{name.removesuffix('_online')}_online.json")}
-    config = resolve_config({**raw, **overrides})
-    config.update(nb_classes=NUM_CLASSES, nb_tasks=2)
-    adapter = get_method(name)(args=config)
-    torch.manual_seed(0)
-    with timm_overrides(adapter.backbone_kwargs(config), config["pretrained_path"]):
-        network = adapter.build_network(config)
-    return adapter, network, config
 
 
 @requires_pilot
@@ -58,7 +30,7 @@ def build_method(name: str, **overrides):
 def test_sdpa_matches_hand_written_attention(pilot_on_path, name):
     from pilot_online.pilot.attention import use_sdpa
 
-    adapter, network, _ = build_method(name)
+    adapter, network, _ = build_smoke_method(name)
     fused = copy.deepcopy(network)
     blocks = len(network.backbone.blocks)
     assert use_sdpa(fused) >= blocks  # every block's attention (L2P: both ViTs)
@@ -75,7 +47,7 @@ def test_sdpa_matches_hand_written_attention(pilot_on_path, name):
 
 @requires_pilot
 def test_bf16_autocast_trains_on_cpu(pilot_on_path):
-    adapter, network, config = build_method("coda_online", amp="bf16")
+    adapter, network, config = build_smoke_method("coda_online", amp="bf16")
     loop = build_loop(adapter, network, config, NUM_CLASSES)
     x = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     stats = loop.train_step(x, torch.tensor([0, 1, 2, 3]))

@@ -159,6 +159,25 @@ def test_best_picks_the_argmax_of_mean_ap_and_flags_fewer_seeds(tmp_path, capsys
     assert "Selection rule" in md and "coda ours LR 0.01 gamma 1" in md
 
 
+def test_ours_of_a_method_without_gammas_takes_the_base_rows_lr(tmp_path, capsys):
+    """hp_grid lists no gamma for the linear probe (N/A): its + ours Best HP is the base row's
+    LR with gamma 1, marked as not searched; CODA (gammas listed) gets no derived row."""
+    folder = tmp_path / "hp_grid" / "results"
+    for lr, aps in ((0.001, (30.0, 34.0)), (0.005, (40.0, 42.0))):  # means 32, 41 <- best
+        for seed, ap in enumerate(aps):
+            write_run(folder, method="linear_probe_online", dataset="vtab", lr=lr, seed=seed, ap=ap)
+    write_run(folder, dataset="vtab", lr=0.01, ap=50.0)  # CODA, base row only
+    out = tmp_path / "best.json"
+    assert main(["best", str(tmp_path / "hp_grid"), "--out", str(out)]) == 0
+    methods = json.loads(out.read_text())["methods"]
+    probe = methods["linear_probe"]
+    assert (probe["base"]["init_lr"], probe["base"]["AP_mean"]) == (0.005, 41.0)
+    assert probe["ours"]["init_lr"] == 0.005 and probe["ours"]["fgh.gamma"] == 1
+    assert probe["ours"]["derived_from"] == "base" and probe["ours"]["AP_mean"] is None
+    assert set(methods["coda"]) == {"base"}
+    assert "not searched" in out.with_suffix(".md").read_text()
+
+
 def test_hp_from_runs_the_chosen_lr_and_gamma_tagged_best(tmp_path, capsys):
     best = tmp_path / "best.json"
     best.write_text(

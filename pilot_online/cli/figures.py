@@ -183,19 +183,27 @@ def _task_end_samples(results: dict[str, Any]) -> list[float]:
     ]
 
 
+def _groups_having(
+    runs: Sequence[dict[str, Any]], has_data: Callable[[dict[str, Any]], Any], missing: str
+) -> dict[tuple, list[dict[str, Any]]]:
+    """The groups of the runs for which ``has_data`` holds (groups left empty are dropped); the
+    figure is skipped, saying what is ``missing``, when none is left."""
+    groups = {key: [r for r in members if has_data(r)] for key, members in _group(runs).items()}
+    groups = {key: members for key, members in groups.items() if members}
+    if not groups:
+        raise FigureSkipped(missing)
+    return groups
+
+
 # -- the figures' data -----------------------------------------------------------------------------
 def gradient_imbalance_data(runs: Sequence[dict[str, Any]]) -> FigureData:
     """Fig. 1: G^k_n = G^k / max_l G^l per task k (``task_grad_norm_normalized``), per group."""
-    groups = {
-        key: [r for r in members if _imbalance(r).get("task_grad_norm_normalized") is not None]
-        for key, members in _group(runs).items()
-    }
-    groups = {key: members for key, members in groups.items() if members}
-    if not groups:
-        raise FigureSkipped(
-            "no results file holds gradient statistics (extra.gradient_imbalance."
-            "task_grad_norm_normalized)"
-        )
+    groups = _groups_having(
+        runs,
+        lambda r: _imbalance(r).get("task_grad_norm_normalized") is not None,
+        "no results file holds gradient statistics (extra.gradient_imbalance."
+        "task_grad_norm_normalized)",
+    )
     series = []
     for key, label in _labels(groups).items():
         curves = [_as_float(_imbalance(r)["task_grad_norm_normalized"]) for r in groups[key]]
@@ -210,16 +218,12 @@ def gradient_trace_data(
     """Fig. 2 and its appendix grid: G^k at each optimizer step, one panel per task k (1-based
     ``tasks``; all by default), one curve per group (mean over seeds, truncated to the shortest
     run). ``max_steps`` keeps the first steps only (the paper shows 250)."""
-    groups = {
-        key: [r for r in members if _imbalance(r).get("task_grad_norm_trace") is not None]
-        for key, members in _group(runs).items()
-    }
-    groups = {key: members for key, members in groups.items() if members}
-    if not groups:
-        raise FigureSkipped(
-            "no results file holds a per-step gradient trace (extra.gradient_imbalance."
-            "task_grad_norm_trace, or a .gradtrace.npy beside it): run with grad_trace true"
-        )
+    groups = _groups_having(
+        runs,
+        lambda r: _imbalance(r).get("task_grad_norm_trace") is not None,
+        "no results file holds a per-step gradient trace (extra.gradient_imbalance."
+        "task_grad_norm_trace, or a .gradtrace.npy beside it): run with grad_trace true",
+    )
     traces = {
         key: [_as_float(_imbalance(r)["task_grad_norm_trace"]) for r in members]
         for key, members in groups.items()
@@ -300,16 +304,12 @@ def accuracy_curve_data(runs: Sequence[dict[str, Any]]) -> FigureData:
     """Accuracy on the classes seen so far against stream samples, from the periodic
     evaluations (``eval_period``); the mean of each run's curve is its A_auc. Seeds are averaged
     at the sample counts they share."""
-    groups = {
-        key: [r for r in members if r.get("extra", {}).get("periodic_evaluations")]
-        for key, members in _group(runs).items()
-    }
-    groups = {key: members for key, members in groups.items() if members}
-    if not groups:
-        raise FigureSkipped(
-            "no results file holds periodic evaluations (extra.periodic_evaluations): run with "
-            "eval_period set, e.g. 1000 stream samples"
-        )
+    groups = _groups_having(
+        runs,
+        lambda r: r.get("extra", {}).get("periodic_evaluations"),
+        "no results file holds periodic evaluations (extra.periodic_evaluations): run with "
+        "eval_period set, e.g. 1000 stream samples",
+    )
     series = []
     for key, label in _labels(groups).items():
         curves = [

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ..core.files import write_atomic
-from ..core.results import RESULTS_SUFFIX, load_results
-from ..engine.config import ConfigError, load_json
+from ..core.results import find_results, load_results
+from ..engine.config import PAPER_FGH, ConfigError, load_json
 from ..engine.protocol import (
     HP_COLUMNS,
     HP_GRID,
@@ -195,26 +195,18 @@ def choose_best(paths: list[Path]) -> dict[str, Any]:
     """Read every results file under ``paths`` and apply ``SELECTION_RULE`` per method and row."""
     grid: dict[str, dict[str, dict[tuple, dict[int, float | None]]]] = {}
     settings: set[tuple] = set()
-    for folder in paths:
-        files = (
-            sorted(Path(folder).rglob(f"*{RESULTS_SUFFIX}")) if Path(folder).is_dir() else [folder]
-        )
-        for file in files:
-            if ".partial" in Path(file).name:
-                continue
-            results = load_results(file)
-            config = results["config"]
-            row = _run_row(config)
-            if row is None:
-                continue
-            settings.add((config.get("dataset"), config.get("stream")))
-            method = method_short_name(config.get("model_name", ""))
-            key = (float(config["init_lr"]), _gamma(config) if row == "ours" else None)
-            ap = results["metrics"].get("AP")
-            ap = ap if ap is not None and math.isfinite(ap) else None
-            grid.setdefault(method, {}).setdefault(row, {}).setdefault(key, {})[
-                config.get("seed")
-            ] = ap
+    for file in find_results(paths):
+        results = load_results(file)
+        config = results["config"]
+        row = _run_row(config)
+        if row is None:
+            continue
+        settings.add((config.get("dataset"), config.get("stream")))
+        method = method_short_name(config.get("model_name", ""))
+        key = (float(config["init_lr"]), _gamma(config) if row == "ours" else None)
+        ap = results["metrics"].get("AP")
+        ap = ap if ap is not None and math.isfinite(ap) else None
+        grid.setdefault(method, {}).setdefault(row, {}).setdefault(key, {})[config.get("seed")] = ap
     if not grid:
         raise ConfigError(
             "no results files (base or + P + FGH rows) under " + ", ".join(map(str, paths))
@@ -240,11 +232,34 @@ def choose_best(paths: list[Path]) -> dict[str, Any]:
                 grid=chosen["grid"],
             )
             methods.setdefault(method, {})[row] = entry
+        rows = methods.get(method, {})
+        if (
+            "base" in rows
+            and "ours" not in rows
+            and method in HP_GRID
+            and not HP_GRID[method].gammas
+        ):
+            rows["ours"] = derived_ours(rows["base"])
     return {
         "selection_rule": SELECTION_RULE,
         "search": [{"dataset": d, "stream": s} for d, s in sorted(settings, key=str)],
         "sources": [str(p) for p in paths],
         "methods": methods,
+    }
+
+
+def derived_ours(base: dict[str, Any]) -> dict[str, Any]:
+    """+ ours of a method whose hp_grid row has no gamma (N/A): the base row's learning rate with
+    the paper's gamma, unsearched (``SELECTION_RULE``)."""
+    return {
+        "init_lr": base["init_lr"],
+        "fgh.gamma": PAPER_FGH["gamma"],
+        "derived_from": "base",
+        "AP_mean": None,
+        "AP_std": None,
+        "seeds": [],
+        "fewer_seeds": False,
+        "grid": [],
     }
 
 
@@ -263,10 +278,14 @@ def best_markdown(best: dict[str, Any]) -> str:
         for row, e in rows.items():
             flag = " † fewer seeds" if e["fewer_seeds"] else ""
             gamma = e.get("fgh.gamma")
+            ap = (
+                f"not searched (the {e['derived_from']} row's LR)"
+                if e.get("derived_from")
+                else f"{e['AP_mean']:.2f} ± {e['AP_std']:.2f}{flag}"
+            )
             lines.append(
                 f"| {method} | {row} | {e['init_lr']:g} | {'—' if gamma is None else f'{gamma:g}'} "
-                f"| {e['AP_mean']:.2f} ± {e['AP_std']:.2f}{flag} | {len(e['seeds'])} "
-                f"| {len(e['grid'])} |"
+                f"| {ap} | {len(e['seeds'])} | {len(e['grid'])} |"
             )
     flagged = [
         f"{m} {r} LR {p['init_lr']:g}"

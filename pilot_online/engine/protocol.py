@@ -63,7 +63,10 @@ SELECTION_RULE = (
     "averaged over its seeds is chosen (AP: mean of the average accuracies after each task, on "
     "the search dataset). Seeds whose AP is missing (null) do not count. Ties go to the smaller "
     "learning rate, then the smaller gamma. A point with fewer seeds than the most common count "
-    "of its method and row stays eligible but is flagged (fewer_seeds), as is a chosen one."
+    "of its method and row stays eligible but is flagged (fewer_seeds), as is a chosen one. "
+    "Where the hp_grid table lists no gamma (N/A: fine-tuning, linear probe, ER, ER + linear "
+    "probe, MVP, oLoRA) and no + ours run was searched, + ours takes the base row's learning rate "
+    "with the paper's gamma 1 (derived_from: base)."
 )
 
 
