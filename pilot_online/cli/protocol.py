@@ -17,9 +17,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..core.fgh import validate_options
 from ..core.files import write_atomic
 from ..core.results import find_results, load_results
-from ..engine.config import PAPER_FGH, ConfigError, load_json
+from ..engine.config import PAPER_FGH, ConfigError, load_json, variant_of
 from ..engine.protocol import (
     HP_COLUMNS,
     HP_GRID,
@@ -178,17 +179,13 @@ def hp_from_configs(
 
 def _run_row(config: dict[str, Any]) -> str | None:
     """``base``, ``ours`` (+ P + FGH), or None for the ablation-only rows."""
-    prototypes, fgh = bool(config.get("online_prototypes")), config.get("fgh") is not None
-    return {(False, False): "base", (True, True): "ours"}.get((prototypes, fgh))
+    return {HP_ROWS[row]: row for row in ("base", "ours")}.get(variant_of(config))
 
 
 def _gamma(config: dict[str, Any]) -> float | None:
+    """The run's FGH gamma (a direction's default when the config leaves it out)."""
     fgh = config.get("fgh")
-    if fgh is None:
-        return None
-    from ..core.fgh import DEFAULT_GAMMA
-
-    return fgh.get("gamma") or DEFAULT_GAMMA[fgh.get("direction", "grad")]
+    return None if fgh is None else float(validate_options(**fgh)["gamma"])
 
 
 def choose_best(paths: list[Path]) -> dict[str, Any]:

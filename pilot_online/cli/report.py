@@ -69,8 +69,9 @@ def variant_label(config: dict[str, Any]) -> str:
             if k in ("granularity", "direction", "apply") and v != FGH_DEFAULTS[k]
         ]
         parts.append("FGH" + (f"({', '.join(options)})" if options else ""))
-        gamma = validate_options(**fgh)["gamma"]  # None means the direction's default
-        if gamma != DEFAULT_GAMMA[validate_options(**fgh)["direction"]]:
+        resolved = validate_options(**fgh)  # gamma: the direction's default when left out
+        gamma = resolved["gamma"]
+        if gamma != DEFAULT_GAMMA[resolved["direction"]]:
             parts[-1] += f" γ={gamma:g}"
     return "base" if not parts else "+ " + " + ".join(parts)
 

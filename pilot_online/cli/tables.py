@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..core.fgh import validate_options
 from ..core.files import write_atomic
 from ..core.results import find_results, load_results
-from ..engine.config import PAPER_FGH
+from ..engine.config import PAPER_FGH, variant_of
 from ..engine.protocol import FIXED_LRS, HP_COLUMNS, method_short_name
 from .report import method_label
 
@@ -115,16 +116,15 @@ class Table:
 
 
 def _row_kind(config: dict[str, Any]) -> str:
-    prototypes, fgh = bool(config.get("online_prototypes")), config.get("fgh") is not None
-    return {(False, False): "base", (True, False): "p", (False, True): "fgh_only"}.get(
-        (prototypes, fgh), "ours"
-    )
+    """The table row: a :data:`VARIANTS` name, with + P + FGH called ``ours``."""
+    variant = variant_of(config)
+    return "ours" if variant == "fgh" else variant
 
 
 def _paper_fgh(config: dict[str, Any]) -> bool:
     """No FGH, or FGH at the paper's setting (gamma 1, element-wise, raw gradients)."""
     fgh = config.get("fgh")
-    return fgh is None or all(fgh.get(k, PAPER_FGH[k]) == v for k, v in PAPER_FGH.items())
+    return fgh is None or validate_options(**fgh) == validate_options(**PAPER_FGH)
 
 
 def load_rows(paths: Iterable[Path]) -> list[dict[str, Any]]:

@@ -127,6 +127,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fgh": {"online_prototypes": True, "fgh": PAPER_FGH},
 }
 
+
+def variant_of(config: Mapping[str, Any]) -> str:
+    """The :data:`VARIANTS` row a config runs (whatever its FGH options): prototypes on or off x
+    FGH on or off."""
+    on = (bool(config.get("online_prototypes")), config.get("fgh") is not None)
+    return next(
+        n for n, v in VARIANTS.items() if (v["online_prototypes"], v["fgh"] is not None) == on
+    )
+
+
 #: Keys PILOT's own scripts put into ``args`` (argparse, trainer), never written by users.
 INJECTED_KEYS = ("config", "nb_classes", "nb_tasks")
 

@@ -10,6 +10,7 @@ Needs no PILOT: data comes from any :class:`DataSource`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import logging
@@ -256,8 +257,10 @@ class OnlineSession:
             )
         return path if path is not None else checkpoint_path_for(self.results_path)
 
+    @functools.cached_property
     def _stream_digest(self) -> str:
-        """SHA-256 of every task's batches: the checkpoint's position means this exact stream."""
+        """SHA-256 of every task's batches: the checkpoint's position means this exact stream
+        (computed once: the stream is fixed for the session)."""
         digest = hashlib.sha256()
         for task in range(self.stream.num_tasks):
             digest.update(f"task {task}".encode())
@@ -270,7 +273,7 @@ class OnlineSession:
         (parameters, optimiser, mixins, method), the metrics so far and every RNG state."""
         return {
             "position": {"task": task, "step": step},
-            "stream_digest": self._stream_digest(),
+            "stream_digest": self._stream_digest,
             "batches_trained": self.batches_trained,
             "columns": list(self.columns),
             "class_history": list(self.class_history),
@@ -288,7 +291,7 @@ class OnlineSession:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the RNG last, so nothing drawn while loading counts)."""
-        if state["stream_digest"] != self._stream_digest():
+        if state["stream_digest"] != self._stream_digest:
             raise CheckpointError(
                 f"checkpoint {self.checkpoint_path} was written for another stream (same config, "
                 "other data: did the dataset change?): delete it to start the run over"
