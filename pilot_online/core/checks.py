@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 import numbers
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 Choice = TypeVar("Choice")
@@ -54,3 +54,38 @@ def check_real(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
     return float(value)
+
+
+#: A config-key validator: ``check(name, value)`` raises TypeError/ValueError naming the key.
+Check = Callable[[str, Any], Any]
+
+
+def integer(minimum: int | None = None, maximum: int | None = None) -> Check:
+    """A validator for an integer key within ``[minimum, maximum]`` (see :func:`check_int`)."""
+    return lambda name, value: check_int(name, value, minimum, maximum)
+
+
+def real(minimum: float | None = None, *, positive: bool = False) -> Check:
+    """A validator for a real-valued key, ``>= minimum`` (or ``> 0`` with ``positive``)."""
+
+    def check(name: str, value: Any) -> float:
+        value = check_real(name, value)
+        if positive and not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+        if minimum is not None and value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        return value
+
+    return check
+
+
+def boolean(name: str, value: Any) -> bool:
+    """A validator for a true/false key: strings such as ``"false"`` are refused, not truthy."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be true or false, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def optional(check: Check) -> Check:
+    """``check``, with ``null`` also accepted."""
+    return lambda name, value: None if value is None else check(name, value)

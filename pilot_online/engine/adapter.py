@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -46,12 +46,16 @@ class ConfigKey:
 
     ``choices`` comes from the module that owns the option (e.g. ``core.streams.STREAMS``), so
     the list exists once; ``resolve_config`` refuses any other value, listing the choices.
+    ``check`` validates the value where the key is defined: ``check(key, value)`` raises a
+    TypeError or ValueError naming the key, what it must be and what it got (``core.checks``
+    builds the common ones: ``integer(minimum=1)``, ``boolean``, ``optional(...)``).
     """
 
     default: Any
     doc: str
     forced: bool = False  # online training needs exactly this value (a different one is an error)
     choices: tuple | None = None
+    check: Callable[[str, Any], Any] | None = None
 
 
 @dataclass

@@ -229,11 +229,13 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
             raise ConfigError(
                 f"{key}={cfg[key]!r} cannot be used online ({spec.doc}); set it to {spec.default!r}"
             )
-        if spec.choices is not None:
-            try:
+        try:
+            if spec.choices is not None:
                 check_choice(key, cfg[key], spec.choices)
-            except ValueError as err:
-                raise ConfigError(str(err)) from None
+            if spec.check is not None:
+                spec.check(key, cfg[key])
+        except (TypeError, ValueError) as err:
+            raise ConfigError(str(err)) from None
     for key in ("dataset", "backbone_type"):
         if not cfg[key]:
             raise ConfigError(f"the config needs {key!r}")
