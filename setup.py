@@ -20,8 +20,14 @@ setup(
     license="MIT",
     python_requires=">=3.9",
     packages=find_packages(include=["pilot_online", "pilot_online.*"]),
+    # The paper's numbers (engine/paper.py reads them): tables, hp_grid, time_consumption; and
+    # the FLOP model's counts per method (cli/estimate.py; written by benchmarks/flops.py).
+    package_data={"pilot_online": ["data/*.json", "cli/flops.json"]},
     install_requires=[
-        "torch",
+        # 2.1: scaled_dot_product_attention's scale= (sdpa: true) and the foreach kernels of
+        # FGH (core/fgh.py falls back to per-tensor copies where _foreach_copy_/_clone are
+        # missing); checkpoints store no unsigned tensors, which torch < 2.3 lacks.
+        "torch>=2.1",
         # PILOT breaks on timm >= 0.9, and timm 0.6.12 does not import on Python 3.11.
         "timm>=0.6.13,<0.9",
         "numpy",

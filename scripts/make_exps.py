@@ -5,8 +5,22 @@ committed; this script is their single source, and tests/test_config.py
 (``test_exps_match_their_generator``) fails if they drift from it. Every config is validated with
 ``resolve_config`` (keys, and values against each option's choices) before anything is written.
 
-    python scripts/make_exps.py          # rewrite exps/
-    python scripts/make_exps.py --check  # exit 1 if exps/ differs
+Methods come from the registry (``pilot_online.list_methods()``): a newly registered adapter gets
+its configs with no edit here. Each method ``<short>_online`` (the registered name minus
+``_online``) gets
+
+- ``smoke_<short>_online.json``: + P + FGH (where the adapter's ``variants`` allow) on the
+  synthetic dataset at 32 px, random weights, CPU (:func:`smoke_config`; the adapter's
+  ``smoke_overrides`` on top);
+- its ablation configs ``<short>_online_<variant>[_blurry].json`` (the adapter's ``variants`` of
+  base, p, fgh_only, fgh, x clear and Si-Blurry; CIFAR-100, 10 seeds), at the Best HP learning
+  rate of its row in the paper's hp_grid table where it has one (``engine.protocol.HP_GRID``),
+  else at :data:`DEFAULT_LR`;
+- where it has a hp_grid row, the row's learning-rate search ``<short>_online_hp_lr<lr>.json``.
+
+    python scripts/make_exps.py               # rewrite exps/
+    python scripts/make_exps.py --smoke-only  # only the smoke configs
+    python scripts/make_exps.py --check       # exit 1 if exps/ differs (with --smoke-only: smoke)
 """
 
 from __future__ import annotations
@@ -16,57 +30,91 @@ import copy
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pilot_online.engine.protocol import HP_GRID
+if __name__ == "__main__":  # as a script: this checkout's package (tests import it as a module)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pilot_online.engine.protocol import FIXED_LRS, HP_GRID, method_short_name
+from pilot_online.engine.registry import get_method, list_methods
 
 EXPS = Path(__file__).resolve().parent.parent / "exps"
 
-#: short name -> (model_name, backbone_type). Method keys come from the adapters' ``config_keys``
-#: defaults (the paper's task-free settings), so configs and code cannot disagree.
-METHODS = {
-    "coda": ("coda_online", "vit_base_patch16_224_coda_prompt"),
-    "l2p": ("l2p_online", "vit_base_patch16_224_l2p"),
-    "dualprompt": ("dualprompt_online", "vit_base_patch16_224_dualprompt"),
-    "mvp": ("mvp_online", "vit_base_patch16_224_l2p"),
-    "finetune": ("finetune_online", "vit_base_patch16_224"),
-    "linear_probe": ("linear_probe_online", "vit_base_patch16_224"),
-    "er": ("er_online", "vit_base_patch16_224"),
-    "er_linear_probe": ("er_linear_probe_online", "vit_base_patch16_224"),
-    "olora": ("olora_online", "vit_base_patch16_224"),  # timm's plain ViT-B/16, as upstream oLoRA
-    "convprompt": ("convprompt_online", "vit_base_patch16_224_dualprompt"),
-}
+#: The learning rate of the ablation configs of a method without a row in the paper's hp_grid
+#: table (a method the paper did not tune, e.g. the APER family and SimpleCIL): the main tables'
+#: fixed 5e-3 column (``engine.protocol.FIXED_LRS``), which PILOT's prompt configs also use. Other
+#: learning rates: ``pilot-online sweep --grid init_lr=...``.
+DEFAULT_LR: float = FIXED_LRS[-1]
 
-#: The paper's hp_grid table (VTAB, clear, 5 classes per task) lives in
-#: ``pilot_online.engine.protocol.HP_GRID``; ``pilot-online sweep --preset hp_grid`` runs it.
-#: Here: the rows besides L2P, DualPrompt and CODA run their ablation configs at the table's Best
-#: HP (bold there); L2P, DualPrompt and CODA's run at 5e-3, the main tables' column. Each LR of
-#: those rows is also a config, ``<method>_online_hp_lr<lr>.json`` (the base row on VTAB); the
-#: main tables' other columns are ``pilot-online sweep --grid init_lr=5e-5,5e-3``.
+#: L2P, DualPrompt and CODA's ablation configs run at 5e-3, the main tables' column, although
+#: their hp_grid rows (searched with gamma too) exist; every other row with a hp_grid entry runs
+#: at that row's Best HP (bold there), and each of its LRs is also a config,
+#: ``<method>_online_hp_lr<lr>.json`` (the base row on VTAB). The main tables' other columns are
+#: ``pilot-online sweep --grid init_lr=5e-5,5e-3``.
 FIXED_LR_METHODS = ("coda", "l2p", "dualprompt")
-LR_GRIDS = {
-    method: (list(row.learning_rates), row.best_lr)
-    for method, row in HP_GRID.items()
-    if method not in FIXED_LR_METHODS
-}
+
+
+def lr_grids() -> dict[str, tuple[list[float], float]]:
+    """Short name -> (the hp_grid row's learning rates, its Best HP), for the searched rows."""
+    return {
+        method: (list(row.learning_rates), row.best_lr)
+        for method, row in HP_GRID.items()
+        if method not in FIXED_LR_METHODS
+    }
+
 
 #: Smoke-run replay memory: smaller than the paper's 1000 so that the 800-sample synthetic
 #: stream fills it and reservoir replacement runs.
 SMOKE_REPLAY = {"er_memory_size": 200, "er_batch_size": 50}
 
+#: What every smoke config sets over its method's paper config: + P + FGH on the synthetic
+#: dataset at 32 px, random weights, on the CPU.
+SMOKE_TEMPLATE: dict[str, Any] = {
+    "prefix": "smoke",
+    "dataset": "synthetic_small",
+    "init_cls": 4,
+    "increment": 4,
+    "device": [-1],
+    "seed": [1993],
+    "pretrained": False,
+    "backbone_kwargs": {"img_size": 32},
+    "num_workers": 0,
+    "eval_batch_size": 100,
+    "log_interval": 1,
+}
 
-def method_keys(model_name: str) -> dict:
-    from pilot_online.engine.registry import get_method
 
-    return {key: spec.default for key, spec in get_method(model_name).config_keys.items()}
+def model_name(method: str) -> str:
+    """The registered name of a short name: ``coda`` -> ``coda_online``."""
+    return f"{method}_online"
+
+
+def short_names() -> list[str]:
+    """Every registered method's short name (the exps/ file prefix), in registry order."""
+    return [method_short_name(name) for name in list_methods()]
+
+
+def method_keys(name: str) -> dict:
+    return {key: spec.default for key, spec in get_method(name).config_keys.items()}
+
+
+def default_backbone(name: str) -> str:
+    """The method's default ``backbone_type``: the first name of its adapter's table."""
+    adapter = get_method(name)
+    if not adapter.backbone_types:
+        raise SystemExit(
+            f"{name} declares no backbone_types: set the adapter's backbone_types to the names "
+            "PILOT builds for it (pilot_online/pilot/backbone_names.py), the default first"
+        )
+    return adapter.backbone_types[0]
 
 
 def paper_config(method: str, variant: str, blurry: bool) -> dict:
     from pilot_online.engine.config import VARIANTS
 
-    model_name, backbone = METHODS[method]
+    name = model_name(method)
     row = copy.deepcopy(VARIANTS[variant])  # the paper's ablation row: P and FGH on or off
-    keys = method_keys(model_name)
+    keys = method_keys(name)
+    grids = lr_grids()
     return {
         "prefix": variant + ("_blurry" if blurry else ""),
         "dataset": "cifar224",
@@ -76,12 +124,12 @@ def paper_config(method: str, variant: str, blurry: bool) -> dict:
         "shuffle": True,
         "init_cls": 10,
         "increment": 10,
-        "model_name": model_name,
-        "backbone_type": backbone,
+        "model_name": name,
+        "backbone_type": default_backbone(name),
         "device": ["0"],
         "seed": list(range(10)),
         "batch_size": 100,
-        "init_lr": LR_GRIDS[method][1] if method in LR_GRIDS else 0.005,
+        "init_lr": grids[method][1] if method in grids else DEFAULT_LR,
         "optimizer": "adam",
         "weight_decay": 0,
         "pretrained": True,
@@ -98,26 +146,21 @@ def paper_config(method: str, variant: str, blurry: bool) -> dict:
     }
 
 
+def smoke_variant(name: str) -> str:
+    """+ P + FGH ("fgh"), or the method's first ablation row where it cannot run that one."""
+    variants = get_method(name).variants
+    return "fgh" if "fgh" in variants else variants[0]
+
+
 def smoke_config(method: str) -> dict:
-    """The paper's +P+FGH row on the synthetic dataset at 32 px, random weights, CPU."""
-    config = paper_config(method, "fgh", blurry=False)
-    config.update(
-        {
-            "prefix": "smoke",
-            "dataset": "synthetic_small",
-            "init_cls": 4,
-            "increment": 4,
-            "device": [-1],
-            "seed": [1993],
-            "pretrained": False,
-            "backbone_kwargs": {"img_size": 32},
-            "num_workers": 0,
-            "eval_batch_size": 100,
-            "log_interval": 1,
-        }
-    )
+    """The paper's +P+FGH row (:func:`smoke_variant`) on the synthetic dataset at 32 px, random
+    weights, CPU, with the adapter's ``smoke_overrides``. ``method``: a short or registered name."""
+    method = method_short_name(method)
+    config = paper_config(method, smoke_variant(model_name(method)), blurry=False)
+    config.update(copy.deepcopy(SMOKE_TEMPLATE))
     if "er_memory_size" in config:
         config.update(SMOKE_REPLAY)
+    config.update(copy.deepcopy(dict(get_method(model_name(method)).smoke_overrides)))
     return config
 
 
@@ -128,25 +171,31 @@ def lr_grid_config(method: str, lr: float) -> dict:
     return config
 
 
+def smoke_configs() -> dict[str, dict]:
+    """``smoke_<short>_online.json`` of every registered method."""
+    return {f"smoke_{method}_online.json": smoke_config(method) for method in short_names()}
+
+
 def all_configs() -> dict[str, dict]:
     configs = {}
     from pilot_online.engine.config import VARIANTS
 
-    for method in METHODS:
-        for variant in VARIANTS:
+    for method in short_names():
+        for variant in [v for v in VARIANTS if v in get_method(model_name(method)).variants]:
             for blurry in (False, True):
                 name = f"{method}_online_{variant}{'_blurry' if blurry else ''}.json"
                 configs[name] = paper_config(method, variant, blurry)
-        configs[f"smoke_{method}_online.json"] = smoke_config(method)
-    for method, (grid, _) in LR_GRIDS.items():
+    configs.update(smoke_configs())
+    for method, (grid, _) in lr_grids().items():
         for lr in grid:
             configs[f"{method}_online_hp_lr{lr:g}.json"] = lr_grid_config(method, lr)
-    appendix = paper_config("coda", "fgh", blurry=False)
-    appendix.update(
-        prefix="fgh_appendix",
-        fgh={"gamma": 0.001, "granularity": "class", "direction": "adam", "apply": "grad"},
-    )
-    configs["coda_online_fgh_appendix.json"] = appendix
+    # The paper configs run the appendix's FGH (engine.config.PAPER_FGH); the main text's Eq. 8
+    # form is one "fgh" object away, shown on CODA + P + FGH (docs/fgh.md).
+    from pilot_online.engine.config import FGH_FORMS
+
+    eq8 = paper_config("coda", "fgh", blurry=False)
+    eq8.update(prefix="fgh_eq8", fgh=copy.deepcopy(FGH_FORMS["eq8"]))
+    configs["coda_online_fgh_eq8.json"] = eq8
     return configs
 
 
@@ -157,10 +206,16 @@ def render(config: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only report differences")
-    check = parser.parse_args().check
+    parser.add_argument(
+        "--smoke-only",
+        action="store_true",
+        help="only the smoke configs (smoke_<method>_online.json), one per registered method",
+    )
+    options = parser.parse_args()
+    check = options.check
     from pilot_online.engine.config import resolve_config
 
-    configs = all_configs()
+    configs = smoke_configs() if options.smoke_only else all_configs()
     for config in configs.values():
         resolve_config(config)  # a bad key or value stops here, before any file is written
     stale = []

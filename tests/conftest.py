@@ -50,6 +50,34 @@ if PILOT_ROOT:
 
 requires_pilot = pytest.mark.skipif(not PILOT_ROOT, reason=PILOT_SKIP_REASON)
 
+# --------------------------------------------------------------------------------------------
+# The device fixture: the CPU always, CUDA too where there is one, so that `make test` on a GPU
+# machine exercises the CUDA paths; PILOT_ONLINE_TEST_DEVICE=cpu|cuda forces one.
+
+DEVICE_FLAG = "PILOT_ONLINE_TEST_DEVICE"
+DEVICE_CHOICES = ("cpu", "cuda")
+FORCED_DEVICE = os.environ.get(DEVICE_FLAG, "").strip().lower()
+
+
+def devices_under_test() -> list[str]:
+    """The devices the ``device`` fixture gives: the forced one, else cpu (+ cuda if present)."""
+    if FORCED_DEVICE:
+        return [FORCED_DEVICE]
+    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+@pytest.fixture(params=devices_under_test())
+def device(request: pytest.FixtureRequest) -> Iterator[torch.device]:
+    """A device to run the test on (ids ``cpu``/``cuda``); a forced ``cuda`` without CUDA fails."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.fail(
+            f"{DEVICE_FLAG}=cuda but torch.cuda.is_available() is False (torch "
+            f"{torch.__version__}, CUDA build {torch.version.cuda}): run on a machine with a "
+            f"CUDA GPU and a CUDA build of torch, or unset {DEVICE_FLAG}",
+            pytrace=False,
+        )
+    yield torch.device(request.param)
+
 
 def copy_pilot(destination: Path) -> Path:
     """A writable copy of ``PILOT_ROOT`` (without .git, logs, data and bytecode) at
@@ -95,13 +123,32 @@ def pilot_on_path(pilot: Path) -> Iterator[Path]:
             del sys.modules[name]
 
 
-def smoke_config(method: str, num_classes: int = 8, **overrides: Any) -> dict[str, Any]:
-    """``exps/smoke_<method>.json`` resolved (32 px, random weights), with ``overrides``."""
-    from pilot_online.engine.config import load_json, resolve_config
+def make_exps() -> Any:
+    """``scripts/make_exps.py`` as a module: the one source of every method's smoke config (the
+    committed ``exps/`` copies are checked against it by test_config.py)."""
+    import importlib.util
 
-    path = REPO / "exps" / f"smoke_{method.removesuffix('_online')}_online.json"
-    assert path.is_file(), f"{method} needs a smoke config at {path} (scripts/make_exps.py)"
-    config = resolve_config({**load_json(path), **overrides})
+    if "make_exps" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "make_exps", REPO / "scripts" / "make_exps.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["make_exps"] = module
+    return sys.modules["make_exps"]
+
+
+def raw_smoke_config(method: str) -> dict[str, Any]:
+    """A registered method's smoke config as ``scripts/make_exps.py`` writes it (unresolved)."""
+    return make_exps().smoke_config(method)
+
+
+def smoke_config(method: str, num_classes: int = 8, **overrides: Any) -> dict[str, Any]:
+    """The smoke config of ``method`` (``exps/smoke_<short>_online.json``, from its generator:
+    32 px, random weights) resolved, with ``overrides``."""
+    from pilot_online.engine.config import resolve_config
+
+    config = resolve_config({**raw_smoke_config(method), **overrides})
     config.update(nb_classes=num_classes, nb_tasks=2)
     return config
 
@@ -116,6 +163,26 @@ def build_network(adapter: MethodAdapter, config: dict[str, Any], build=None) ->
         return (build or adapter.build_network)(config)
 
 
+@pytest.fixture(scope="session")
+def pilot_main_run(pilot: Path, tmp_path_factory):
+    """``run(method, variant, stream) -> (report, results)``: one run through PILOT's ``main.py``
+    (test_pilot_integration.py's driver) on the tiny stream, made once per session. The contract
+    suite and the method files' own checks read the same runs, so CI pays for each once."""
+    from test_pilot_integration import run_driver, tiny_config
+
+    runs: dict[tuple[str, str, str], tuple[dict, dict]] = {}
+
+    def run(method: str, variant: str, stream: str) -> tuple[dict, dict]:
+        key = (method.removesuffix("_online"), variant, stream)
+        if key not in runs:
+            folder = tmp_path_factory.mktemp("-".join(key))
+            config = tiny_config(key[0], variant, stream, folder / "results")
+            runs[key] = run_driver(pilot, config, folder)
+        return runs[key]
+
+    return run
+
+
 def build_smoke_method(name: str, **overrides: Any) -> tuple[MethodAdapter, nn.Module, dict]:
     """(adapter, network, config) of a registered method from its smoke config."""
     from pilot_online.engine.registry import get_method
@@ -125,12 +192,19 @@ def build_smoke_method(name: str, **overrides: Any) -> tuple[MethodAdapter, nn.M
     return adapter, build_network(adapter, config), config
 
 
+def package_root() -> str:
+    """The folder holding the ``pilot_online`` these tests imported: this checkout, or the
+    temporary copy test_contract.py's throwaway-adapter test points ``PYTHONPATH`` at."""
+    import pilot_online
+
+    return str(Path(pilot_online.__file__).resolve().parent.parent)
+
+
 def offline_env(tmp_path: Path) -> dict[str, str]:
     """The environment for a PILOT subprocess: no network (a closed loopback proxy), an empty
     weights cache, and this checkout first on the import path."""
     env = dict(os.environ, TORCH_HOME=str(tmp_path / "torch-home"), PYTHONUNBUFFERED="1")
-    repo = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root(), env.get("PYTHONPATH")]))
     for key in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
         env[key] = "http://127.0.0.1:9"
     return env
@@ -227,6 +301,11 @@ _pilot_skips_key = pytest.StashKey[int]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if FORCED_DEVICE and FORCED_DEVICE not in DEVICE_CHOICES:
+        raise pytest.UsageError(
+            f"{DEVICE_FLAG}={FORCED_DEVICE!r} is not a test device: set it to one of "
+            f"{', '.join(DEVICE_CHOICES)}, or unset it to test the CPU and CUDA when available"
+        )
     if PILOT_ROOT and not os.path.isfile(os.path.join(PILOT_ROOT, "main.py")):
         raise pytest.UsageError(
             f"PILOT_ROOT={PILOT_ROOT} is not a LAMDA-PILOT checkout (no main.py there): "

@@ -1,8 +1,10 @@
 """Runs PILOT's ``main.py`` in the current directory (a patched PILOT checkout) with probes.
 
-Used by test_pilot_integration.py as ``python pilot_driver.py CONFIG REPORT_JSON``. The probes
-record every task-boundary hook of upstream PILOT that online training must never call, every
-``task_id`` that reaches a prompt network, and which parameters changed during the run.
+Used by test_pilot_integration.py (and through it test_contract.py) as
+``python pilot_driver.py CONFIG REPORT_JSON``. The probes record every task-boundary hook of
+upstream PILOT that online training must never call, every ``task_id`` that reaches a prompt
+network, which parameters and buffers changed during the run, and which parameters form the
+adapter's classifier.
 """
 
 from __future__ import annotations
@@ -55,11 +57,15 @@ utils.inc_net.PromptVitNet.forward = forward_probe
 Learner = pilot_online.pilot.learner.OnlineLearner
 learner_init, learner_eval = Learner.__init__, Learner.eval_task
 initial: dict[str, torch.Tensor] = {}
+initial_buffers: dict[str, torch.Tensor] = {}
 
 
 def init_probe(self, args, adapter_cls):
     learner_init(self, args, adapter_cls)
     initial.update({n: p.detach().clone() for n, p in self._network.named_parameters()})
+    head = {id(p) for p in self.adapter.classifier(self._network).parameters()}
+    report["classifier"] = [n for n, p in self._network.named_parameters() if id(p) in head]
+    initial_buffers.update({n: b.detach().clone() for n, b in self._network.named_buffers()})
 
 
 def eval_probe(self):
@@ -68,6 +74,11 @@ def eval_probe(self):
     report["changed"] = {
         name: {"trainable": p.requires_grad, "changed": not torch.equal(initial[name], p.detach())}
         for name, p in self._network.named_parameters()
+    }
+    report["buffers_changed"] = {
+        name: not torch.equal(initial_buffers[name], b.detach())
+        for name, b in self._network.named_buffers()
+        if name in initial_buffers
     }
     report["results_path"] = str(self.session.written_path or "")
     return result

@@ -1,11 +1,10 @@
 """Evaluation does not depend on how test images are batched (issue 6; PILOT issue #29).
 
-For every registered method, predictions and logits on a fixed test set are the same at
-``eval_batch_size`` 1, 7 and 256 and on a permuted test order, through the engine's evaluation
-path (``OnlineLoop.predict`` over an ``ArrayDataSource``, as ``OnlineSession`` runs it). In training
-mode, with the batch prompt vote off and no dropout, per-sample logits do not depend on the batch
-either. The DualPrompt tests check the prefix layout against gathers written out here from
-``prompt_idx`` and the prompt pool, and check that upstream's own layout fails the same test.
+The per-method checks (every registered method: predictions and logits at ``eval_batch_size`` 1,
+7 and 256 and on a permuted order, through the engine's evaluation path; per-sample training-mode
+logits) are part of the method contract, tests/test_contract.py, which uses :func:`evaluate` from
+here. This file keeps DualPrompt's prefix layout: checked against gathers written out here from
+``prompt_idx`` and the prompt pool, and upstream's own layout fails the same test.
 
 Networks are PILOT's (from the patched copy), built through each adapter from its smoke config at
 32 px with random weights.
@@ -22,7 +21,7 @@ import pytest
 import torch
 from conftest import build_network, requires_pilot, smoke_config
 
-from pilot_online import get_method, list_methods
+from pilot_online import get_method
 from pilot_online.engine.loop import build_loop
 from pilot_online.engine.session import ArrayDataSource
 
@@ -60,11 +59,6 @@ def built_method(networks: dict[str, Built], name: str) -> Built:
     return networks[name]
 
 
-@pytest.fixture(params=list_methods())
-def method(request, networks) -> Built:
-    return built_method(networks, request.param)
-
-
 @pytest.fixture
 def dualprompt(networks) -> Built:
     return built_method(networks, "dualprompt_online")
@@ -99,51 +93,6 @@ def evaluate(adapter, network, config, images, batch_size: int, order: np.ndarra
         min(batch_size, len(order) - start) for start in range(0, len(order), batch_size)
     ]
     return predictions, torch.cat(logits)
-
-
-def test_eval_predictions_do_not_depend_on_batching(method, test_images):
-    adapter, network, config = method
-    identity = np.arange(NUM_TEST_IMAGES)
-    reference, reference_logits = evaluate(adapter, network, config, test_images, 1, identity)
-    assert len({tuple(row) for row in reference}) > 1, "degenerate test: one prediction for all"
-    for batch_size in BATCH_SIZES[1:]:
-        preds, logits = evaluate(adapter, network, config, test_images, batch_size, identity)
-        np.testing.assert_array_equal(preds, reference, err_msg=f"eval_batch_size {batch_size}")
-        torch.testing.assert_close(logits, reference_logits, rtol=0, atol=1e-5)
-
-    order = np.random.default_rng(1).permutation(NUM_TEST_IMAGES)
-    for batch_size in (7, 256):
-        preds, logits = evaluate(adapter, network, config, test_images, batch_size, order)
-        np.testing.assert_array_equal(preds, reference[order], err_msg="permuted test order")
-        torch.testing.assert_close(logits, reference_logits[order], rtol=0, atol=1e-5)
-
-
-def test_train_mode_logits_do_not_depend_on_batching(method, test_images):
-    """The batch-independent training path: no prompt vote, no dropout."""
-    _, network, config = method
-    assert config["drop"] == 0 and config["drop_path"] == 0, "dropout would differ per call"
-    adapter = get_method(config["model_name"])(args={**config, "batchwise_prompt": False})
-    adapter.train_mode(network)
-    x = ArrayDataSource._to_tensor(test_images)
-    order = torch.from_numpy(np.random.default_rng(2).permutation(NUM_TEST_IMAGES))
-    # A training forward may update method state by design (MVP counts key use): every call
-    # starts from the same state, so only batch composition differs between the calls.
-    state = {name: value.clone() for name, value in network.state_dict().items()}
-
-    def forward(inputs: torch.Tensor):
-        network.load_state_dict(state)
-        return adapter.forward(network, inputs, train=True)
-
-    with torch.no_grad():
-        whole = forward(x)
-        permuted = forward(x[order])
-        split = [forward(chunk) for chunk in x[order].split([3, 6])]
-    network.load_state_dict(state)
-    for name in ("logits", "features"):
-        reference = getattr(whole, name)[order]
-        torch.testing.assert_close(getattr(permuted, name), reference, rtol=0, atol=1e-5)
-        in_chunks = torch.cat([getattr(out, name) for out in split])
-        torch.testing.assert_close(in_chunks, reference, rtol=0, atol=1e-5)
 
 
 # -- DualPrompt: the prefix layout itself ----------------------------------------------------------

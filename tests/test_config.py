@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 from pilot_online.engine.adapter import ConfigKey, MethodAdapter
 from pilot_online.engine.config import ConfigError, key_reference, load_json, resolve_config
+from pilot_online.engine.protocol import HP_GRID
 from pilot_online.engine.registry import get_method, list_methods, register_method
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,24 +26,23 @@ def smoke(**changes):
     return config
 
 
-def test_builtin_methods_are_registered():
-    assert list_methods() == [
-        "coda_online",
-        "convprompt_online",
-        "dualprompt_online",
-        "er_linear_probe_online",
-        "er_online",
-        "finetune_online",
-        "l2p_online",
-        "linear_probe_online",
-        "mvp_online",
-        "olora_online",
-    ]
+def test_every_method_file_is_imported_and_registered():
+    """The registry is the one list of methods: every ``pilot_online/methods/*.py`` is imported
+    by ``methods/__init__.py`` and registers at least one ``*_online`` name; the paper's rows
+    (the hp_grid table) are among them."""
+    import pilot_online.methods as methods
+
+    files = {p.stem for p in Path(methods.__file__).parent.glob("*.py") if p.stem != "__init__"}
+    owners = {get_method(name).__module__.rsplit(".", 1)[-1] for name in list_methods()}
+    assert files <= owners, f"method files that register nothing: {sorted(files - owners)}"
+    assert list_methods() == sorted(list_methods())
+    assert all(name.endswith("_online") for name in list_methods()), list_methods()
+    assert {f"{short}_online" for short in HP_GRID} <= set(list_methods())
     assert get_method("CODA_ONLINE").base_model_name == "coda_prompt"
 
 
 def test_unknown_method_lists_the_valid_ones():
-    with pytest.raises(ValueError, match="coda_online, convprompt_online, dualprompt_online"):
+    with pytest.raises(ValueError, match=", ".join(list_methods())):
         get_method("coda")
 
 
@@ -99,7 +100,7 @@ def test_wrong_backbone_for_the_method():
     [
         ({"stream": "blurry"}, "clear, si_blurry"),
         ({"logit_mask": "task"}, "batch, seen, none"),
-        ({"batch_size": 0}, "batch_size must be >= 1"),
+        ({"batch_size": 0}, "batch_size must be a positive integer, got 0"),
         ({"si_blurry_n": 150}, "percentage"),
         ({"fgh": {"gama": 1}}, "did you mean 'gamma'"),
         ({"fgh": {"granularity": "row"}}, "granularity"),
@@ -165,15 +166,111 @@ def test_check_config_cli(tmp_path, capsys):
     assert "ok      " in out and "unknown config key 'fhg'" in out
 
 
-def test_readme_documents_every_online_key():
-    from pilot_online.engine.config import ONLINE_KEYS
-
-    readme = (ROOT / "README.md").read_text()
-    missing = [key for key in ONLINE_KEYS if f"`{key}`" not in readme]
-    assert not missing, f"README's configuration reference lacks {missing}"
-
-
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     assert "make test " in readme.split("## The first two commands")[1].split("##")[0]
     assert (ROOT / ".ci" / "run").read_text().strip().endswith("make test")
+
+
+# -- check-config catches what a run would reject: one case per class of bad input -------------
+def smoke_of(method: str) -> dict:
+    return load_json(ROOT / "exps" / f"smoke_{method.removesuffix('_online')}_online.json")
+
+
+BAD_INPUTS = {
+    "unknown key": (
+        "coda_online",
+        {"online_prototype": True},
+        "unknown config key 'online_prototype' (did you mean 'online_prototypes'?)",
+    ),
+    "string for a boolean": (
+        "coda_online",
+        {"online_prototypes": "false"},
+        "online_prototypes must be true or false, got 'false' (str)",
+    ),
+    "negative worker count": (
+        "coda_online",
+        {"num_workers": -2},
+        "num_workers must be null or a non-negative integer, got -2",
+    ),
+    "float seed": ("coda_online", {"seed": [1993.0]}, "seed must be a list of integers"),
+    "string learning rate": (
+        "l2p_online",
+        {"init_lr": "5e-3"},
+        "init_lr must be a number > 0, got '5e-3' (str)",
+    ),
+    "lora_rank 0": (
+        "olora_online",
+        {"lora_rank": 0},
+        "olora_online: lora_rank must be a positive integer, got 0",
+    ),
+    "prompt layer past the last block": (
+        "convprompt_online",
+        {"prompt_layers": [0, 5, 12]},
+        "convprompt_online: prompt_layers=[0, 5, 12] names block 12, past the last block of the "
+        "12-block ViT: use indices in [0, 11]",
+    ),
+    "prompt layer listed twice": (
+        "dualprompt_online",
+        {"e_prompt_layer_idx": [2, 2]},
+        "dualprompt_online: e_prompt_layer_idx lists a block twice (2)",
+    ),
+    "top_k beyond the pool": (
+        "l2p_online",
+        {"top_k": 11},
+        "l2p_online: top_k=11 prompts cannot be selected from a pool of size=10",
+    ),
+    "malformed prompt_param": (
+        "coda_online",
+        {"prompt_param": [100, 8]},
+        "coda_online: prompt_param must be [components, prompt length, orthogonality weight]",
+    ),
+    "backbone PILOT cannot build": (
+        "aper_ssf_online",
+        {"backbone_type": "vit_base_patch16_224_ssf"},
+        "backbone_type 'vit_base_patch16_224_ssf' is not a backbone PILOT builds for "
+        "aper_ssf_online (upstream model 'aper_ssf') (did you mean "
+        "'pretrained_vit_b16_224_ssf'?): choose one of pretrained_vit_b16_224_ssf, "
+        "pretrained_vit_b16_224_in21k_ssf",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_check_config_rejects_each_class_of_bad_input(case, tmp_path, capsys):
+    """``pilot-online check-config`` names the key, what it must be and what it got, exits 1,
+    and prints no traceback."""
+    from pilot_online.cli.main import main
+
+    method, change, message = BAD_INPUTS[case]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({**smoke_of(method), **change}))
+    assert main(["check-config", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == f"invalid {path}: {captured.out.split(': ', 1)[1]}"
+    assert message in captured.out, captured.out
+    assert "Traceback" not in captured.out + captured.err
+
+
+def test_check_config_rejects_malformed_json(tmp_path, capsys):
+    from pilot_online.cli.main import main
+
+    path = tmp_path / "broken.json"
+    path.write_text('{"model_name": "coda_online",\n "seed": [1993,]\n}')
+    assert main(["check-config", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert out.strip() == f"invalid {path}: {path}: malformed JSON at line 2: Expecting value"
+
+
+@pytest.mark.parametrize("name", list_methods())
+def test_backbone_suggestions_are_names_the_method_accepts(name):
+    """A refused ``backbone_type`` is answered only with names the method's table holds (which
+    tests/test_contract.py checks against PILOT's get_backbone); never with a guess."""
+    adapter = get_method(name)
+    assert adapter.backbone_types, f"{name} declares no backbone_types"
+    with pytest.raises(ConfigError) as refused:
+        resolve_config({**smoke_of(name), "backbone_type": "vit_base_patch16_224_nope"})
+    named = set(re.findall(r"'?([a-z0-9_]+_224[a-z0-9_]*)'?", str(refused.value)))
+    assert named - {"vit_base_patch16_224_nope"} <= set(adapter.backbone_types)
+    for accepted in adapter.backbone_types:
+        resolve_config({**smoke_of(name), "backbone_type": accepted})

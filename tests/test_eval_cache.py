@@ -18,16 +18,28 @@ import pytest
 import torch
 from conftest import TinyAdapter, TinyNet, build_smoke_method, requires_pilot
 
-from pilot_online.engine.adapter import StepOutput
+from pilot_online.engine.adapter import MethodAdapter, StepOutput
 from pilot_online.engine.config import ConfigError, load_json, resolve_config
 from pilot_online.engine.eval_cache import QueryCache
 from pilot_online.engine.loop import build_loop
+from pilot_online.engine.registry import get_method, list_methods
 from pilot_online.engine.session import ArrayDataSource
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_CLASSES = 8
 NUM_TEST = 10
-CACHED_METHODS = ("l2p_online", "dualprompt_online", "coda_online", "mvp_online")
+#: Every registered method with a frozen query pass (an adapter that overrides
+#: ``query_parameters``): L2P, DualPrompt, CODA and MVP today.
+CACHED_METHODS = [
+    name
+    for name in list_methods()
+    if get_method(name).query_parameters is not MethodAdapter.query_parameters
+]
+#: PILOT's own forward of each network class whose adapter splits it into query + prompted pass.
+UPSTREAM_FORWARD = {
+    "CodaPromptVitNet": lambda network, x: network.fc(network(x, pen=True, train=False)),
+    "PromptVitNet": lambda network, x: network(x, task_id=-1, train=False)["logits"],
+}
 
 
 class Recorder:
@@ -75,10 +87,11 @@ class Recorder:
             delattr(self.adapter, name)
 
 
-def two_evaluations(adapter, network, config, images, cache: str, sizes, orders):
+def two_evaluations(adapter, network, config, images, cache: str, sizes, orders, device="cpu"):
     """Two evaluations through one loop (as a session runs them); logits, predictions and the
     query passes of each."""
-    loop = build_loop(adapter, network, {**config, "eval_query_cache": cache}, NUM_CLASSES)
+    config = {**config, "eval_query_cache": cache}
+    loop = build_loop(adapter, network, config, NUM_CLASSES, device)
     labels = np.arange(len(images)) % NUM_CLASSES
     recorder = Recorder(adapter)
     allowed = torch.ones(NUM_CLASSES, dtype=torch.bool)
@@ -102,25 +115,23 @@ def images() -> np.ndarray:
 
 @requires_pilot
 @pytest.mark.parametrize("name", CACHED_METHODS)
-def test_cached_evaluation_is_bit_identical(pilot_on_path, name, images):
+def test_cached_evaluation_is_bit_identical(pilot_on_path, name, images, device):
     adapter, network, config = build_smoke_method(name)
     assert adapter.query_parameters(network), f"{name} declares no query pass"
-    if name != "mvp_online":  # the split forward is PILOT's own network forward, bit for bit
+    upstream_forward = UPSTREAM_FORWARD.get(type(network).__name__)
+    if upstream_forward is not None:  # the split forward is PILOT's own forward, bit for bit
         x = ArrayDataSource._to_tensor(images)
         adapter.eval_mode(network)
         with torch.no_grad():
-            if name == "coda_online":
-                upstream = network.fc(network(x, pen=True, train=False))
-            else:
-                upstream = network(x, task_id=-1, train=False)["logits"]
+            upstream = upstream_forward(network, x)
             assert torch.equal(adapter.forward(network, x, train=False).logits, upstream)
     everything = np.arange(NUM_TEST)
     subset = np.random.default_rng(1).permutation(NUM_TEST)[:7]
 
     # Same batches in both evaluations: bit-identical to no cache, no second query pass.
     sizes, orders = (4, 4), (everything, everything)
-    plain = two_evaluations(adapter, network, config, images, "off", sizes, orders)
-    cached = two_evaluations(adapter, network, config, images, "auto", sizes, orders)
+    plain = two_evaluations(adapter, network, config, images, "off", sizes, orders, device)
+    cached = two_evaluations(adapter, network, config, images, "auto", sizes, orders, device)
     assert [calls for *_, calls in cached] == [3, 0], "query passes per evaluation (3 batches)"
     for (plain_logits, plain_preds, _), (logits, preds, _) in zip(plain, cached):
         assert torch.equal(logits, plain_logits)
@@ -129,21 +140,22 @@ def test_cached_evaluation_is_bit_identical(pilot_on_path, name, images):
 
     # Filled at batch size 4, reused at 3 on a permuted subset.
     sizes, orders = (4, 3), (everything, subset)
-    plain = two_evaluations(adapter, network, config, images, "off", sizes, orders)
-    cached = two_evaluations(adapter, network, config, images, "auto", sizes, orders)
+    plain = two_evaluations(adapter, network, config, images, "off", sizes, orders, device)
+    cached = two_evaluations(adapter, network, config, images, "auto", sizes, orders, device)
     assert cached[1][2] == 0, "the reuse pass ran the query network"
     assert torch.equal(cached[0][0], plain[0][0])
     labels = np.zeros(NUM_TEST, dtype=np.int64)
     source = ArrayDataSource(images[:1], labels[:1], images, labels, eval_batch_size=4)
     adapter.eval_mode(network)
     with torch.no_grad():
-        fill = [adapter.query_features(network, x) for x, _ in source.eval_batches(everything)]
+        batches = source.eval_batches(everything)
+        fill = [adapter.query_features(network, x.to(device)) for x, _ in batches]
         fill_queries = torch.cat(fill)
         source.eval_batch_size = 3
         reuse_ids = torch.from_numpy(subset).split(3)
         expected = torch.cat(
             [
-                adapter.forward_from_query(network, x, fill_queries[ids], False).logits
+                adapter.forward_from_query(network, x.to(device), fill_queries[ids], False).logits
                 for (x, _), ids in zip(source.eval_batches(subset), reuse_ids)
             ]
         )
@@ -176,31 +188,31 @@ class QueryTiny(TinyAdapter):
         return self.forward_from_query(network, x, self.query_features(network, x), train)
 
 
-def tiny_predict(loop, x, ids):
+def tiny_predict(loop, x, ids):  # x may live anywhere: the loop moves each batch
     batches = [(x[ids], torch.zeros(len(ids), dtype=torch.long))]
     return loop.predict(batches, torch.ones(6, dtype=torch.bool), 1, sample_ids=ids)
 
 
-def test_trainable_query_pass_is_refused():
+def test_trainable_query_pass_is_refused(device):
     adapter = QueryTiny()
     network = TinyNet(frozen_body=False)  # the query pass trains: caching would be stale
-    loop = build_loop(adapter, network, {"grad_trace": False}, 6)
+    loop = build_loop(adapter, network, {"grad_trace": False}, 6, device)
     x = torch.randn(5, 5)
     tiny_predict(loop, x, np.arange(5))
     assert loop.query_cache.refused and loop.query_cache.store is None
 
 
-def test_changed_query_weights_empty_the_cache():
+def test_changed_query_weights_empty_the_cache(device):
     adapter = QueryTiny()
     network = TinyNet(frozen_body=True)
-    loop = build_loop(adapter, network, {"grad_trace": False}, 6)
+    loop = build_loop(adapter, network, {"grad_trace": False}, 6, device)
     x = torch.randn(5, 5)
     tiny_predict(loop, x, np.arange(5))
     assert loop.query_cache.misses == 5
     tiny_predict(loop, x, np.array([3, 1]))
     assert (loop.query_cache.misses, loop.query_cache.hits) == (5, 2)
     with torch.no_grad():
-        network.body.weight.mul_(2)  # an in-place change, as load_state_dict makes
+        loop.network.body.weight.mul_(2)  # an in-place change, as load_state_dict makes
     tiny_predict(loop, x, np.array([3, 1]))
     assert loop.query_cache.misses == 7, "stale queries served after the weights changed"
 
@@ -217,14 +229,15 @@ def test_cache_off_and_bad_mode():
         )
 
 
-def test_checkpointed_cache_serves_the_same_queries_after_a_resume():
+def test_checkpointed_cache_serves_the_same_queries_after_a_resume(device):
     """A resumed loop gets the cache's tensors back: no recomputation (which, in other batches,
     could differ in the last bits), and exactly the stored rows."""
     x = torch.randn(5, 5)
-    loop = build_loop(QueryTiny(), TinyNet(frozen_body=True), {"grad_trace": False}, 6)
+    config = {"grad_trace": False}
+    loop = build_loop(QueryTiny(), TinyNet(frozen_body=True), config, 6, device)
     tiny_predict(loop, x, np.array([4, 0, 2]))
     state = loop.state_dict()
-    fresh = build_loop(QueryTiny(), TinyNet(frozen_body=True), {"grad_trace": False}, 6)
+    fresh = build_loop(QueryTiny(), TinyNet(frozen_body=True), config, 6, device)
     with torch.no_grad():  # the query pass the checkpointed run had (TinyNet draws its own)
         for mine, theirs in zip(fresh.network.body.parameters(), loop.network.body.parameters()):
             mine.copy_(theirs)

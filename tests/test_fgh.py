@@ -68,8 +68,9 @@ MODES = list(
 LR = 0.5
 
 
-def _tiny(granularity: str, direction: str, apply: str, foreach: bool):
-    w, b = nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(2))
+def _tiny(granularity: str, direction: str, apply: str, foreach: bool, device="cpu"):
+    w = nn.Parameter(torch.zeros(2, 2, device=device))
+    b = nn.Parameter(torch.zeros(2, device=device))
     extra = (
         {"gamma": 0.1} if direction == "grad" else {"gamma": 0.05, "betas": (0.5, 0.5), "eps": 0.0}
     )
@@ -96,21 +97,21 @@ def _drive(w, b, fgh, opt, grads) -> None:
 
 @pytest.mark.parametrize("foreach", [False, True])
 @pytest.mark.parametrize(("granularity", "direction", "apply"), MODES)
-def test_every_mode_against_hand_values(granularity, direction, apply, foreach):
-    w, b, fgh, opt = _tiny(granularity, direction, apply, foreach)
-    w.grad, b.grad = G1_W.clone(), G1_B.clone()
+def test_every_mode_against_hand_values(granularity, direction, apply, foreach, device):
+    w, b, fgh, opt = _tiny(granularity, direction, apply, foreach, device)
+    w.grad, b.grad = G1_W.to(device, copy=True), G1_B.to(device, copy=True)
     fgh.step()
     # First step: nothing to pair with, alpha stays 1 and the gradient is unchanged.
-    assert torch.equal(w.grad, G1_W) and torch.equal(b.grad, G1_B)
+    assert torch.equal(w.grad.cpu(), G1_W) and torch.equal(b.grad.cpu(), G1_B)
     if direction == "adam":  # and the moments start only at step 2
         assert fgh.state[w]["step"] == 0 and not fgh.state[w]["m"].any()
         assert not fgh.state[w]["v"].any()
     opt.step()
-    w.grad, b.grad = G2_W.clone(), G2_B.clone()
+    w.grad, b.grad = G2_W.to(device, copy=True), G2_B.to(device, copy=True)
     fgh.step()
 
     alpha_w, alpha_b = (T(x) for x in EXPECTED_ALPHA[(granularity, direction, apply)])
-    coeffs = fgh.coefficients()
+    coeffs = {name: alpha.cpu() for name, alpha in fgh.coefficients().items()}
     torch.testing.assert_close(coeffs["W"], alpha_w, atol=1e-6, rtol=0)
     torch.testing.assert_close(coeffs["b"], alpha_b, atol=1e-6, rtol=0)
     # The alpha lives in W's state at every granularity (W owns the class rows and is the
@@ -120,16 +121,17 @@ def test_every_mode_against_hand_values(granularity, direction, apply, foreach):
 
     if apply == "grad":
         # The optimizer receives alpha * g2.
-        torch.testing.assert_close(w.grad, alpha_w * G2_W, atol=1e-6, rtol=0)
-        torch.testing.assert_close(b.grad, alpha_b * G2_B, atol=1e-6, rtol=0)
+        torch.testing.assert_close(w.grad.cpu(), alpha_w * G2_W, atol=1e-6, rtol=0)
+        torch.testing.assert_close(b.grad.cpu(), alpha_b * G2_B, atol=1e-6, rtol=0)
     else:
         # Gradients untouched; alpha scales SGD's update: p2 = p0 - lr g1 - lr alpha g2 (p0 = 0).
-        assert torch.equal(w.grad, G2_W) and torch.equal(b.grad, G2_B)
+        assert torch.equal(w.grad.cpu(), G2_W) and torch.equal(b.grad.cpu(), G2_B)
         opt.step()
-        torch.testing.assert_close(w.detach(), -LR * G1_W - LR * alpha_w * G2_W, atol=1e-6, rtol=0)
-        torch.testing.assert_close(b.detach(), -LR * G1_B - LR * alpha_b * G2_B, atol=1e-6, rtol=0)
+        p2_w, p2_b = w.detach().cpu(), b.detach().cpu()
+        torch.testing.assert_close(p2_w, -LR * G1_W - LR * alpha_w * G2_W, atol=1e-6, rtol=0)
+        torch.testing.assert_close(p2_b, -LR * G1_B - LR * alpha_b * G2_B, atol=1e-6, rtol=0)
         # u2 = -(p2 - p1) / lr is the UNSCALED SGD direction g2.
-        torch.testing.assert_close(fgh.state[w]["u"], G2_W, atol=1e-6, rtol=0)
+        torch.testing.assert_close(fgh.state[w]["u"].cpu(), G2_W, atol=1e-6, rtol=0)
     assert fgh.num_steps == 2
 
 
@@ -553,14 +555,19 @@ def test_load_state_dict_rejects_mismatches():
 
 
 @pytest.mark.parametrize(("granularity", "direction", "apply"), MODES)
-def test_foreach_matches_single_tensor_reference(granularity, direction, apply):
+def test_foreach_matches_single_tensor_reference(granularity, direction, apply, device):
+    assert _foreach_and_single_tensor_runs(granularity, direction, apply, device)
+
+
+def _foreach_and_single_tensor_runs(granularity, direction, apply, device="cpu"):
+    """Drive the single-tensor and the foreach path alike and check they agree bit for bit."""
     gen = torch.Generator().manual_seed(3)
     shapes = {"fc.weight": (3, 4), "fc.bias": (3,), "e": (2, 3), "f": (4,)}
     grads = [{n: torch.randn(s, generator=gen) for n, s in shapes.items()} for _ in range(4)]
     grads[1]["f"] = None  # a param without gradient for one step
     runs = []
     for foreach in (False, True):
-        params = {n: nn.Parameter(torch.zeros(s)) for n, s in shapes.items()}
+        params = {n: nn.Parameter(torch.zeros(s, device=device)) for n, s in shapes.items()}
         fc = [(n, params[n]) for n in ("fc.weight", "fc.bias")]
         rest = [(n, params[n]) for n in ("e", "f")]
         fgh = FineGrainedHypergradients(
@@ -582,7 +589,7 @@ def test_foreach_matches_single_tensor_reference(granularity, direction, apply):
         trace = []
         for step_grads in grads:
             for n, g in step_grads.items():
-                params[n].grad = None if g is None else g.clone()
+                params[n].grad = None if g is None else g.to(device, copy=True)
             fgh.step()
             opt.step()
             trace.append([p.detach().clone() for p in params.values()])
@@ -596,7 +603,18 @@ def test_foreach_matches_single_tensor_reference(granularity, direction, apply):
         assert len(a) == len(b)
         for x, y in zip(a, b):
             assert torch.equal(x, y)
-    assert not torch.equal(single[-2][0], torch.ones(3, 4))  # alpha did move
+    assert not torch.equal(single[-2][0].cpu(), torch.ones(3, 4))  # alpha did move
+    return True
+
+
+@pytest.mark.parametrize("apply", ["grad", "update"])
+def test_foreach_path_runs_where_torch_lacks_foreach_copy_and_clone(monkeypatch, apply):
+    """The torch floor (2.1) may lack torch._foreach_copy_ / _foreach_clone: the foreach path
+    falls back to one copy_/clone per tensor and still equals the single-tensor path."""
+    monkeypatch.delattr(torch, "_foreach_copy_")
+    monkeypatch.delattr(torch, "_foreach_clone")
+    assert _foreach_and_single_tensor_runs("element", "adam", apply)
+    assert _foreach_and_single_tensor_runs("class", "grad", apply)
 
 
 # --------------------------------------------------------------------------- API and errors

@@ -37,6 +37,7 @@ def make_results(
     periodic: list | None = None,
     task_samples: tuple[int, ...] = (250, 200, 100),
     batch_size: int = 100,
+    at_hi: float | None = None,
 ) -> dict:
     """A valid results dict (schema of core/results.py) holding only the given numbers."""
     tasks = len(task_samples)
@@ -68,6 +69,10 @@ def make_results(
         extra["gradient_imbalance"]["task_grad_norm_trace"] = trace
     if periodic is not None:
         extra["periodic_evaluations"] = [{"samples_seen": s, "accuracy": a} for s, a in periodic]
+    if at_hi is not None:  # FGHMixin.report's alpha_bounds, one group of 10 coefficients
+        stream_stats = {"mean": 5.0, "at_lo": 0.0, "at_hi": at_hi, "steps": 6}
+        bounds = {"clamp": [0.0, 10.0], "coefficients": 10, "final": {}, "stream": stream_stats}
+        extra["diagnostics"] = {"fgh": {"alpha_bounds": [bounds]}}
     results = build_results(
         config=config,
         stream=stream_dict,
@@ -175,6 +180,10 @@ def test_trace_of_an_older_file_comes_from_its_sidecar(tmp_path) -> None:
     )
 
 
+EQ8 = figures.FORM_TITLES["eq8"]
+APPENDIX = figures.FORM_TITLES["appendix"] + " (paper configs)"
+
+
 def test_gamma_sensitivity_by_hand(tmp_path) -> None:
     runs = [
         make_results(seed=0, fgh={"gamma": 1e-3}, ap=50.0),
@@ -190,13 +199,15 @@ def test_gamma_sensitivity_by_hand(tmp_path) -> None:
     ]
     data = figures.gamma_sensitivity_figure(runs, tmp_path / "fig3")
     assert_written(data, tmp_path / "fig3")
-    series = data.series("AP")
-    assert set(series) == {"CODA + P + FGH", "CODA + P + FGH (γ=0: no FGH)"}
-    sweep = series["CODA + P + FGH"]
+    # {"gamma": ...} alone is the component's default form: Eq. 8, one panel.
+    assert list(data.panels) == [EQ8]
+    series = data.series(EQ8)
+    assert set(series) == {"CODA + P + FGH(eq8)", "CODA + P + FGH(eq8) (γ=0: no FGH)"}
+    sweep = series["CODA + P + FGH(eq8)"]
     np.testing.assert_allclose(sweep.x, [1e-3, 0.1, 1.0])
     np.testing.assert_allclose(sweep.y, [52.0, 58.0, 61.0])
     np.testing.assert_allclose(sweep.std, [2.0, 0.0, 1.0])
-    baseline = series["CODA + P + FGH (γ=0: no FGH)"]
+    baseline = series["CODA + P + FGH(eq8) (γ=0: no FGH)"]
     np.testing.assert_allclose(baseline.x, [0.0])
     np.testing.assert_allclose(baseline.y, [42.0])
     np.testing.assert_allclose(baseline.std, [2.0])
@@ -205,14 +216,46 @@ def test_gamma_sensitivity_by_hand(tmp_path) -> None:
         figures.gamma_sensitivity_data(runs[2:4] + runs[5:])
 
 
+def test_gamma_sensitivity_separates_the_two_fgh_forms(tmp_path) -> None:
+    """The paper configs' form (appendix) and the Eq. 8 form are separate panels, the paper's
+    first, each with the no-FGH level; below each, alpha at the clamp's upper bound."""
+    appendix = {"granularity": "class", "direction": "adam", "clamp": [0, 10]}
+    runs = [
+        make_results(seed=0, fgh={**appendix, "gamma": 1e-4}, ap=70.0, at_hi=0.0),
+        make_results(seed=1, fgh={**appendix, "gamma": 1e-4}, ap=72.0, at_hi=0.1),
+        make_results(seed=0, fgh={**appendix, "gamma": 1.0}, ap=60.0, at_hi=0.6),
+        make_results(seed=0, fgh={"gamma": 1e-4}, ap=61.0, at_hi=0.0),
+        make_results(seed=0, fgh={"gamma": 1.0}, ap=63.0, at_hi=0.0),
+        make_results(seed=0, fgh=None, ap=59.0),
+    ]
+    data = figures.gamma_sensitivity_figure(runs, tmp_path / "fig3")
+    assert_written(data, tmp_path / "fig3")
+    clamp = figures.CLAMP_PANEL
+    assert list(data.panels) == [APPENDIX, EQ8, clamp + APPENDIX, clamp + EQ8]
+    assert data.meta == {"metric": "AP"}
+    ours = data.series(APPENDIX)
+    assert set(ours) == {"CODA + P + FGH", "CODA + P + FGH (γ=0: no FGH)"}
+    np.testing.assert_allclose(ours["CODA + P + FGH"].x, [1e-4, 1.0])
+    np.testing.assert_allclose(ours["CODA + P + FGH"].y, [71.0, 60.0])
+    np.testing.assert_allclose(ours["CODA + P + FGH (γ=0: no FGH)"].y, [59.0])
+    np.testing.assert_allclose(data.series(EQ8)["CODA + P + FGH(eq8)"].y, [61.0, 63.0])
+    np.testing.assert_allclose(data.series(EQ8)["CODA + P + FGH(eq8) (γ=0: no FGH)"].y, [59.0])
+    (bound,) = data.panels[clamp + APPENDIX]
+    np.testing.assert_allclose(bound.y, [0.05, 0.6])  # seeds averaged: (0 + 0.1) / 2
+    np.testing.assert_allclose(bound.std, [0.05, 0.0])
+
+
 def test_gamma_default_of_the_direction_counts_as_its_value() -> None:
     # direction "adam" defaults to gamma 1e-3: a run without gamma sits at x = 1e-3.
     runs = [
         make_results(fgh={"direction": "adam"}, ap=10.0),
         make_results(fgh={"direction": "adam", "gamma": 1.0}, ap=20.0),
     ]
-    (sweep,) = figures.gamma_sensitivity_data(runs).panels["AP"]
-    assert sweep.label == "CODA + P + FGH(direction=adam)"
+    data = figures.gamma_sensitivity_data(runs)
+    (title,) = data.panels  # neither named form: the options that differ from the paper's
+    assert title == "FGH(granularity=element)"
+    (sweep,) = data.panels[title]
+    assert sweep.label == "CODA + P + FGH(granularity=element)"
     np.testing.assert_allclose(sweep.x, [1e-3, 1.0])
     np.testing.assert_allclose(sweep.y, [10.0, 20.0])
 

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TinyAdapter, TinyNet, VectorSource
+from conftest import TinyAdapter, TinyNet, VectorSource, smoke_config
 from torch import nn
 
 from pilot_online.core.streams import clear_stream
 from pilot_online.engine.adapter import StepOutput
+from pilot_online.engine.config import ConfigError
 from pilot_online.engine.loop import NonFiniteLossError, OnlineLoop, build_loop
 from pilot_online.engine.mixins import FGHMixin, PrototypeMixin
 from pilot_online.engine.session import OnlineSession
@@ -103,14 +104,16 @@ def make_stream(train_y):
     return clear_stream(train_y, init_cls=2, increment=2, batch_size=4, seed=0)
 
 
-def make_loop(config, mixins=(), seed: int = 0, frozen_body: bool = False, adapter=None):
+def make_loop(
+    config, mixins=(), seed: int = 0, frozen_body: bool = False, adapter=None, device="cpu"
+):
     torch.manual_seed(seed)
     adapter = adapter or TinyAdapter()
     network = TinyNet(frozen_body=frozen_body)
     if mixins:
         loop_cls = type("TestLoop", (*mixins, OnlineLoop), {})
-        return loop_cls(adapter, network, config, C)
-    return build_loop(adapter, network, config, C)
+        return loop_cls(adapter, network, config, C, device)
+    return build_loop(adapter, network, config, C, device)
 
 
 def run_stream(loop, stream, train_x, train_y):
@@ -124,13 +127,13 @@ def run_stream(loop, stream, train_x, train_y):
 
 
 def params(loop) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in loop.network.named_parameters()}
+    return {n: p.detach().cpu().clone() for n, p in loop.network.named_parameters()}
 
 
 # --------------------------------------------------------------------------- one pass
 
 
-def test_one_pass_consumes_each_sample_once_and_steps_once_per_batch() -> None:
+def test_one_pass_consumes_each_sample_once_and_steps_once_per_batch(device) -> None:
     train_x, train_y, test_x, test_y = make_data()
     stream = make_stream(train_y)
     task_sizes = [len(t) for t in stream.tasks]
@@ -138,7 +141,7 @@ def test_one_pass_consumes_each_sample_once_and_steps_once_per_batch() -> None:
     expected_steps = sum(math.ceil(n / 4) for n in task_sizes)
     assert expected_steps == 2 + 3 + 3
 
-    loop = make_loop(BASE_CONFIG)
+    loop = make_loop(BASE_CONFIG, device=device)
     session = OnlineSession(
         loop, stream, VectorSource(train_x, train_y, test_x, test_y), BASE_CONFIG, progress=False
     )
@@ -238,21 +241,24 @@ def test_loss_terms_are_added_to_the_loss() -> None:
 # --------------------------------------------------------------------------- prototypes
 
 
-def test_prototypes_with_frozen_body_are_class_means_and_loss_is_eq2() -> None:
+def test_prototypes_with_frozen_body_are_class_means_and_loss_is_eq2(device) -> None:
     train_x, train_y, _, _ = make_data()
     stream = make_stream(train_y)
-    loop = make_loop(BASE_CONFIG, mixins=(Recorder, PrototypeMixin), frozen_body=True)
+    loop = make_loop(
+        BASE_CONFIG, mixins=(Recorder, PrototypeMixin), frozen_body=True, device=device
+    )
     assert [n for n, _ in loop.named_parameters] == ["fc.weight", "fc.bias"]
-    body = copy.deepcopy(loop.network.body)
+    body = copy.deepcopy(loop.network.body).cpu()
     stats = run_stream(loop, stream, train_x, train_y)
-    assert torch.equal(loop.network.body.weight, body.weight)  # frozen: features are fixed
+    assert torch.equal(loop.network.body.weight.cpu(), body.weight)  # frozen: fixed features
+    loop.snapshots = [{k: v.cpu() for k, v in snap.items()} for snap in loop.snapshots]
 
     with torch.no_grad():
         features = torch.relu(body(train_x)).double()
     labels = torch.as_tensor(train_y)
     # Eq. 1 applied over a whole stream is the arithmetic mean of each class's features.
     expected_means = torch.stack([features[labels == c].mean(0) for c in range(C)])
-    torch.testing.assert_close(loop.prototypes.means.double(), expected_means)
+    torch.testing.assert_close(loop.prototypes.means.double().cpu(), expected_means)
     assert loop.prototypes.counts.tolist() == TRAIN_COUNTS
 
     batches = [np.array(b.indices) for b in stream.batches()]
@@ -270,27 +276,27 @@ def test_prototypes_with_frozen_body_are_class_means_and_loss_is_eq2() -> None:
         # Eq. 2 with the logit mask: CE of fc(p_c) over the seen classes' logits only.
         seen_logits = logits[:, seen]
         expected = (seen_logits.logsumexp(1) - seen_logits.diagonal()).mean()
-        torch.testing.assert_close(loop.terms[step]["prototypes"].double(), expected)
+        torch.testing.assert_close(loop.terms[step]["prototypes"].double().cpu(), expected)
         # The step's loss = batch-masked CE of the batch + L_P.
         batch_labels = snap["labels"]
         z = snap["features"].double() @ snap["weight"].double().T + snap["bias"].double()
         present = torch.zeros(C, dtype=torch.bool)
         present[batch_labels] = True
         ce = F.cross_entropy(z.masked_fill(~present, float("-inf")), batch_labels)
-        torch.testing.assert_close(stats[step].loss.double(), ce + expected)
+        torch.testing.assert_close(stats[step].loss.double().cpu(), ce + expected)
     assert loop.report()["prototypes"] == {"classes": C, "samples": 27}
 
 
 # --------------------------------------------------------------------------- FGH
 
 
-def test_fgh_gamma_zero_is_bit_identical_to_the_plain_loop() -> None:
+def test_fgh_gamma_zero_is_bit_identical_to_the_plain_loop(device) -> None:
     train_x, train_y, _, _ = make_data()
     stream = make_stream(train_y)
-    plain = make_loop(BASE_CONFIG)
+    plain = make_loop(BASE_CONFIG, device=device)
     start = params(plain)
     run_stream(plain, stream, train_x, train_y)
-    fgh = make_loop({**BASE_CONFIG, "fgh": {"gamma": 0}})
+    fgh = make_loop({**BASE_CONFIG, "fgh": {"gamma": 0}}, device=device)
     assert isinstance(fgh, FGHMixin)
     run_stream(fgh, stream, train_x, train_y)
     for name, value in params(plain).items():
@@ -300,9 +306,9 @@ def test_fgh_gamma_zero_is_bit_identical_to_the_plain_loop() -> None:
     assert all(a["min"] == a["max"] == 1.0 for a in alphas.values())
 
 
-def test_fgh_gamma_one_moves_alpha_and_counts_steps() -> None:
+def test_fgh_gamma_one_moves_alpha_and_counts_steps(device) -> None:
     train_x, train_y, _, _ = make_data()
-    loop = make_loop({**BASE_CONFIG, "fgh": {"gamma": 1.0}})
+    loop = make_loop({**BASE_CONFIG, "fgh": {"gamma": 1.0}}, device=device)
     run_stream(loop, make_stream(train_y), train_x, train_y)
     report = loop.report()["fgh"]
     assert report["steps"] == loop.optimizer_steps == 8
@@ -466,12 +472,14 @@ def _hand_fc_gradient(snapshot):
     return dz.T @ h, dz.sum(0)
 
 
-def test_gradient_statistics_are_mean_per_class_gradient_norms() -> None:
+def test_gradient_statistics_are_mean_per_class_gradient_norms(device) -> None:
     train_x, train_y, _, _ = make_data()
-    loop = make_loop(BASE_CONFIG, mixins=(Recorder,))
+    loop = make_loop(BASE_CONFIG, mixins=(Recorder,), device=device)
     run_stream(loop, make_stream(train_y), train_x, train_y)
     per_step = []
     for snapshot, grads in zip(loop.snapshots, loop.grads):
+        snapshot = {k: v.cpu() for k, v in snapshot.items()}
+        grads = {k: v.cpu() for k, v in grads.items()}
         grad_w, grad_b = _hand_fc_gradient(snapshot)
         torch.testing.assert_close(grads["fc.weight"].double(), grad_w)  # the hand formula holds
         # ||g_t^j|| = sqrt(sum_d dW[j, d]^2 + db[j]^2)
@@ -496,10 +504,11 @@ def test_gradient_trace_can_be_switched_off() -> None:
 # --------------------------------------------------------------------------- reproducibility
 
 
-def _full_run(seed: int):
+def _full_run(seed: int, device="cpu"):
     train_x, train_y, test_x, test_y = make_data()
     stream = make_stream(train_y)
-    loop = make_loop({**BASE_CONFIG, "online_prototypes": True, "fgh": {"gamma": 1}}, seed=seed)
+    config = {**BASE_CONFIG, "online_prototypes": True, "fgh": {"gamma": 1}}
+    loop = make_loop(config, seed=seed, device=device)
     source = VectorSource(train_x, train_y, test_x, test_y)
     session = OnlineSession(loop, stream, source, BASE_CONFIG, progress=False)
     for task in range(stream.num_tasks):
@@ -509,10 +518,10 @@ def _full_run(seed: int):
     return params(loop), results, loop.gradient_statistics()["trace"]
 
 
-def test_same_seed_gives_identical_parameters_and_metrics() -> None:
-    params_a, results_a, trace_a = _full_run(seed=0)
-    params_b, results_b, trace_b = _full_run(seed=0)
-    params_c, _, _ = _full_run(seed=1)
+def test_same_seed_gives_identical_parameters_and_metrics(device) -> None:
+    params_a, results_a, trace_a = _full_run(seed=0, device=device)
+    params_b, results_b, trace_b = _full_run(seed=0, device=device)
+    params_c, _, _ = _full_run(seed=1, device=device)
     for name in params_a:
         assert torch.equal(params_a[name], params_b[name]), name
     assert any(not torch.equal(params_a[n], params_c[n]) for n in params_a)  # seed matters
@@ -520,3 +529,69 @@ def test_same_seed_gives_identical_parameters_and_metrics() -> None:
     assert results_a["counters"] == results_b["counters"]
     assert results_a["extra"]["diagnostics"] == results_b["extra"]["diagnostics"]
     assert np.array_equal(trace_a, trace_b)
+
+
+# --------------------------------------------------------------------------- GPU state (issue 15)
+
+
+def test_gradient_trace_is_stored_as_float32_on_every_device(device) -> None:
+    """CUDA runs kept the trace as float16 (3 significant digits) and CPU runs in the model's
+    dtype: CPU and GPU results files differed. A float64 classifier shows the rule on the CPU."""
+    torch.manual_seed(0)
+    network = TinyNet().double()
+    loop = build_loop(TinyAdapter(), network, BASE_CONFIG, C, device)
+    x = torch.randn(4, D_IN, dtype=torch.float64)
+    labels = torch.tensor([0, 1, 1, 3])
+    fc = loop.network.fc
+    with torch.no_grad():  # the classifier's gradient by hand, before the step moves it
+        h = torch.relu(loop.network.body(x.to(device))).cpu()
+        grad_w, grad_b = _hand_fc_gradient(
+            {"features": h, "labels": labels, "weight": fc.weight.cpu(), "bias": fc.bias.cpu()}
+        )
+    loop.train_step(x, labels)
+    trace = loop.state_dict()["grad_trace"]
+    assert trace.dtype == torch.float32 and trace.shape == (1, C)
+    expected = (grad_w.pow(2).sum(1) + grad_b.pow(2)).sqrt()  # ||g^j||, float64
+    torch.testing.assert_close(trace[0].cpu(), expected.float(), rtol=1e-6, atol=0)
+    assert (trace[0].cpu() > 0).tolist() == [True, True, False, True, False, False]
+
+
+class PrecisionSpy(TinyAdapter):
+    """Records torch's float32 matmul precision and cuDNN's TF32 switch in every forward."""
+
+    seen: list
+
+    def forward(self, network, x, train):
+        self.seen.append(
+            (train, torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+        )
+        return super().forward(network, x, train)
+
+
+@pytest.mark.parametrize("mode, tf32", [("highest", False), ("high", True), ("medium", True)])
+def test_matmul_precision_applies_to_steps_and_evaluation_and_is_restored(mode, tf32) -> None:
+    assert smoke_config("coda_online")["matmul_precision"] == "highest"  # the default
+    adapter = PrecisionSpy()
+    adapter.seen = []
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    outside = ("medium" if mode != "medium" else "high", not tf32)  # differs from the run's
+    torch.set_float32_matmul_precision(outside[0])
+    torch.backends.cudnn.allow_tf32 = outside[1]
+    try:
+        loop = make_loop({**BASE_CONFIG, "matmul_precision": mode}, adapter=adapter)
+        loop.train_step(torch.randn(2, D_IN), torch.tensor([0, 1]))
+        assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == outside
+        batches = [(torch.randn(3, D_IN), torch.tensor([0, 1, 0]))]
+        loop.predict(batches, torch.ones(C, dtype=torch.bool), topk=1)
+        assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == outside
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]
+    assert adapter.seen == [(True, mode, tf32), (False, mode, tf32)]
+
+
+def test_matmul_precision_is_validated() -> None:
+    with pytest.raises(ConfigError, match="did you mean 'high'"):
+        smoke_config("coda_online", matmul_precision="hihg")
+    with pytest.raises(ValueError, match="matmul_precision"):
+        make_loop({**BASE_CONFIG, "matmul_precision": "tf32"})

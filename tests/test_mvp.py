@@ -67,6 +67,39 @@ def test_key_contrastive_loss_by_hand():
         key_contrastive_loss(torch.zeros(2), torch.zeros(2, 3), torch.ones(3))
 
 
+def test_key_contrastive_loss_upstream_broadcasts_masses_over_the_batch():
+    # The two-sample case above with upstream's pairing: d = [0, ln 2], masses [2, 1],
+    # D = [[0, 2 ln 3], [0, 0]].
+    # P = mean_ij exp(d_j / m_i): m = 2: [1, sqrt 2]; m = 1: [1, 2] -> (4 + sqrt 2) / 4.
+    # N = mean_ijk exp(D_ik / m_j): row 1 over m = 2: [1, 3], over m = 1: [1, 9]; row 2: four 1s
+    # -> 18 / 8 = 2.25. loss = -log(2.25 / (2.25 + P) + 1e-6).
+    positive = (4 + math.sqrt(2)) / 4
+    expected = -math.log(2.25 / (2.25 + positive) + 1e-6)
+    loss = key_contrastive_loss(
+        torch.tensor([0.0, math.log(2)]),
+        torch.tensor([[0.0, 2 * math.log(3)], [0.0, 0.0]]),
+        torch.tensor([2.0, 1.0]),
+        pairing="upstream",
+    )
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert abs(expected - 0.6931452) > 0.1  # differs from the own-key pairing's value
+    # One sample: the broadcast is the identity, both pairings agree (0.405464 above).
+    one = [torch.tensor([0.0]), torch.tensor([[0.0, 2 * math.log(3)]]), torch.tensor([2.0])]
+    assert key_contrastive_loss(*one, pairing="upstream").item() == pytest.approx(
+        0.4054636, abs=1e-6
+    )
+    with pytest.raises(ValueError, match="own_key"):
+        key_contrastive_loss(*one, pairing="batch")
+
+
+def test_mvp_upstream_options_are_the_defaults():
+    keys = MVPOnline.config_keys
+    assert keys["gsf_reduction"].default == "upstream"
+    assert keys["gsf_reduction"].choices == ("upstream", "sample")
+    assert keys["key_loss_mass"].default == "upstream"
+    assert keys["key_loss_mass"].choices == ("upstream", "own_key")
+
+
 def test_gradient_dissimilarity_by_hand_with_logit_scale():
     # h1 = [1, 0], h2 = [1, 1], both label 0, logits [0, 0] (p = 1/2), scales s1 = [1, 1],
     # s2 = [2, 1]. (p - y) * s: sample 1 [-1/2, 1/2], sample 2 [-1, 1/2].
@@ -168,7 +201,9 @@ def test_adaptive_feature_scaling_in_the_loss_by_hand():
     )
 
 
-@pytest.mark.parametrize(("reduction", "expected"), [("sample", 0.4414451), ("batch", 0.4945584)])
+@pytest.mark.parametrize(
+    ("reduction", "expected"), [("sample", 0.4414451), ("upstream", 0.4945584)]
+)
 def test_focal_loss_weights_each_sample_by_hand(reduction, expected):
     # W = 0, b = [1, 0]: logits [1, 0] for both samples, p = [0.731059, 0.268941];
     # h1 = [1, 0] label 0, h2 = [0, 1] label 1.
@@ -178,7 +213,7 @@ def test_focal_loss_weights_each_sample_by_hand(reduction, expected):
     # = 0.345258; g2 = -0.731059 h2; G_1 = ([0.268941, 0] + [0, -0.731059]) / 2 -> cos = 0.938508.
     # Weights (alpha 1/2, gamma 2): 0.5 + 0.5 * [0.654742^2, 0.061492^2] = [0.714344, 0.501891].
     # sample: (0.714344 * 0.313262 + 0.501891 * 1.313262) / 2 = 0.441445;
-    # batch (upstream code): mean(w) * mean(CE) = 0.608117 * 0.813262 = 0.494558.
+    # upstream (its code): mean(w) * mean(CE) = 0.608117 * 0.813262 = 0.494558.
     network = HeadOnly(torch.zeros(2, 2), torch.tensor([1.0, 0.0]))
     out = step_output(network, torch.eye(2))
     adapter = MVPOnline(args=mvp_args(use_afs=False, gsf_reduction=reduction))
@@ -320,10 +355,11 @@ def test_paper_configs_run_at_the_best_lr_of_the_papers_grid():
     ("override", "message"),
     [
         ({"gsf_alpha": 1.5}, "gsf_alpha must be a number in \\[0, 1\\]"),
-        ({"afs_margin": 0}, "afs_margin must be > 0"),
+        ({"afs_margin": 0}, "afs_margin must be a number > 0"),
         ({"pos_e_prompt": [2, 2]}, "pos_e_prompt lists a block twice"),
         ({"len_e_prompt": 0}, "len_e_prompt must be a positive integer"),
-        ({"gsf_reduction": "mean"}, "gsf_reduction='mean' is not one of sample, batch"),
+        ({"gsf_reduction": "mean"}, "unknown gsf_reduction 'mean'.*upstream, sample"),
+        ({"key_loss_mass": "batch"}, "unknown key_loss_mass 'batch'.*upstream, own_key"),
         ({"use_mask": "yes"}, "use_mask must be true or false"),
     ],
 )

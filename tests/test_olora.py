@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pilot_online.core.lora import (
@@ -19,9 +20,11 @@ from pilot_online.core.lora import (
     LoRAQKV,
     LossPlateauDetector,
     add_lora,
+    hard_buffer_candidates,
+    importance_loss,
 )
 from pilot_online.engine.config import resolve_config
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.loop import OnlineLoop, build_loop
 from pilot_online.engine.registry import get_method
 
 
@@ -229,7 +232,9 @@ def test_olora_trainable_parameters_are_the_lora_factors_and_the_head():
 
 def test_olora_plateau_merges_without_changing_outputs_and_is_reported():
     # Thresholds so high that the first step is a plateau (the detector starts armed).
-    config = olora_config(loss_window_mean_threshold=1e9, loss_window_variance_threshold=1e9)
+    config = olora_config(
+        loss_window_mean_threshold=1e9, loss_window_variance_threshold=1e9, olora_merge="exact"
+    )
     adapter, loop = build(config)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.rand(6, 3, 32, 32, generator=g), torch.tensor([0, 1, 2, 3, 0, 1]))]
@@ -257,22 +262,13 @@ def test_olora_plateau_merges_without_changing_outputs_and_is_reported():
     assert adapter.regularizer.updates == 1
 
     # Step 2: the buffered batch is replayed and the regulariser is active (first plateau passed).
-    seen_terms = {}
-    real_loss_terms = adapter.loss_terms
-
-    def loss_terms(network, inputs, labels):
-        terms = real_loss_terms(network, inputs, labels)
-        seen_terms.update(terms)
-        return terms
-
-    adapter.loss_terms = loss_terms
-    loop.train_step(*batches[1])
-    assert set(seen_terms) == {"hard_buffer", "importance"}
+    stats = loop.train_step(*batches[1])
+    assert set(stats.terms) == {"ce", "hard_buffer", "importance"}
     assert loop.report()["method"]["olora"]["plateaus"] == adapter.detector.plateaus >= 1
 
 
 def test_olora_rejects_bad_options():
-    with pytest.raises(ValueError, match="loss_window_length must be >= 1"):
+    with pytest.raises(ValueError, match="loss_window_length must be (>= 1|a positive integer)"):
         build(olora_config(loss_window_length=0))
     with pytest.raises(ValueError, match="hard_loss must be true or false"):
         build(olora_config(hard_loss="yes"))
@@ -295,3 +291,206 @@ def test_olora_predictions_do_not_depend_on_the_batch():
     for batch in (1, 7):
         assert (predict(x, batch) == reference).all()
     assert (predict(x[perm], 4) == reference[perm.numpy()]).all()
+
+
+# -- the "upstream" options (issue 16): each against a hand example ------------------------------
+def hand_adapter(merge: str) -> LoRAQKV:
+    """d = 2, rank 1, a zero frozen projection: q is the LoRA part alone."""
+    qkv = nn.Linear(2, 6)
+    with torch.no_grad():
+        qkv.weight.zero_()
+        qkv.bias.zero_()
+    return LoRAQKV(qkv.requires_grad_(False), 1, merge)
+
+
+def set_factors(adapter: LoRAQKV, a: list[float], b: list[float]) -> None:
+    with torch.no_grad():
+        adapter.a_q.copy_(torch.tensor([a]))
+        adapter.b_q.copy_(torch.tensor(b)[:, None])
+
+
+@pytest.mark.parametrize(
+    ("merge", "q_after_second_merge"),
+    [
+        # upstream: A_m = A1 + A2 = [1, 1], B_m = B1 + B2 = [1, 1]^T: q = [[1, 1], [1, 1]] x
+        ("upstream", [5.0, 5.0]),
+        # exact: W = B1 A1 + B2 A2 = I: q = x
+        ("exact", [2.0, 3.0]),
+    ],
+)
+def test_merge_upstream_adds_factors_exact_adds_products(merge, q_after_second_merge):
+    adapter = hand_adapter(merge)
+    x = torch.tensor([[2.0, 3.0]])
+    set_factors(adapter, [1.0, 0.0], [1.0, 0.0])  # B1 A1 = [[1, 0], [0, 0]]
+    assert adapter(x)[0, :2].tolist() == [2.0, 0.0]
+    adapter.merge_()  # the first merge is exact either way (merged factors start at zero)
+    assert adapter(x)[0, :2].tolist() == [2.0, 0.0]
+    set_factors(adapter, [0.0, 1.0], [0.0, 1.0])  # B2 A2 = [[0, 0], [0, 1]]
+    assert adapter(x)[0, :2].tolist() == [2.0, 3.0]  # B1 A1 x + B2 A2 x
+    adapter.merge_()
+    assert adapter.b_q.abs().sum() == 0  # a fresh adapter
+    assert adapter(x)[0, :2].tolist() == q_after_second_merge
+    if merge == "upstream":
+        assert adapter.merged_a_q.tolist() == [[1.0, 1.0]]
+        assert adapter.qkv.weight.abs().sum() == 0  # the frozen weight never changes
+
+
+def test_importance_loss_upstream_flattens_the_batch():
+    logits = torch.tensor([[1.0, 0.0], [0.0, 3.0]])
+    e = math.e
+    # upstream: one row [1, 0, 0, 3], arg-max 3: -log softmax_3 = log(e + 1 + 1 + e^3) - 3
+    upstream = importance_loss(logits, "upstream")
+    assert upstream.item() == pytest.approx(math.log(e + 2 + e**3) - 3)
+    # per sample: labels [0, 1]: mean of (log(e + 1) - 1) and (log(1 + e^3) - 3)
+    per_sample = importance_loss(logits, "per_sample")
+    assert per_sample.item() == pytest.approx((math.log(e + 1) - 1 + math.log(1 + e**3) - 3) / 2)
+    with pytest.raises(ValueError, match="per_sample"):
+        importance_loss(logits, "flat")
+
+
+def test_hard_buffer_pairing_upstream_is_one_place_off():
+    x, h0, h1 = (torch.full((1,), v) for v in (0.0, 1.0, 2.0))
+    buffered = [BufferEntry(h0, h0, 0.0), BufferEntry(h1, h1, 0.0)]
+    # L(x) = 1, L(h0) = 3, L(h1) = 2
+    aligned = hard_buffer_candidates((x, x), buffered, 1.0, [3.0, 2.0], "aligned")
+    upstream = hard_buffer_candidates((x, x), buffered, 1.0, [3.0, 2.0], "upstream")
+    buffer = HardBuffer(2)
+    buffer.update(aligned)  # (x, 1), (h0, 3), (h1, 2) -> h0, h1
+    assert [e.inputs.item() for e in buffer.entries] == [1.0, 2.0]
+    buffer.update(upstream)  # (h0, 1), (h1, 3), (x, 2) -> h1, x
+    assert [e.inputs.item() for e in buffer.entries] == [2.0, 0.0]
+    assert [e.loss for e in buffer.entries] == [3.0, 2.0]
+    # Ties: upstream's reversed(sorted(...)) keeps the later candidate first.
+    # L(x) = 1, L(h0) = 1, L(h1) = 5: (h0, 1), (h1, 1), (x, 5) -> x, then h1 before h0
+    buffer.update(hard_buffer_candidates((x, x), buffered, 1.0, [1.0, 5.0], "upstream"))
+    assert [e.inputs.item() for e in buffer.entries] == [0.0, 2.0]
+    # aligned ties keep the earlier: (x, 1), (h0, 1), (h1, 5) -> h1, x
+    buffer.update(hard_buffer_candidates((x, x), buffered, 1.0, [1.0, 5.0], "aligned"))
+    assert [e.inputs.item() for e in buffer.entries] == [2.0, 0.0]
+
+
+def test_olora_defaults_are_the_upstream_values():
+    keys = get_method("olora_online").config_keys
+    names = [k for k in keys if k.startswith("olora_")]
+    assert sorted(names) == sorted(
+        [
+            "olora_merge",
+            "olora_merge_optimizer_state",
+            "olora_importance_batches",
+            "olora_importance_labels",
+            "olora_window_loss",
+            "olora_buffer_pairing",
+        ]
+    )
+    assert all(keys[k].default == "upstream" and "upstream" in keys[k].choices for k in names)
+    with pytest.raises(Exception, match="exact"):
+        olora_config(olora_merge="sum")
+
+
+@pytest.mark.parametrize("state", ["upstream", "reset"])
+def test_olora_optimizer_state_at_a_merge(state):
+    config = olora_config(
+        loss_window_mean_threshold=1e9,
+        loss_window_variance_threshold=1e9,
+        olora_merge_optimizer_state=state,
+    )
+    adapter, loop = build(config)
+    g = torch.Generator().manual_seed(0)
+    loop.train_step(torch.rand(4, 3, 32, 32, generator=g), torch.tensor([0, 1, 2, 3]))
+    assert adapter.detector.plateaus == 1  # the first step merged
+    lora = loop.network.adapters[0].a_q
+    assert loop.network.fc.weight in loop.optimizer.state  # the head always keeps its moments
+    # upstream builds Adam once: the fresh factors keep the merged ones' moments
+    assert (lora in loop.optimizer.state) == (state == "upstream")
+
+
+@pytest.mark.parametrize("which", ["upstream", "all"])
+def test_olora_importance_from_the_first_buffered_batch_only_upstream(which):
+    config = olora_config(olora_importance_batches=which, olora_importance_labels="per_sample")
+    adapter, loop = build(config)
+    network = loop.network
+    for i, a in enumerate(network.adapters):
+        randomised(a, seed=i)  # non-zero B, so A's gradients are non-zero too
+    g = torch.Generator().manual_seed(2)
+    adapter.buffer.entries = [
+        BufferEntry(torch.rand(3, 3, 32, 32, generator=g), torch.tensor([0, 1, 2]), 2.0),
+        BufferEntry(torch.rand(3, 3, 32, 32, generator=g), torch.tensor([3, 1, 0]), 1.0),
+    ]
+    network.eval()
+    squared = []
+    for entry in adapter.buffer.entries:  # per-sample arg-max CE, written out here
+        logits = network(entry.inputs)[0]
+        loss = F.cross_entropy(logits, logits.detach().argmax(1))
+        squared.append([gr.square() for gr in torch.autograd.grad(loss, adapter._lora)])
+    expected = squared[0] if which == "upstream" else [a + b for a, b in zip(*squared)]
+    adapter._consolidate(network)
+    assert adapter.regularizer.updates == 1
+    for omega, want in zip(adapter.regularizer.omegas, expected):
+        torch.testing.assert_close(omega, want, rtol=1e-4, atol=1e-10)
+    assert not torch.allclose(squared[0][1], squared[1][1])  # the two batches do differ
+
+
+@pytest.mark.parametrize("window", ["upstream", "masked"])
+def test_olora_window_and_ranking_read_the_unmasked_ce_upstream(window):
+    adapter, loop = build(olora_config(olora_window_loss=window))
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.rand(4, 3, 32, 32, generator=g), torch.tensor([0, 1, 1, 0])
+    adapter.train_mode(loop.network)
+    with torch.no_grad():
+        logits = loop.network(x)[0]
+    unmasked = F.cross_entropy(logits, y).item()
+    # the loop's batch mask keeps the batch's classes {0, 1}: classes 2 and 3 at -inf
+    masked = F.cross_entropy(logits[:, :2], y).item()
+    assert abs(unmasked - masked) > 1e-3
+    loop.train_step(x, y)
+    want = unmasked if window == "upstream" else masked
+    # step 1: empty hard buffer, so the window holds the stream CE alone, and the buffer ranks
+    # the batch by it
+    assert list(adapter.detector.losses) == [pytest.approx(want, rel=1e-5)]
+    assert adapter.buffer.entries[0].loss == pytest.approx(want, rel=1e-5)
+
+
+class GradRecorder:
+    """Loop mixin: the gradients the optimiser is about to apply."""
+
+    def transform_gradients(self) -> None:
+        super().transform_gradients()
+        self.recorded = {n: p.grad.clone() for n, p in self.named_parameters}
+
+
+def test_olora_buffer_batches_backpropagate_one_at_a_time_with_the_same_gradients():
+    """Issue 15 item 8: no single graph over the stream batch and the buffer; same gradients."""
+    config = olora_config(loss_window_mean_threshold=-1.0)  # no plateau: no merge in between
+    pytest.importorskip("timm")
+    from pilot_online.pilot.backbones import timm_overrides
+
+    adapter = get_method("olora_online")(args=config)
+    torch.manual_seed(0)
+    with timm_overrides(config["backbone_kwargs"]):
+        network = adapter.build_network(config)
+    loop = type("RecordingLoop", (GradRecorder, OnlineLoop), {})(adapter, network, config, 4)
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.rand(4, 3, 32, 32, generator=g), torch.tensor([0, 1, 1, 0])
+    adapter.buffer.entries = [
+        BufferEntry(torch.rand(3, 3, 32, 32, generator=g), torch.tensor([2, 1, 3]), 2.0),
+        BufferEntry(torch.rand(5, 3, 32, 32, generator=g), torch.tensor([0, 3, 3, 1, 2]), 1.0),
+    ]
+    # Today's gradient, one graph: batch-masked stream CE + the buffer's plain CEs.
+    network.train()
+    logits = network(x)[0]
+    loss = F.cross_entropy(logits[:, :2], y)  # classes {0, 1} of the batch
+    for entry in adapter.buffer.entries:
+        loss = loss + F.cross_entropy(network(entry.inputs)[0], entry.labels)
+    params = [p for _, p in loop.named_parameters]
+    reference = torch.autograd.grad(loss, params)
+
+    events: list[str] = []
+    network.fc.register_forward_hook(lambda *_: events.append("forward"))
+    network.fc.register_full_backward_hook(lambda *_: events.append("backward"))
+    stats = loop.train_step(x, y)
+    # each batch's graph is used and freed before the next forward
+    assert events == ["forward", "backward"] * 3
+    for (name, _), want in zip(loop.named_parameters, reference):
+        torch.testing.assert_close(loop.recorded[name], want, rtol=1e-4, atol=1e-7, msg=name)
+    assert stats.loss.item() == pytest.approx(loss.item(), rel=1e-5)
+    assert set(stats.terms) == {"ce", "hard_buffer"}

@@ -2,10 +2,10 @@
 a real, patched PILOT (``PILOT_ROOT``), with the helpers of test_pilot_integration.py.
 
 A full ViT-B/16 trains in the fine-tuning rows: on 2 CPU cores one such run costs over a minute,
-far more than a prompt run. CI runs each row once, with each stream and each variant (base,
-+ P + FGH) covered by two rows and replay + P + FGH by one; ``PILOT_FULL_MATRIX=1`` runs all 16
-(row x variant x stream). The runs left out are not collected at all (never skipped), so CI's rule
-that no PILOT test is skipped holds.
+far more than a prompt run. CI checks each row's two contract runs (clear + base, Si-Blurry
++ P + FGH: test_contract.py makes them, ``pilot_main_run`` shares them); ``PILOT_FULL_MATRIX=1``
+runs all 16 (row x variant x stream). The runs left out are not collected at all (never
+skipped), so CI's rule that no PILOT test is skipped holds.
 """
 
 from __future__ import annotations
@@ -16,18 +16,12 @@ import os
 import numpy as np
 import pytest
 from conftest import requires_pilot
-from test_pilot_integration import run_driver, tiny_config
+from test_pilot_integration import MEMORY, REPLAYED
 
 pytestmark = requires_pilot
 ROWS = ("finetune", "linear_probe", "er", "er_linear_probe")
-CI_RUNS = {
-    ("finetune", "base", "clear"),
-    ("linear_probe", "p_fgh", "si_blurry"),
-    ("er", "base", "si_blurry"),
-    ("er_linear_probe", "p_fgh", "clear"),
-}
+CI_RUNS = {(row, *pair) for row in ROWS for pair in (("base", "clear"), ("p_fgh", "si_blurry"))}
 FULL = os.environ.get("PILOT_FULL_MATRIX") == "1"
-MEMORY, REPLAYED = 60, 20  # the tiny stream has 160 samples: the reservoir fills, then replaces
 
 
 def matrix():
@@ -39,12 +33,9 @@ def matrix():
 
 
 @pytest.mark.parametrize(("row", "variant", "stream"), list(matrix()))
-def test_baseline_row_through_pilot_main(pilot, tmp_path, row, variant, stream):
-    config = tiny_config(row, variant, stream, tmp_path / "results")
-    replay = row.startswith("er")
-    if replay:
-        config.update(er_memory_size=MEMORY, er_batch_size=REPLAYED)
-    report, results = run_driver(pilot, config, tmp_path)
+def test_baseline_row_through_pilot_main(pilot_main_run, row, variant, stream):
+    replay = row.startswith("er")  # tiny_config sets MEMORY and REPLAYED for the memory rows
+    report, results = pilot_main_run(row, variant, stream)
     counters, tasks = results["counters"], results["stream"]["tasks"]
     sizes = [t["num_samples"] for t in tasks]
 

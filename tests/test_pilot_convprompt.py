@@ -1,7 +1,7 @@
 """ConvPrompt (``convprompt_online``) end to end through a real, patched PILOT (``PILOT_ROOT``).
 
-Two runs keep CI short: (clear, base) with ConvPrompt's own checks, and (Si-Blurry, + P + FGH)
-through the shared end-to-end checks of test_pilot_integration.py.
+ConvPrompt's own checks on its (clear, base) contract run (test_contract.py makes it, with the
+shared end-to-end checks of both its runs; ``pilot_main_run`` shares it).
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ from __future__ import annotations
 import re
 
 from conftest import requires_pilot
-from test_pilot_integration import run_driver, tiny_config
-from test_pilot_integration import test_online_run_through_pilot_main as check_online_run
 
 pytestmark = requires_pilot
 
@@ -31,9 +29,8 @@ EXPECTED_TRAINABLE = {
 }
 
 
-def test_clear_base_run_trains_only_convprompt_parameters(pilot, tmp_path):
-    config = tiny_config("convprompt", "base", "clear", tmp_path / "results")
-    report, results = run_driver(pilot, config, tmp_path)
+def test_clear_base_run_trains_only_convprompt_parameters(pilot_main_run):
+    report, results = pilot_main_run("convprompt", "base", "clear")
 
     assert report["boundary_calls"] == [] and report["learner_calls"] == ["eval_task"] * 2
     assert results["config"]["num_generators"] == GENERATORS
@@ -54,7 +51,3 @@ def test_clear_base_run_trains_only_convprompt_parameters(pilot, tmp_path):
     assert counters["samples_seen"] == counters["stream_length"] == CLASSES * 20
     assert counters["skipped_nonfinite_steps"] == 0
     assert results["metrics"]["AP"] is not None and results["metrics"]["A_T"] is not None
-
-
-def test_si_blurry_with_prototypes_and_fgh(pilot, tmp_path):
-    check_online_run(pilot, tmp_path, "convprompt", "p_fgh", "si_blurry")

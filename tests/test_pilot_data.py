@@ -10,7 +10,7 @@ Expected transforms are written by hand from reading upstream ``utils/data.py``:
 ``build_transform_coda_prompt`` only for ``coda_prompt`` on cifar224 and imagenetr; fixed class
 transforms for cifar10, cifar100 and the imagenet variants.
 
-Two things differ from a user's run, both only inside the test's subprocess or copy:
+Three things differ from a user's run, all only inside the test's subprocess or copy:
 
 - CIFAR: torchvision checks every CIFAR file against the md5 of the real archive before use, so
   tiny files would be rejected (and a download attempted). The probe replaces the md5 values in
@@ -21,6 +21,8 @@ Two things differ from a user's run, both only inside the test's subprocess or c
   the folder of your dataset"``; PILOT's README tells users to delete it and set the folder. The
   probe runs in a copy of the patched PILOT with exactly those two lines deleted (checked below),
   reading upstream's placeholder folders ``[DATA-PATH]/train`` and ``[DATA-PATH]/val``.
+- The tiny datasets hold 3 classes, so the subprocesses tell ``prepare``'s completeness check
+  (``EXPECTED_CLASSES``) to expect 3; the check itself is tested below on full-size class counts.
 """
 
 from __future__ import annotations
@@ -40,7 +42,13 @@ from conftest import PILOT_ROOT, offline_env, requires_pilot
 from pilot_online.core.datasets import DATASETS, PILOT_DATASETS
 from pilot_online.core.results import load_results
 from pilot_online.engine.config import ConfigError, load_json, resolve_config
-from pilot_online.pilot.data import DatasetUnavailableError, prepare
+from pilot_online.pilot.data import (
+    EXPECTED_CLASSES,
+    DatasetUnavailableError,
+    IncompleteDatasetError,
+    check_dataset_folders,
+    prepare,
+)
 
 HERE = Path(__file__).resolve().parent
 EXPS = HERE.parent / "exps"
@@ -205,7 +213,10 @@ for cls, folder in ((cifar.CIFAR10, "cifar-10-batches-py"), (cifar.CIFAR100, "ci
     cls.meta = {**cls.meta, "md5": md5(cls.meta["filename"])}
 
 import numpy as np
+from pilot_online.pilot import data as online_data
 from utils.data_manager import DataManager
+
+online_data.EXPECTED_CLASSES.update(dict.fromkeys(online_data.EXPECTED_CLASSES, 3))  # tiny data
 
 KEYS = ("size", "scale", "ratio", "interpolation", "padding", "p", "brightness", "mean", "std")
 
@@ -247,7 +258,10 @@ import json, runpy, sys
 pilot, config, report_path, shrink = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
 sys.path.insert(0, pilot)
 from torchvision import transforms
+from pilot_online.pilot import data as online_data
 from utils import data_manager, factory
+
+online_data.EXPECTED_CLASSES.update(dict.fromkeys(online_data.EXPECTED_CLASSES, 3))  # tiny data
 
 report = {"get_model_calls": 0}
 get_model = factory.get_model
@@ -450,3 +464,114 @@ def test_check_config_rejects_unknown_datasets_with_the_valid_names(dataset, sug
 def test_check_config_accepts_pilot_and_plugin_datasets(dataset):
     config = {**load_json(EXPS / "smoke_coda_online.json"), "dataset": dataset}
     assert resolve_config(config)["dataset"] == dataset
+
+
+# -- a dataset folder that lacks classes -------------------------------------------------------
+def write_class_folders(root: Path, folder: str, names: list[str]) -> None:
+    """One 8x8 JPEG per class folder."""
+    from PIL import Image
+
+    for name in names:
+        (root / folder / name).mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8), (len(name), 0, 0)).save(root / folder / name / "0.jpg")
+
+
+class FolderIData:
+    """An ImageFolder iData reading CUB's folders, as PILOT's ``CUB.download_data`` does."""
+
+    use_path = True
+
+    def download_data(self) -> None:
+        from torchvision.datasets import ImageFolder
+
+        train, test = ImageFolder("./data/cub/train/"), ImageFolder("./data/cub/test/")
+        self.train_data = np.array([path for path, _ in train.imgs])
+        self.train_targets = np.array([label for _, label in train.imgs])
+        self.test_data = np.array([path for path, _ in test.imgs])
+        self.test_targets = np.array([label for _, label in test.imgs])
+
+
+CUB_CLASSES = [f"{i:03d}.bird" for i in range(1, 201)]
+
+
+def test_a_cub_folder_lacking_classes_is_refused_with_counts_and_fix(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_class_folders(tmp_path, "data/cub/train", CUB_CLASSES[:3])
+    write_class_folders(tmp_path, "data/cub/test", CUB_CLASSES[:3])
+    with pytest.raises(IncompleteDatasetError) as raised:
+        prepare(FolderIData(), "cub", {"model_name": "coda_online"})
+    message = str(raised.value)
+    assert isinstance(raised.value, DatasetUnavailableError)  # the CLI's data errors catch it
+    assert f"{tmp_path / 'data/cub/train'} holds 3, {tmp_path / 'data/cub/test'} holds 3" in message
+    assert "names 200" in message and "put all 200 classes in place" in message
+    assert "README" in message  # where the data comes from
+
+
+def test_a_complete_folder_passes_prepare(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(EXPECTED_CLASSES, "cub", 3)
+    write_class_folders(tmp_path, "data/cub/train", CUB_CLASSES[:3])
+    write_class_folders(tmp_path, "data/cub/test", CUB_CLASSES[:3])
+    idata = FolderIData()
+    prepare(idata, "cub", {})  # no base method named: PILOT's own transforms stay (no import)
+    assert sorted(set(idata.train_targets.tolist())) == [0, 1, 2]
+    assert check_dataset_folders({"dataset": "cub"}) == []
+
+
+def test_check_dataset_folders_names_each_problem_and_its_fix(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    train, test = tmp_path / "data/cub/train", tmp_path / "data/cub/test"
+    problems = check_dataset_folders({"dataset": "cub"})
+    assert [str(train) in p and "does not exist" in p and "Fix:" in p for p in problems] == [
+        True,
+        False,
+    ]
+    assert str(test) in problems[1] and "does not exist" in problems[1]
+    write_class_folders(tmp_path, "data/cub/train", CUB_CLASSES[:150])
+    write_class_folders(tmp_path, "data/cub/test", [*CUB_CLASSES[:149], "999.extra"])
+    problems = check_dataset_folders({"dataset": "CUB"})
+    assert len(problems) == 3, problems
+    assert f"the training folder {train} holds 150 class folders" in problems[0]
+    assert f"the test folder {test} holds 150 class folders" in problems[1]
+    assert "names 200" in problems[0] and "put all 200 class folders there" in problems[0]
+    assert "only in training: ['150.bird']" in problems[2]
+    assert "only in test: ['999.extra']" in problems[2]
+    # Nothing to check: torchvision downloads CIFAR; synthetic data is generated.
+    assert check_dataset_folders({"dataset": "cifar224"}) == []
+    assert check_dataset_folders({"dataset": "synthetic_tiny"}) == []
+
+
+@requires_pilot
+def test_pilot_data_manager_refuses_a_folder_lacking_classes(pilot_on_path, tmp_path, monkeypatch):
+    """Through PILOT's own DataManager (which PILOT's trainer builds before any network)."""
+    from utils.data_manager import DataManager
+
+    monkeypatch.chdir(tmp_path)
+    write_class_folders(tmp_path, "data/cub/train", CUB_CLASSES[:4])
+    write_class_folders(tmp_path, "data/cub/test", CUB_CLASSES[:4])
+    with pytest.raises(IncompleteDatasetError, match=r"holds 4 .* names 200"):
+        DataManager("cub", True, 1993, 2, 1, {"dataset": "cub", "model_name": "coda_online"})
+
+
+def test_imagenet_class_counts_are_checked_from_the_loaded_labels(tmp_path, monkeypatch):
+    """imagenet100's folders are the user's (set in PILOT's utils/data.py), so only the loaded
+    labels are checked; upstream's class_order for it lists 1000, the dataset has 100."""
+    monkeypatch.chdir(tmp_path)
+
+    class Loaded:
+        use_path = True
+
+        def __init__(self, classes: int) -> None:
+            self.classes = classes
+
+        def download_data(self) -> None:
+            self.train_data = self.test_data = np.array(["x.jpg"] * self.classes)
+            self.train_targets = self.test_targets = np.arange(self.classes)
+
+    prepare(Loaded(100), "imagenet100", {})  # complete: no folder check of [DATA-PATH]
+    with pytest.raises(IncompleteDatasetError) as raised:
+        prepare(Loaded(99), "imagenet100", {})
+    message = str(raised.value)
+    assert "the training data holds 99, the test data 99 classes" in message
+    assert "names 100" in message and "utils/data.py" in message
+    assert check_dataset_folders({"dataset": "imagenet100"}) == []

@@ -2,6 +2,10 @@
 
 Every run goes through PILOT's own ``main.py`` (via ``pilot_driver.py``, which adds probes) in a
 patched temporary copy of the checkout, on the synthetic dataset at 32 px with random weights.
+Every registered method runs (clear, base) and (Si-Blurry, + P + FGH) in test_contract.py, with
+the checks of :func:`check_online_run`; the method files (test_pilot_baselines.py, ...) add their
+own checks to the same runs (conftest's ``pilot_main_run`` makes each once per session). Here:
+what the prompt methods train, and the command-line and failure paths.
 """
 
 from __future__ import annotations
@@ -12,21 +16,27 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
-from conftest import copy_pilot, offline_env, requires_pilot
+from conftest import copy_pilot, offline_env, raw_smoke_config, requires_pilot
 
 from pilot_online.core.results import load_results
-from pilot_online.engine.config import load_json
+from pilot_online.engine.registry import get_method
 
 pytestmark = requires_pilot
 HERE = Path(__file__).resolve().parent
 EXPS = HERE.parent / "exps"
 DRIVER = HERE / "pilot_driver.py"
-METHODS = ("coda", "l2p", "dualprompt")
+#: Tiny-stream replay for the memory-based rows: the stream has 160 samples, so the reservoir
+#: fills, then replaces.
+MEMORY, REPLAYED = 60, 20
 
 
 def tiny_config(method: str, variant: str, stream: str, results_dir: Path) -> dict:
-    config = load_json(EXPS / f"smoke_{method}_online.json")
+    """The method's smoke config on ``synthetic_tiny`` (2 tasks of 4 classes, 160 samples in 4
+    batches of 40). ``variant``: ``base`` (P and FGH off) or ``p_fgh`` (the smoke config's
+    + P + FGH)."""
+    config = raw_smoke_config(f"{method.removesuffix('_online')}_online")
     config.update(
         dataset="synthetic_tiny",
         init_cls=4,
@@ -41,6 +51,8 @@ def tiny_config(method: str, variant: str, stream: str, results_dir: Path) -> di
         config.update(online_prototypes=False, fgh=None)
     if stream == "si_blurry":
         config["eval_period"] = 80
+    if config.get("er_memory_size", 0) > 0:
+        config.update(er_memory_size=MEMORY, er_batch_size=REPLAYED)
     return config
 
 
@@ -70,39 +82,39 @@ def run_driver(pilot: Path, config: dict, tmp_path: Path) -> tuple[dict, dict]:
     return report, load_results(report["results_path"])
 
 
-def assert_single_pass(results: dict, batch_size: int = 40) -> list[int]:
-    """One pass: every streamed sample once, one optimizer step per batch, no skipped step.
-    Returns the segment sizes."""
+def assert_single_pass(results: dict, batch_size: int = 40, trains: bool = True) -> list[int]:
+    """One pass: every streamed sample once, one optimizer step per batch (none for a method
+    that trains nothing), no skipped step. Returns the segment sizes."""
     counters = results["counters"]
     sizes = [t["num_samples"] for t in results["stream"]["tasks"]]
     assert counters["samples_seen"] == counters["stream_length"] == sum(sizes) > 0
-    assert counters["optimizer_steps"] == sum(math.ceil(n / batch_size) for n in sizes)
+    steps = sum(math.ceil(n / batch_size) for n in sizes) if trains else 0
+    assert counters["optimizer_steps"] == steps
     assert counters["skipped_nonfinite_steps"] == 0
     return sizes
 
 
-@pytest.mark.parametrize("stream", ["clear", "si_blurry"])
-@pytest.mark.parametrize("variant", ["base", "p_fgh"])
-@pytest.mark.parametrize("method", METHODS)
-def test_online_run_through_pilot_main(pilot, tmp_path, method, variant, stream):
-    config = tiny_config(method, variant, stream, tmp_path / "results")
-    report, results = run_driver(pilot, config, tmp_path)
+def check_online_run(report: dict, results: dict, method: str, variant: str, stream: str) -> None:
+    """What every method's run through ``main.py`` must show (test_contract.py): one task-free
+    pass, a learned model, the paper's metrics, and the diagnostics of its variant."""
+    adapter = get_method(f"{method.removesuffix('_online')}_online")
     tasks = results["stream"]["tasks"]
-    sizes = assert_single_pass(results)
+    sizes = assert_single_pass(results, trains=adapter.trains)
 
     # Task-free: no upstream task-boundary hook ran, no task id reached a prompt network.
     assert report["boundary_calls"] == []
     assert set(report["task_ids"]) <= {-1}
     assert report["learner_calls"] == ["eval_task"] * 2
 
-    # Prompts and classifier trained; every frozen parameter is untouched.
+    # The model learned: every trainable parameter moved, the classifier among them; a method
+    # that trains nothing learned in its buffers (SimpleCIL's class means).
     changed = report["changed"]
     trainable = {n for n, c in changed.items() if c["trainable"]}
-    assert trainable and all(changed[n]["changed"] for n in trainable), trainable
-    assert not [n for n, c in changed.items() if not c["trainable"] and c["changed"]]
-    prompt_names = [n for n in trainable if "prompt" in n or n.startswith("prompt.")]
-    classifier_names = [n for n in trainable if n.endswith(("head.weight", "fc.weight"))]
-    assert prompt_names and classifier_names
+    if adapter.trains:
+        assert trainable and all(changed[n]["changed"] for n in trainable), trainable
+        assert set(report["classifier"]) <= trainable, report["classifier"]
+    else:
+        assert not trainable and any(report["buffers_changed"].values())
 
     # The results file holds the full 2 x 2 accuracy matrix and the paper's metrics.
     matrix = results["metrics"]["accuracy_matrix"]
@@ -126,6 +138,20 @@ def test_online_run_through_pilot_main(pilot, tmp_path, method, variant, stream)
         assert "fgh" not in diagnostics and "prototypes" not in diagnostics
 
 
+@pytest.mark.parametrize("method", ["coda", "l2p", "dualprompt"])
+def test_prompt_methods_train_prompts_and_head_only(pilot_main_run, method):
+    """PILOT's prompt networks: prompts and classifier trained, every frozen parameter untouched
+    (the contract suite's runs, read again)."""
+    for variant, stream in (("base", "clear"), ("p_fgh", "si_blurry")):
+        report, _ = pilot_main_run(method, variant, stream)
+        changed = report["changed"]
+        trainable = {n for n, c in changed.items() if c["trainable"]}
+        assert not [n for n, c in changed.items() if not c["trainable"] and c["changed"]]
+        prompt_names = [n for n in trainable if "prompt" in n or n.startswith("prompt.")]
+        classifier_names = [n for n in trainable if n.endswith(("head.weight", "fc.weight"))]
+        assert prompt_names and classifier_names
+
+
 def test_paper_config_fails_only_for_missing_data(pilot, tmp_path):
     done = run(["main.py", "--config", "exps/coda_online_fgh.json"], pilot, tmp_path)
     assert done.returncode != 0
@@ -142,27 +168,64 @@ def test_missing_weights_say_what_to_do(pilot, tmp_path):
     assert "WeightsUnavailableError" in done.stderr and "pretrained_path" in done.stderr
 
 
-def test_cli_run_from_elsewhere_writes_one_results_file_per_seed(pilot, tmp_path):
+def test_cli_run_trains_each_seed_once_and_a_rerun_trains_none(pilot, tmp_path):
+    """PILOT runs every seed of a config in one process: a seed whose results are complete for
+    this config is not trained again (no timestamped copy), and PILOT's trainer still gets its
+    evaluations. A run from another folder logs there."""
     config = tiny_config("coda", "base", "clear", tmp_path / "results")
-    config["seed"] = [1, 2, 1]  # seed 1 twice: reproducible, and the rerun keeps both files
+    config["seed"] = [1, 2, 1]  # seed 1 twice: its second turn finds its results complete
     config_path = write_config(config, tmp_path / "seeds.json")
     workdir = tmp_path / "elsewhere"
     workdir.mkdir()
-    done = run(
-        ["-m", "pilot_online.cli", "run", "--config", str(config_path), "--pilot-root", str(pilot)],
-        workdir,
-        tmp_path,
-    )
+    command = ["-m", "pilot_online.cli", "run", "--config", str(config_path)]
+    command += ["--pilot-root", str(pilot)]
+    done = run(command, workdir, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    files = sorted((tmp_path / "results").glob("*.results.json"), key=lambda f: f.stat().st_mtime)
-    results = [load_results(f) for f in files]
-    assert [r["config"]["seed"] for r in results] == [1, 2, 1]
-    assert files[0].name != files[2].name  # the first seed-1 run was not overwritten
-    first, rerun = results[0], results[2]
-    assert first["metrics"] == rerun["metrics"]  # same seed, same numbers on CPU
+    folder = tmp_path / "results"
+    names = [f"base_clear_{seed}_{config['backbone_type']}.results.json" for seed in (1, 2)]
+    assert sorted(f.name for f in folder.glob("*.results.json")) == names
+    output = done.stdout + done.stderr
+    assert output.count("not training it again") == 1
+    # PILOT's trainer printed the skipped seed's stored accuracies: those of seed 1's own run.
+    printed = [line for line in done.stdout.splitlines() if line.startswith("Average Accuracy")]
+    assert len(printed) == 6 and printed[5] == printed[1]  # 2 tasks x 3 seed turns
+    assert printed[4] == printed[0]
+    assert (workdir / "logs").is_dir()  # PILOT's log folder follows the working directory
+
+    # The same command again: every seed is complete, nothing is trained or written.
+    before = {f.name: f.read_bytes() for f in folder.iterdir()}
+    again = run(command, workdir, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (again.stdout + again.stderr).count("not training it again") == 3
+    assert {f.name: f.read_bytes() for f in folder.iterdir()} == before
+
+    # Reproducible: seed 1 trained again under another prefix gives the same numbers on CPU.
+    config.update(seed=[1], prefix="again")
+    write_config(config, config_path)
+    third = run(command, workdir, tmp_path)
+    assert third.returncode == 0, third.stderr[-3000:]
+    first = load_results(folder / names[0])
+    rerun = load_results(folder / names[0].replace("base_clear", "again"))
+    assert first["metrics"] == rerun["metrics"]
     assert first["stream"] == rerun["stream"]
     assert first["counters"] == rerun["counters"]
-    assert (workdir / "logs").is_dir()  # PILOT's log folder follows the working directory
+
+
+def test_pilot_smoke_run_on_the_test_device(pilot_main_run, pilot, tmp_path, device):
+    """One end-to-end run through PILOT's main.py on each test device (CODA, Si-Blurry, + P +
+    FGH). On the CPU it is the contract suite's run, made once per session: no extra cost."""
+    if device.type == "cpu":
+        report, results = pilot_main_run("coda", "p_fgh", "si_blurry")
+    else:
+        config = tiny_config("coda", "p_fgh", "si_blurry", tmp_path / "results")
+        config["device"] = [str(device.index or 0)]
+        report, results = run_driver(pilot, config, tmp_path)
+    check_online_run(report, results, "coda", "p_fgh", "si_blurry")
+    assert f"type='{device.type}'" in results["config"]["device"]
+    if device.type == "cuda":
+        assert results["timing"]["peak_memory_bytes"] > 0
+        trace = results["extra"]["gradient_imbalance"]["trace_file"]
+        assert np.load(Path(report["results_path"]).with_name(trace)).dtype == np.float32
 
 
 def test_cli_run_refuses_an_unpatched_checkout(tmp_path):

@@ -8,7 +8,7 @@ import os
 
 import pytest
 from conftest import requires_pilot
-from test_pilot_integration import assert_single_pass, run_driver, tiny_config
+from test_pilot_integration import assert_single_pass
 
 pytestmark = requires_pilot
 MVP_PARAMETERS = ("keys", "class_masks", "g_prompts", "e_prompts", "backbone.head.weight")
@@ -20,10 +20,9 @@ if os.environ.get("PILOT_FULL_MATRIX") == "1":
 
 
 @pytest.mark.parametrize(("variant", "stream"), RUNS)
-def test_mvp_online_run_through_pilot_main(pilot, tmp_path, variant, stream):
-    config = tiny_config("mvp", variant, stream, tmp_path / "results")
-    config.update(len_g_prompt=2, len_e_prompt=2)  # CI time: MVP's 20-token E-prompts cost 5x
-    report, results = run_driver(pilot, config, tmp_path)
+def test_mvp_online_run_through_pilot_main(pilot_main_run, variant, stream):
+    # The smoke config's 2-token prompts (MVPOnline.smoke_overrides): 20-token ones cost 5x.
+    report, results = pilot_main_run("mvp", variant, stream)
     sizes = assert_single_pass(results)
     assert report["boundary_calls"] == [] and report["task_ids"] == []
     assert report["learner_calls"] == ["eval_task"] * 2

@@ -10,8 +10,9 @@ import pytest
 from test_tables import write_run
 
 from pilot_online.cli.main import main
-from pilot_online.engine.config import load_json
-from pilot_online.engine.protocol import HP_GRID, hp_grid_points, select_best
+from pilot_online.engine import paper
+from pilot_online.engine.config import PAPER_FGH, load_json
+from pilot_online.engine.protocol import FIXED_LRS, HP_GRID, hp_grid_points, select_best
 
 EXPS = Path(__file__).resolve().parent.parent / "exps"
 SMOKE = str(EXPS / "smoke_{method}_online.json")
@@ -45,6 +46,117 @@ def test_hp_grid_is_the_papers_table():
         row = HP_GRID[method]
         assert list(row.learning_rates) == lrs and row.best_lr == best_lr, method
         assert list(row.gammas) == gammas and row.best_gamma == best_gamma, method
+
+
+def test_hp_grid_is_read_from_the_package_data_one_copy():
+    """protocol.HP_GRID is the data file's hp_grid, through the registry's paper names."""
+    rows = paper.hp_grid_rows()
+    assert [r["method"] for r in rows][:3] == ["Fine-tuning", "Linear probe", "ER"]
+    names = paper.registered_names()
+    assert names["CODA"] == "coda_online" and names["ER + Linear probe"] == "er_linear_probe_online"
+    for row in rows:
+        grid = HP_GRID[names[row["method"]].removesuffix("_online")]
+        assert list(grid.learning_rates) == row["learning_rates"]
+        assert (grid.best_lr, grid.best_gamma) == (row["best_lr"], row["best_gamma"])
+        assert list(grid.gammas) == (row["gammas"] or [])
+
+
+# --- the paper's numbers (pilot_online/data/paper_tables.json), checked against the LaTeX by hand
+
+
+def test_paper_data_names_its_source_and_seed_counts():
+    data = paper.paper_data()
+    assert "fgh_online_cl_paper.tex" in data["source"]["file"]
+    assert "only $3$ runs" in data["source"]["seeds"]
+    assert paper.paper_seed_count("CODA") == 10
+    assert paper.paper_seed_count("ConvPrompt") == paper.paper_seed_count("oLoRA") == 3
+    assert paper.paper_datasets() == {
+        "cifar224": "CIFAR100",
+        "cub": "CUB",
+        "imagenetr": "Imagenet-R",
+    }
+
+
+@pytest.mark.parametrize(
+    "keys, expected",
+    [  # read off the .tex by hand: (table, dataset, stream, method, row, column) -> mean, std, n
+        (("all_acc_blurry", "cifar224", "si_blurry", "CODA", "ours", 5e-5), (44.21, 8.04, 10)),
+        (("all_acc_blurry", "cifar224", "si_blurry", "CODA", "ours", 5e-3), (79.47, 2.23, 10)),
+        (
+            ("all_acc_blurry", "imagenetr", "si_blurry", "ConvPrompt", "ours", "best"),
+            (62.62, 0.11, 3),
+        ),
+        (("all_acc_clear", "imagenetr", "clear", "oLoRA", "base", "best"), (48.9, 1.73, 3)),
+        (("all_acc_clear", "cifar224", "clear", "Fine-tuning", "base", 5e-3), (2.93, 0.0, 10)),
+        (("all_acc_clear", "cub", "clear", "DualPrompt", "ours", 5e-3), (78.56, 0.87, 10)),
+        (("all_acc_clear", "cub", "clear", "ER + Linear probe", "base", "best"), (62.81, 0.93, 10)),
+        (("all_ablation_blurry", "cifar224", "si_blurry", "CODA", "p", 5e-5), (31.27, 6.95, 10)),
+        (("all_ablation_blurry", "cub", "si_blurry", "L2P", "fgh_only", 5e-3), (27.68, 3.64, 10)),
+        # printed 1\textbf{0.11...} (a misplaced brace); Table 2 gives the same cell as 10.11
+        (
+            ("all_ablation_blurry", "imagenetr", "si_blurry", "DualPrompt", "ours", 5e-5),
+            (10.11, 1.38, 10),
+        ),
+        (
+            ("all_ablation_blurry", "imagenetr", "si_blurry", "ConvPrompt", "fgh_only", 5e-3),
+            (49.39, 0.69, 3),
+        ),
+    ],
+)
+def test_paper_cells_match_the_latex(keys, expected):
+    cell = paper.find_paper_cell(*keys)
+    assert (cell.mean, cell.std, cell.n) == expected
+
+
+def test_paper_tables_have_every_row_and_column():
+    cells = paper.paper_cells()
+    for table, rows, columns in (
+        ("all_acc_clear", 14, 9),
+        ("all_acc_blurry", 14, 9),
+        ("all_ablation_blurry", 16, 6),
+    ):
+        assert sum(c.table == table for c in cells) == rows * columns, table
+    assert paper.find_paper_cell("all_acc_clear", "cifar224", "clear", "MVP", "ours", 5e-3) is None
+    assert (
+        paper.find_paper_cell("all_acc_blurry", "vtab", "si_blurry", "CODA", "base", 5e-3) is None
+    )
+    # The fixed-LR columns of the data are the protocol's.
+    data = paper.paper_data()["tables"]
+    assert [float(c) for c in data["all_ablation_blurry"]["columns"]] == list(FIXED_LRS)
+
+
+def test_time_consumption_as_printed():
+    table = paper.time_consumption()
+    assert (table["dataset"], table["stream"], table["batch_size"]) == ("cub", "clear", 100)
+    rows = {(r["method"], r["row"]): r for r in table["rows"]}
+    assert len(rows) == 22
+    assert rows[("ConvPrompt", "ours")] == {
+        "method": "ConvPrompt", "row": "ours", "time": "1h12m40s", "seconds": 4360,
+        "memory_mb": 11709,
+    }  # fmt: skip
+    assert (rows[("oLoRA", "base")]["seconds"], rows[("oLoRA", "base")]["memory_mb"]) == (
+        320,
+        56357,
+    )
+    assert rows[("CODA", "fgh_only")]["time"] == "5m54s"
+
+
+def test_best_hp_discrepancies_between_hp_grid_and_tables():
+    """L2P: bold 0.01 in hp_grid, yet its 12 Best HP cells are its 5e-3 cells; MVP and oLoRA:
+    bold 0.005 (the 5e-3 column), yet all 6 of their Best HP cells differ from it."""
+    info = paper.best_hp_columns()
+    assert info["L2P"]["equal_to"] == 5e-3 and info["L2P"]["bold_lr"] == 0.01
+    assert info["ConvPrompt"]["equal_to"] == 5e-3 == info["ConvPrompt"]["bold_lr"]
+    assert info["ER"]["equal_to"] == 5e-5 == info["ER"]["bold_lr"]
+    assert info["CODA"]["equal_to"] is None
+    assert paper.best_hp_discrepancies() == [
+        "MVP: hp_grid's bold LR is 0.005, a fixed-LR column, but 6 of its 6 Best HP cells differ "
+        "from that column (the paper does not say which other setting ran)",
+        "oLoRA: hp_grid's bold LR is 0.005, a fixed-LR column, but 6 of its 6 Best HP cells "
+        "differ from that column (the paper does not say which other setting ran)",
+        "L2P: hp_grid's bold LR is 0.01, but all 12 of its Best HP cells in Tables 1-2 equal its "
+        "0.005 cells",
+    ]
 
 
 def test_grid_points_are_lrs_for_base_and_lrs_times_gammas_for_ours():
@@ -161,7 +273,8 @@ def test_best_picks_the_argmax_of_mean_ap_and_flags_fewer_seeds(tmp_path, capsys
 
 def test_ours_of_a_method_without_gammas_takes_the_base_rows_lr(tmp_path, capsys):
     """hp_grid lists no gamma for the linear probe (N/A): its + ours Best HP is the base row's
-    LR with gamma 1, marked as not searched; CODA (gammas listed) gets no derived row."""
+    LR with the paper configs' gamma (``PAPER_FGH``), marked as not searched; CODA (gammas
+    listed) gets no derived row."""
     folder = tmp_path / "hp_grid" / "results"
     for lr, aps in ((0.001, (30.0, 34.0)), (0.005, (40.0, 42.0))):  # means 32, 41 <- best
         for seed, ap in enumerate(aps):
@@ -172,7 +285,8 @@ def test_ours_of_a_method_without_gammas_takes_the_base_rows_lr(tmp_path, capsys
     methods = json.loads(out.read_text())["methods"]
     probe = methods["linear_probe"]
     assert (probe["base"]["init_lr"], probe["base"]["AP_mean"]) == (0.005, 41.0)
-    assert probe["ours"]["init_lr"] == 0.005 and probe["ours"]["fgh.gamma"] == 1
+    assert probe["ours"]["init_lr"] == 0.005
+    assert probe["ours"]["fgh.gamma"] == PAPER_FGH["gamma"]
     assert probe["ours"]["derived_from"] == "base" and probe["ours"]["AP_mean"] is None
     assert set(methods["coda"]) == {"base"}
     assert "not searched" in out.with_suffix(".md").read_text()

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pilot_online.core.prototypes import PrototypeBank
+from pilot_online.core.prototypes import PrototypeBank, class_sums
 
 
 def _tiny_classifier(rows: list[list[float]]) -> torch.nn.Linear:
@@ -18,24 +18,25 @@ def _tiny_classifier(rows: list[list[float]]) -> torch.nn.Linear:
     return fc
 
 
-def test_eq1_by_hand_two_updates() -> None:
-    bank = PrototypeBank(3, 2)
+def test_eq1_by_hand_two_updates(device: torch.device) -> None:
+    bank = PrototypeBank(3, 2, device=device)
     bank.update(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([0, 0]))
     # After the first batch: class 0 = ([1, 2] + [3, 4]) / 2 = [2, 3], k = 2.
-    torch.testing.assert_close(bank.means[0], torch.tensor([2.0, 3.0]))
+    torch.testing.assert_close(bank.means[0].cpu(), torch.tensor([2.0, 3.0]))
     bank.update(torch.tensor([[5.0, 6.0], [0.0, 2.0]]), torch.tensor([0, 2]))
     # Class 0: (2 * [2, 3] + [5, 6]) / 3 = ([1+3+5, 2+4+6]) / 3 = [3, 4]. Class 2: [0, 2].
     # Class 1 never seen: stays p_0 = 0.
-    torch.testing.assert_close(bank.means, torch.tensor([[3.0, 4.0], [0.0, 0.0], [0.0, 2.0]]))
+    expected = torch.tensor([[3.0, 4.0], [0.0, 0.0], [0.0, 2.0]])
+    torch.testing.assert_close(bank.means.cpu(), expected)
     assert bank.counts.tolist() == [3, 0, 1]
     assert bank.counts.dtype == torch.int64
     assert bank.seen.tolist() == [True, False, True]
 
 
-def test_batched_update_equals_sequential_eq1() -> None:
+def test_batched_update_equals_sequential_eq1(device: torch.device) -> None:
     generator = torch.Generator().manual_seed(0)
     num_classes, dim = 5, 4
-    bank = PrototypeBank(num_classes, dim, dtype=torch.float64)
+    bank = PrototypeBank(num_classes, dim, dtype=torch.float64, device=device)
     reference = torch.zeros(num_classes, dim, dtype=torch.float64)
     k = [0] * num_classes
     for _ in range(4):
@@ -45,7 +46,7 @@ def test_batched_update_equals_sequential_eq1() -> None:
         for x, j in zip(features, labels.tolist()):  # Eq. 1, one sample at a time
             reference[j] = (k[j] * reference[j] + x) / (k[j] + 1)
             k[j] += 1
-    torch.testing.assert_close(bank.means, reference)
+    torch.testing.assert_close(bank.means.cpu(), reference)
     assert bank.counts.tolist() == k
     assert k[4] == 0 and bank.seen.tolist() == [c > 0 for c in k]
 
@@ -167,3 +168,69 @@ def test_load_state_dict_rejects_shape_mismatch() -> None:
 def test_constructor_rejects_empty_bank() -> None:
     with pytest.raises(ValueError, match="num_classes must be >= 1"):
         PrototypeBank(0, 2)
+
+
+# -- deterministic accumulation on every device (issue 15) -----------------------------------
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["index_add", "dense"])
+def test_class_sums_by_hand(dense: bool) -> None:
+    features = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [float("nan"), 1.0]])
+    labels = torch.tensor([2, 0, 2, 3])
+    sums, counts = class_sums(features, labels, 5, dense=dense)
+    # class 0: [3, 4]; class 2: [1+5, 2+6]; class 3: the NaN row alone; classes 1, 4: none.
+    expected = torch.tensor([[3.0, 4.0], [0.0, 0.0], [6.0, 8.0], [float("nan"), 1.0], [0, 0]])
+    torch.testing.assert_close(sums, expected, equal_nan=True)
+    assert counts.tolist() == [1, 0, 2, 1, 0] and counts.dtype == torch.int64
+
+
+def test_cpu_update_is_bit_identical_to_sample_order_index_add() -> None:
+    """On the CPU the bank still sums with index_add_ in sample order: the same bits as before
+    the deterministic path existed (float32, many samples per class: order would show)."""
+    generator = torch.Generator().manual_seed(3)
+    features = torch.randn(64, 16, generator=generator) * 1000
+    labels = torch.randint(0, 3, (64,), generator=generator)
+    bank = PrototypeBank(4, 16)
+    bank.update(features, labels)
+    sums = torch.zeros(4, 16).index_add_(0, labels, features)
+    counts = torch.zeros(4, dtype=torch.int64).index_add_(0, labels, torch.ones_like(labels))
+    expected = sums / counts.clamp(min=1).float().unsqueeze(1)  # p_0 = 0: (S - n 0) / n
+    assert torch.equal(bank.means, expected)
+
+
+def test_update_off_the_cpu_never_uses_index_add(monkeypatch) -> None:
+    """index_add_ on CUDA floating point adds atomically, in a run-dependent order: off the CPU
+    the bank must not call it. The meta device stands in for a GPU (no values, same code)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("index_add_ called off the CPU: nondeterministic on CUDA")
+
+    monkeypatch.setattr(torch.Tensor, "index_add_", refuse)
+    bank = PrototypeBank(3, 4, device="meta")
+    bank.update(
+        torch.empty(5, 4, device="meta"),
+        torch.empty(5, dtype=torch.long, device="meta"),
+        validate=False,
+    )
+    assert bank.means.shape == (3, 4)
+
+
+def test_update_runs_under_deterministic_algorithms_and_repeats_exactly(device) -> None:
+    generator = torch.Generator().manual_seed(7)
+    features = torch.randn(100, 32, generator=generator)
+    labels = torch.randint(0, 10, (100,), generator=generator)
+    results = []
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(2):
+            bank = PrototypeBank(10, 32, device=device)
+            bank.update(features.to(device), labels.to(device))
+            bank.update(features.flip(0).to(device), labels.flip(0).to(device))
+            results.append(bank.means.cpu())
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert torch.equal(results[0], results[1])
+    # Hand check: both batches hold the same samples, so each mean is the plain class mean.
+    for j in range(10):
+        torch.testing.assert_close(results[0][j], features[labels == j].mean(0))

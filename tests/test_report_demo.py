@@ -21,6 +21,7 @@ from pilot_online.cli.report import (
 )
 from pilot_online.core.results import load_results
 from pilot_online.core.streams import clear_stream
+from pilot_online.engine.config import PAPER_FGH
 from pilot_online.engine.loop import build_loop
 from pilot_online.engine.session import OnlineSession
 
@@ -112,7 +113,7 @@ def test_per_seed_table_has_one_row_per_run(runs) -> None:
 
 def test_collect_accepts_files_and_separates_variants(tmp_path, runs) -> None:
     _, paths = runs
-    p_fgh = run_session(tmp_path, 0, {"online_prototypes": True, "fgh": {"gamma": 1.0}})
+    p_fgh = run_session(tmp_path, 0, {"online_prototypes": True, "fgh": dict(PAPER_FGH)})
     rows = collect([*paths, p_fgh])
     assert [row["variant"] for row in rows] == ["base"] * 3 + ["+ P + FGH"]
     _, *lines = _table_rows(format_table(rows))
@@ -124,21 +125,30 @@ def test_collect_accepts_files_and_separates_variants(tmp_path, runs) -> None:
     [
         ({"online_prototypes": False, "fgh": None}, "base"),
         ({"online_prototypes": True, "fgh": None}, "+ P"),
-        ({"online_prototypes": False, "fgh": {"gamma": 1, "granularity": "element"}}, "+ FGH"),
+        # The paper's FGH (the appendix algorithm, engine.config.PAPER_FGH) is plain "FGH".
         (
             {
                 "online_prototypes": True,
-                "fgh": {"gamma": 1, "granularity": "element", "direction": "grad", "apply": "grad"},
+                "fgh": {
+                    "gamma": 1e-3,
+                    "granularity": "class",
+                    "direction": "adam",
+                    "apply": "grad",
+                },
             },
             "+ P + FGH",
         ),
-        ({"fgh": {}}, "+ FGH"),  # build_loop enables FGH (defaults) for an empty object
-        ({"fgh": {"gamma": 0.5}}, "+ FGH γ=0.5"),
-        ({"fgh": {"direction": "adam", "gamma": 1e-3}}, "+ FGH(direction=adam)"),
+        ({"fgh": {"granularity": "class", "direction": "adam"}}, "+ FGH"),  # gamma 1e-3: Adam's
+        # The main text's Eq. 8 form is named; a gamma other than the form's is shown.
+        ({"online_prototypes": False, "fgh": {"gamma": 1, "granularity": "element"}}, "+ FGH(eq8)"),
+        ({"fgh": {}}, "+ FGH(eq8)"),  # build_loop enables FGH (component defaults: Eq. 8)
+        ({"fgh": {"gamma": 0.5}}, "+ FGH(eq8) γ=0.5"),
+        ({"fgh": {"gamma": 1, "granularity": "class", "direction": "adam"}}, "+ FGH γ=1"),
+        # Any other setting names what differs from the paper's form.
+        ({"fgh": {"direction": "adam", "gamma": 1e-3}}, "+ FGH(granularity=element)"),
         (
-            # Adam directions default to gamma 1e-3 (appendix), so gamma 1 is shown.
-            {"fgh": {"gamma": 1, "granularity": "class", "direction": "adam"}},
-            "+ FGH(direction=adam, granularity=class) γ=1",
+            {"fgh": {"granularity": "class", "direction": "adam", "clamp": [0, 5]}},
+            "+ FGH(clamp=[0.0, 5.0])",
         ),
     ],
 )
@@ -209,9 +219,15 @@ def test_task_gradient_trace_plot_reads_the_sidecar_trace(tmp_path, runs) -> Non
         plot_task_gradient_trace(rows, 99, tmp_path / "none.png")
 
 
-def test_every_registered_method_has_a_paper_row_name():
-    from pilot_online import list_methods
-    from pilot_online.cli.report import PAPER_ROW_ORDER, method_label
+def test_paper_rows_are_registered_and_other_methods_follow_them():
+    """Every row of the paper's tables has a registered method; ``paper_name`` is optional: a
+    method without one is labelled by its registered name and sorts after the paper's rows."""
+    from pilot_online import get_method, list_methods
+    from pilot_online.cli.report import PAPER_ROW_ORDER, _sort_key, method_label
 
-    labels = [method_label(name) for name in list_methods()]
-    assert sorted(labels) == sorted(PAPER_ROW_ORDER), set(labels) ^ set(PAPER_ROW_ORDER)
+    labels = {method_label(name) for name in list_methods()}
+    assert set(PAPER_ROW_ORDER) <= labels, set(PAPER_ROW_ORDER) - labels
+    unnamed = [name for name in list_methods() if not get_method(name).paper_name]
+    assert all(method_label(name) == name for name in unnamed)
+    keys = [(label, "cifar224", "clear", 0.005, "base") for label in ("zzz_online", "CODA", "ER")]
+    assert [k[0] for k in sorted(keys, key=_sort_key)] == ["ER", "CODA", "zzz_online"]

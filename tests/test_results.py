@@ -52,7 +52,7 @@ def _sample(**overrides):
 
 def test_build_results_adds_header():
     built = _sample()
-    assert built["schema_version"] == SCHEMA_VERSION == 1
+    assert built["schema_version"] == SCHEMA_VERSION == 2
     assert built["pilot_online_version"] == __version__
     assert built["status"] == "complete"
     assert built["created_utc"].endswith("+00:00")

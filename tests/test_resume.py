@@ -161,13 +161,14 @@ def tiny_setup(config: dict):
 class Run:
     """One scenario (model, stream, data, config) that can be run straight or with kills."""
 
-    def __init__(self, setup, config: dict, stream, data) -> None:
+    def __init__(self, setup, config: dict, stream, data, device="cpu") -> None:
         self.setup, self.config, self.stream, self.data = setup, config, stream, data
+        self.device = torch.device(device)
 
     def session(self, folder: Path, kill_after: int | None = None, config: dict | None = None):
         config = self.config if config is None else config
         adapter, network = self.setup(config)
-        loop = build_loop(adapter, network, config, C)
+        loop = build_loop(adapter, network, config, C, self.device)
         source = NoisySource(*self.data, kill_after=kill_after)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / "run.results.json"
@@ -218,7 +219,7 @@ def assert_same_run(straight, resumed) -> None:
         assert torch.equal(s_state["prototypes"]["counts"], r_state["prototypes"]["counts"])
 
 
-def p_fgh_run(stream: str = "clear") -> Run:
+def p_fgh_run(stream: str = "clear", device="cpu") -> Run:
     data = vector_data()
     if stream == "clear":
         # 3 tasks of 2 classes (32 samples), batch 8: 4 stream batches per task, 12 in all.
@@ -227,14 +228,14 @@ def p_fgh_run(stream: str = "clear") -> Run:
     else:
         built = si_blurry_stream(data[1], num_tasks=3, n=50, m=10, seed=3, batch_size=8)
         config = base_config(online_prototypes=True, fgh=dict(PAPER_FGH), eval_period=20)
-    return Run(tiny_setup, config, built, data)
+    return Run(tiny_setup, config, built, data, device)
 
 
-def er_run() -> Run:
+def er_run(device="cpu") -> Run:
     data = vector_data()
     built = clear_stream(data[1], init_cls=2, increment=2, batch_size=8, seed=3)
     config = base_config(er_memory_size=20, er_batch_size=6, allow_memory=True)
-    return Run(tiny_setup, config, built, data)
+    return Run(tiny_setup, config, built, data, device)
 
 
 # -- PILOT-free: session-level resume equals the uninterrupted run --------------------------------
@@ -248,8 +249,8 @@ def er_run() -> Run:
         [11],  # in the last task: resumes from (task 2, batch 1), two batches redone
     ],
 )
-def test_p_fgh_resume_equals_the_uninterrupted_run(tmp_path, kills):
-    run = p_fgh_run()
+def test_p_fgh_resume_equals_the_uninterrupted_run(tmp_path, kills, device):
+    run = p_fgh_run(device=device)
     straight = run.straight(tmp_path / "straight")
     resumed = run.killed_then_resumed(tmp_path / "resumed", kills)
     assert_same_run(straight, resumed)
@@ -277,8 +278,8 @@ def test_si_blurry_resume_keeps_the_periodic_evaluations(tmp_path):
     assert resumed[1]["metrics"]["A_auc"] is not None
 
 
-def test_experience_replay_resume_equals_the_uninterrupted_run(tmp_path):
-    run = er_run()
+def test_experience_replay_resume_equals_the_uninterrupted_run(tmp_path, device):
+    run = er_run(device)
     straight = run.straight(tmp_path / "straight")
     resumed = run.killed_then_resumed(tmp_path / "resumed", [7])  # from (task 1, batch 2)
     assert_same_run(straight, resumed)
@@ -292,7 +293,7 @@ def test_resume_without_restoring_the_generators_would_differ(tmp_path, monkeypa
 
     run = p_fgh_run()
     straight = run.straight(tmp_path / "straight")
-    monkeypatch.setattr(session_module, "restore_rng_state", lambda state: None)
+    monkeypatch.setattr(session_module, "restore_rng_state", lambda state, device=None: None)
     resumed = run.killed_then_resumed(tmp_path / "resumed", [5])
     resumed_parameters = resumed[0].loop.state_dict()["parameters"]
     assert not all(
@@ -374,9 +375,13 @@ def test_olora_resume_restores_merges_buffer_and_importance(tmp_path, monkeypatc
     resumed = run.killed_then_resumed(tmp_path / "resumed", [5])  # from (task 1, batch 1)
     assert_same_run(straight, resumed)
     s_net, r_net = straight[0].loop.network, resumed[0].loop.network
-    # The merges changed the frozen qkv weights, identically in both runs.
+    # The merges (upstream's factor sums, the default) filled the merged factors, identically in
+    # both runs; the frozen qkv weights stay as built.
     for s_adapter, r_adapter in zip(s_net.adapters, r_net.adapters):
         assert torch.equal(s_adapter.qkv.weight, r_adapter.qkv.weight)
+        assert s_adapter.merged_a_q.abs().sum() > 0
+        assert torch.equal(s_adapter.merged_a_q, r_adapter.merged_a_q)
+        assert torch.equal(s_adapter.merged_b_v, r_adapter.merged_b_v)
     report = resumed[1]["extra"]["diagnostics"]["method"]["olora"]
     assert report["plateaus"] >= 1 and report["hard_buffer_batches"] == 2
 
@@ -416,12 +421,13 @@ def test_a_checkpoint_of_another_stream_is_refused(tmp_path):
 def test_keys_that_cannot_change_results_do_not_block_a_resume(tmp_path):
     run, _ = killed_checkpoint(tmp_path)
     relaxed = {**run.config, "log_interval": 1, "num_workers": 7, "checkpoint_every": 5}
+    relaxed.update(pin_memory=True, eval_pixel_cache="off")
     relaxed["config"] = "/elsewhere/the_same_config.json"
     session = run.session(tmp_path, config=relaxed)
     assert session.resume_position == (1, 0)  # the end-of-task checkpoint of task 0
     assert set(IGNORED_KEYS) == {
         "config", "results_dir", "log_interval", "num_workers", "checkpoint_every", "logger",
-        "logger_dir",
+        "logger_dir", "pin_memory", "eval_pixel_cache",
     }  # fmt: skip
 
 
@@ -557,6 +563,116 @@ def test_seeded_samples_do_not_depend_on_workers_order_or_iterator():
     assert len(set(single[:, 0].tolist())) == len(single) == 9
     other_seed = torch.utils.data.DataLoader(SeededSamples(RandomDataset(), 6), batch_sampler=order)
     assert not torch.equal(torch.cat(list(other_seed)), single)
+
+
+def test_seeded_never_reseeds_a_cuda_generator(monkeypatch):
+    """torch.manual_seed reseeds every GPU's generator (lazily, even before CUDA starts) and
+    nothing restored them: GPU dropout then depended on how many samples the main process
+    loaded, i.e. on num_workers. seeded() must touch torch's CPU generator only."""
+    from pilot_online.core.rng import key_seed, seeded
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("seeded() reseeded a CUDA generator")
+
+    for name in ("manual_seed", "manual_seed_all", "set_rng_state", "set_rng_state_all"):
+        monkeypatch.setattr(torch.cuda, name, refuse)
+    with seeded(5, 11):
+        drawn = torch.rand(4)
+    # The CPU draws are those of a generator seeded with the key (as torch.manual_seed gave).
+    assert torch.equal(
+        drawn, torch.rand(4, generator=torch.Generator().manual_seed(key_seed(5, 11)))
+    )
+
+
+def test_seeded_leaves_every_global_generator_where_it_was(device):
+    from pilot_online.core.rng import seeded
+
+    reseed(9)
+    cpu_before = torch.get_rng_state()
+    cuda_before = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    with seeded(1, 2):
+        torch.rand(3), np.random.rand(), random.random()
+    assert torch.equal(torch.get_rng_state(), cpu_before)
+    if cuda_before is not None:
+        assert torch.equal(torch.cuda.get_rng_state(device), cuda_before)
+        # And the GPU's next draws are those it would have made without the block.
+        after = torch.rand(5, device=device)
+        torch.cuda.set_rng_state(cuda_before, device)
+        assert torch.equal(after, torch.rand(5, device=device))
+
+
+class FakeCuda:
+    """torch.cuda's generator functions over 4 fake GPUs: reading or writing every GPU's state
+    at once fails, so only the run's own device may be touched."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.states = {k: torch.full((8,), k, dtype=torch.uint8) for k in range(4)}
+        self.set_on: list[int] = []
+        for name, value in {
+            "is_available": lambda: True,
+            "is_initialized": lambda: True,
+            "current_device": lambda: 2,
+            "get_rng_state": self.get,
+            "set_rng_state": self.set,
+            "get_rng_state_all": self.refuse,
+            "set_rng_state_all": self.refuse,
+        }.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+    def get(self, device="cuda"):
+        return self.states[torch.device(device).index].clone()
+
+    def set(self, state, device="cuda"):
+        self.set_on.append(torch.device(device).index)
+        self.states[torch.device(device).index] = state.clone()
+
+    def refuse(self, *args):
+        raise AssertionError("every visible GPU's generator was read or written")
+
+
+def test_rng_state_holds_the_training_devices_generator_only(monkeypatch):
+    from pilot_online.core.rng import capture_rng_state, restore_rng_state
+
+    cuda = FakeCuda(monkeypatch)
+    state = capture_rng_state(torch.device("cuda:1"))  # trained on cuda:1 of 4 visible GPUs
+    assert torch.equal(state["cuda"], torch.full((8,), 1, dtype=torch.uint8))
+    assert "cuda" not in capture_rng_state(torch.device("cpu"))
+    # "cuda" alone is the current device (2 here), as torch reads it.
+    assert torch.equal(capture_rng_state("cuda")["cuda"], torch.full((8,), 2, dtype=torch.uint8))
+    # Resumed under the sweep, which shows the run one GPU: it is cuda:0 now.
+    restore_rng_state(state, torch.device("cuda:0"))
+    assert cuda.set_on == [0] and torch.equal(cuda.states[0], state["cuda"])
+    # A CPU resume of a CUDA checkpoint does not touch any GPU.
+    restore_rng_state(state, torch.device("cpu"))
+    assert cuda.set_on == [0]
+    with pytest.raises(ValueError, match="every visible GPU"):
+        restore_rng_state({**state, "cuda": [state["cuda"]]}, torch.device("cuda:0"))
+
+
+def test_a_session_checkpoint_saves_its_devices_generator(tmp_path, monkeypatch):
+    """The session passes its loop's device to the RNG capture (CPU here: no CUDA state)."""
+    from pilot_online.engine import session as session_module
+
+    seen = []
+    capture = session_module.capture_rng_state
+    monkeypatch.setattr(
+        session_module, "capture_rng_state", lambda device=None: seen.append(device) or capture()
+    )
+    run = p_fgh_run()
+    run.straight(tmp_path)
+    assert seen and all(device == torch.device("cpu") for device in seen)
+
+
+def test_unsigned_numpy_state_is_stored_as_signed_tensors():
+    """numpy's generator key is uint32, which torch < 2.3 (the floor is 2.1) cannot hold."""
+    from pilot_online.engine.checkpoint import _decode, _encode
+
+    key = np.array([0, 1, 2**32 - 1, 2**31], dtype=np.uint32)
+    encoded = _encode({"key": key, "u8": np.array([255], dtype=np.uint8)})
+    assert encoded["key"]["__numpy_array__"].dtype == torch.int32
+    decoded = _decode(encoded)
+    assert decoded["key"].dtype == np.uint32 and (decoded["key"] == key).all()
+    assert decoded["u8"].dtype == np.uint8 and decoded["u8"][0] == 255
 
 
 @requires_pilot

@@ -38,12 +38,13 @@ def perfect(x: torch.Tensor) -> torch.Tensor:
 
 
 def min_class(x: torch.Tensor) -> torch.Tensor:
-    return (-1000.0 * torch.arange(C, dtype=torch.float32)).expand(len(x), C)
+    return (-1000.0 * torch.arange(C, dtype=torch.float32, device=x.device)).expand(len(x), C)
 
 
 def boost_class_5(x: torch.Tensor) -> torch.Tensor:
     """Perfect, except that class 5 always gets a far larger logit."""
-    return perfect(x) + 5000.0 * nn.functional.one_hot(torch.full((len(x),), 5), C).float()
+    five = torch.full((len(x),), 5, device=x.device)
+    return perfect(x) + 5000.0 * nn.functional.one_hot(five, C).float()
 
 
 class LookupAdapter(TinyAdapter):
@@ -80,12 +81,14 @@ def train_labels() -> np.ndarray:
     return np.repeat(np.arange(C), TRAIN_COUNTS)
 
 
-def make_session(stream, scores=perfect, config=None, results_path=None, seed=0, source=None):
+def make_session(
+    stream, scores=perfect, config=None, results_path=None, seed=0, source=None, device="cpu"
+):
     config = {**CONFIG, **(config or {})}
     torch.manual_seed(seed)
     adapter = LookupAdapter()
     adapter.scores = scores
-    loop = OnlineLoop(adapter, small_net(), config, C)
+    loop = OnlineLoop(adapter, small_net(), config, C, device)
     source = source or label_source(stream.labels)
     return OnlineSession(loop, stream, source, config, results_path, progress=False)
 
@@ -112,8 +115,8 @@ def three_task_stream():
 # --------------------------------------------------------------------------- task-end evaluation
 
 
-def test_evaluate_task_end_structure_and_values_by_hand() -> None:
-    session = make_session(two_task_stream(), scores=min_class)
+def test_evaluate_task_end_structure_and_values_by_hand(device) -> None:
+    session = make_session(two_task_stream(), scores=min_class, device=device)
     session.train_task(0)
     first = session.evaluate_task_end(0)
     # Exposed {0, 1, 2}: test samples 0, 0, 1, 2; the model predicts 0 -> 2 / 4 = 50 %.
@@ -154,8 +157,8 @@ def test_only_exposed_classes_are_evaluated() -> None:
     assert "task-01" not in result["grouped"]
 
 
-def test_logits_of_unexposed_classes_never_win() -> None:
-    session = make_session(two_task_stream(), scores=boost_class_5)
+def test_logits_of_unexposed_classes_never_win(device) -> None:
+    session = make_session(two_task_stream(), scores=boost_class_5, device=device)
     session.train_task(0)
     assert session.evaluate_task_end(0)["top1"] == 100.0  # class 5 (huge logit) is masked
     y_pred, _ = session.loop.predict(
@@ -279,10 +282,10 @@ def test_no_periodic_evaluation_without_eval_period() -> None:
 # --------------------------------------------------------------------------- results file
 
 
-def test_write_complete_partial_and_never_overwrite(tmp_path) -> None:
+def test_write_complete_partial_and_never_overwrite(tmp_path, device) -> None:
     stream = three_task_stream()
     path = tmp_path / "run_0.results.json"
-    session = make_session(stream, results_path=path)
+    session = make_session(stream, results_path=path, device=device)
     run_all(session)
     written = session.write()
     assert session.written_path == path
@@ -357,7 +360,8 @@ def test_unique_results_path_never_returns_an_existing_file(tmp_path, monkeypatc
 def test_labels_outside_the_model_raise_at_construction() -> None:
     stream = two_task_stream()
     adapter = LookupAdapter()
-    loop = OnlineLoop(adapter, small_net(), CONFIG, num_classes=C - 1)  # labels go up to 5
+    narrow = TinyNet(d_in=D_IN, hidden=HIDDEN, num_classes=C - 1)
+    loop = OnlineLoop(adapter, narrow, CONFIG, num_classes=C - 1)  # labels go up to 5
     with pytest.raises(ValueError, match="training labels"):
         OnlineSession(loop, stream, label_source(stream.labels), CONFIG, progress=False)
     loop = OnlineLoop(adapter, small_net(), CONFIG, num_classes=C)
@@ -381,3 +385,213 @@ def test_array_data_source_yields_stream_batches_in_order() -> None:
     assert x[0, 1, 0, 0].item() == pytest.approx(37 / 255)
     test = list(source.eval_batches(np.array([0, 1, 2])))
     assert [y.tolist() for _, y in test] == [[0, 1], [2]]
+
+
+# --------------------------------------------------------------- the seeds of one config (issue 15)
+
+
+def test_reset_peak_memory_collects_then_resets_the_runs_device(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(session_module.gc, "collect", lambda: calls.append("gc") or 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append(d))
+    session_module.reset_peak_memory(torch.device("cuda:1"))
+    assert calls == ["gc", torch.device("cuda:1")]  # freed first, then counted from here
+    session_module.reset_peak_memory(torch.device("cpu"))
+    assert calls == ["gc", torch.device("cuda:1"), "gc"]  # no CUDA call for a CPU run
+
+
+def test_every_seeds_session_starts_its_own_peak_memory_count(monkeypatch, device) -> None:
+    """PILOT runs all seeds in one process: each session (one seed) resets the peak."""
+    resets = []
+    monkeypatch.setattr(session_module, "reset_peak_memory", resets.append)
+    for seed in (0, 1):
+        run_all(make_session(three_task_stream(), seed=seed, device=device))
+    assert resets == [device, device]
+
+
+class Attention(nn.Module):
+    """A timm-style attention module (what ``use_sdpa`` recognises), without prompts."""
+
+    def __init__(self, width: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.num_heads, self.scale = heads, (width // heads) ** -0.5
+        self.attn_drop, self.proj_drop = nn.Dropout(0.0), nn.Dropout(0.0)
+
+
+def test_a_network_with_sdpa_attention_is_freed_without_the_garbage_collector() -> None:
+    """``module.forward = MethodType(f, module)`` was a reference cycle: a dropped network's
+    weights stayed allocated until a collection, into the next seed's peak memory."""
+    import gc
+    import weakref
+
+    from pilot_online.pilot.attention import plain_forward, use_sdpa
+
+    network = nn.Sequential(Attention(), Attention())
+    assert use_sdpa(network) == 2
+    assert network[0].forward.__func__ is plain_forward and "forward" not in vars(network[0])
+    out = network(torch.randn(2, 5, 8))
+    assert out.shape == (2, 5, 8)
+    del out
+    weights = [weakref.ref(p) for p in network.parameters()]
+    modules = [weakref.ref(m) for m in network.modules()]
+    gc.collect()
+    gc.disable()
+    try:
+        del network
+        assert all(ref() is None for ref in modules + weights)
+    finally:
+        gc.enable()
+
+
+def test_a_finished_sessions_network_is_freed_without_the_garbage_collector(device) -> None:
+    import gc
+    import weakref
+
+    from pilot_online.engine.config import PAPER_FGH
+
+    config = {"online_prototypes": True, "fgh": dict(PAPER_FGH)}
+    session = make_session(three_task_stream(), config=config, device=device)
+    run_all(session)
+    session.results()
+    network = weakref.ref(session.loop.network)
+    gc.collect()
+    gc.disable()
+    try:
+        del session
+        assert network() is None
+    finally:
+        gc.enable()
+
+
+def seed_config(**overrides) -> dict:
+    return {**CONFIG, "checkpoint_every": 2, "prefix": "p", **overrides}
+
+
+class CountingSource(VectorSource):
+    """Counts the stream batches it yields; ``kill_after`` raises instead of yielding more."""
+
+    def __init__(self, *args, kill_after: int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.kill_after, self.yielded = kill_after, 0
+
+    def train_batches(self, batches):
+        for batch in super().train_batches(batches):
+            if self.kill_after is not None and self.yielded == self.kill_after:
+                raise KeyboardInterrupt("killed")
+            self.yielded += 1
+            yield batch
+
+
+def run_seeds(folder, seeds, config=None, kill=None) -> dict[int, dict]:
+    """What PILOT's trainer does with ``OnlineLearner`` for each seed of a config, in one
+    process: the learner's choice between a :class:`CompletedRun` and a (resuming) session,
+    then train/evaluate every task. ``kill``: (seed, batch) at which that seed is killed.
+    Returns, per seed, the batches trained, the reports PILOT received and the results."""
+    from pilot_online.core.results import results_path
+    from pilot_online.engine.checkpoint import CompletedRun, checkpoint_path_for, completed_results
+
+    out = {}
+    for seed in seeds:
+        cfg = seed_config(seed=seed, **(config or {}))
+        stream = three_task_stream()
+        path = results_path(folder, cfg["prefix"], seed, "tiny")
+        completed = completed_results(path, cfg)
+        base = label_source(stream.labels)
+        source = CountingSource(
+            base.train_x,
+            np.asarray(base.train_y),
+            base.test_x,
+            np.asarray(base.test_y),
+            eval_batch_size=3,
+            kill_after=kill[1] if kill and kill[0] == seed else None,
+        )
+        if completed is not None:
+            session = CompletedRun(path, completed)
+        else:
+            torch.manual_seed(seed)
+            adapter = LookupAdapter()
+            loop = OnlineLoop(adapter, small_net(), cfg, C)
+            session = OnlineSession(
+                loop,
+                stream,
+                source,
+                cfg,
+                unique_results_path(path),
+                progress=False,
+                checkpoint_path=checkpoint_path_for(path),
+            )
+        reports = []
+        for task in range(stream.num_tasks):
+            session.train_task(task)
+            reports.append(session.complete_task(task))
+        results = session.finish()
+        out[seed] = {"batches": source.yielded, "reports": reports, "results": results}
+    return out
+
+
+def test_rerunning_a_config_skips_finished_seeds_and_resumes_the_interrupted_one(tmp_path):
+    with pytest.raises(KeyboardInterrupt):  # seed 1 killed before its 6th stream batch
+        run_seeds(tmp_path, [0, 1], kill=(1, 5))
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == [
+        "p_0_tiny.results.gradtrace.npy",
+        "p_0_tiny.results.json",
+        "p_1_tiny.ckpt.pt",
+    ]
+    straight = run_seeds(tmp_path / "straight", [0, 1])
+    rerun = run_seeds(tmp_path, [0, 1])
+    # Seed 0 trains nothing. Seed 1 (batches per task 2, 3, 3) was killed before its 6th
+    # batch, after task 1's end-of-task checkpoint: it trains task 2's 3 batches only.
+    assert [rerun[s]["batches"] for s in (0, 1)] == [0, 3]
+    # No timestamped copies: the same files, seed 1's results in place of its checkpoint.
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == [
+        f"p_{s}_tiny.results.{ext}" for s in (0, 1) for ext in ("gradtrace.npy", "json")
+    ]
+    for seed in (0, 1):
+        # PILOT's trainer received each task's evaluation, as in an uninterrupted run.
+        assert rerun[seed]["reports"] == straight[seed]["reports"]
+        assert rerun[seed]["results"]["metrics"] == straight[seed]["results"]["metrics"]
+    assert rerun[0]["reports"][2]["grouped"]["task-02"] == 100.0  # the perfect lookup model
+
+
+def test_a_seed_is_trained_again_when_its_results_are_of_another_config(tmp_path, caplog):
+    run_seeds(tmp_path, [0])
+    rerun = run_seeds(tmp_path, [0], config={"init_lr": 0.02})
+    assert rerun[0]["batches"] == 8
+    assert "init_lr: 0.01 in the results, 0.02 now" in caplog.text
+    # The first run's file stays; the new run's results go beside it, timestamped.
+    assert json.loads((tmp_path / "p_0_tiny.results.json").read_text())["config"]["init_lr"] == 0.01
+    timestamped = list(tmp_path.glob("p_0_tiny.*.results.json"))
+    assert len(timestamped) == 1 and load_results(timestamped[0])["config"]["init_lr"] == 0.02
+
+
+def test_completed_results_refuses_partial_other_version_and_reportless_files(tmp_path):
+    from pilot_online.engine.checkpoint import completed_results
+
+    run_seeds(tmp_path, [0])
+    path = tmp_path / "p_0_tiny.results.json"
+    config = seed_config(seed=0)
+    stored = json.loads(path.read_text())
+    assert (
+        completed_results(path, config)["extra"]["task_reports"] == stored["extra"]["task_reports"]
+    )
+    # Keys that cannot change a result (e.g. num_workers) do not block the skip.
+    assert completed_results(path, {**config, "num_workers": 7}) is not None
+    for change in (
+        {"status": "failed"},
+        {"pilot_online_version": "0.0.0"},
+        {"extra": {k: v for k, v in stored["extra"].items() if k != "task_reports"}},
+    ):
+        path.write_text(json.dumps({**stored, **change}))
+        assert completed_results(path, config) is None, change
+    path.write_text("{not json")
+    assert completed_results(path, config) is None
+    assert completed_results(tmp_path / "absent.results.json", config) is None
+
+
+def test_the_results_keep_every_tasks_report(device) -> None:
+    session = make_session(three_task_stream(), device=device)
+    reports = [session.complete_task(t) for t in range(3) if session.train_task(t) is None]
+    assert session.results()["extra"]["task_reports"] == reports
+    assert [r["top1"] for r in reports] == [100.0, 100.0, 100.0]

@@ -10,8 +10,10 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from pilot_online.core.streams import (
+    SI_BLURRY_STREAM_VERSION,
     STREAMS,
     Batch,
     Stream,
@@ -331,10 +333,98 @@ def test_si_blurry_pure_pools():
     assert unblurred.info["quotas"] == [0] * 5
 
 
+# ----------------------------------------------------------------------------- upstream draws
+#
+# Upstream's OnlineSampler (varing_NM branch) draws from torch.Generator().manual_seed(seed), in
+# this order: randperm(C) of the classes; randint(0, D, (T-1,)) cuts of the disjoint pool (if
+# D > 0); randint(0, B, (T-1,)) of the blurry pool (if B > 0); randint(0, K, (T-1,)) blur
+# quotas and randperm(len(pool)) of the blur pool (if K > 0); randperm(len(task)) per task.
+# The draws are pinned literally below, and each expected task list is worked out by hand from
+# them. Labels: class c at dataset indices c, c + 4, c + 8 (12 samples, 4 classes, T = 2).
+
+TILED = np.tile(np.arange(4), 3)
+
+
+def draws(seed: int, calls: list[tuple]) -> list[list[int]]:
+    """The generator's draws for ``calls``: ("perm", n) or ("int", high)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for kind, n in calls:
+        if kind == "perm":
+            out.append(torch.randperm(n, generator=generator).tolist())
+        else:
+            out.append(torch.randint(0, n, (1,), generator=generator).tolist())
+    return out
+
+
+def test_si_blurry_upstream_draws_hand_worked_m50():
+    # D = 4*50//100 = 2, B = 2; blurry samples 6, K = 6*50//100 = 3
+    calls = [("perm", 4), ("int", 2), ("int", 2), ("int", 3), ("perm", 3), ("perm", 6), ("perm", 6)]
+    assert draws(4, calls) == [
+        [2, 1, 3, 0],  # shuffled classes: disjoint pool [2, 1], blurry pool [3, 0]
+        [1],  # disjoint cut: task 0 owns class 2, task 1 class 1
+        [1],  # blurry cut: task 0 owns class 3, task 1 class 0
+        [2],  # quota cut: k = [2, 1]
+        [2, 1, 0],  # blur-pool shuffle
+        [0, 2, 4, 5, 3, 1],  # task 0's permutation
+        [1, 0, 5, 2, 3, 4],  # task 1's permutation
+    ]
+    stream = si_blurry_stream(TILED, num_tasks=2, n=50, m=50, seed=4)
+    # blurry lists: task 0 class 3 -> [3, 7, 11]; task 1 class 0 -> [0, 4, 8]
+    # task 0 gives [3, 7] (keeps [11]), task 1 gives [0] (keeps [4, 8]); pool [3, 7, 0]
+    # shuffled by [2, 1, 0] -> [0, 7, 3]; task 0 receives [0, 7], task 1 [3]
+    # task 0: [2, 6, 10] + [11] + [0, 7] = [2, 6, 10, 11, 0, 7], by [0, 2, 4, 5, 3, 1]
+    # task 1: [1, 5, 9] + [4, 8] + [3] = [1, 5, 9, 4, 8, 3], by [1, 0, 5, 2, 3, 4]
+    assert [t.tolist() for t in stream.tasks] == [[2, 10, 0, 7, 11, 6], [5, 1, 3, 9, 4, 8]]
+    assert stream.info["quotas"] == [2, 1] and stream.info["blur_quota"] == 3
+    assert stream.blurred_indices.tolist() == [0, 3, 7]
+    assert [s.disjoint_classes for s in stream.summary()] == [[2], [1]]
+    assert [s.blurry_classes for s in stream.summary()] == [[3], [0]]
+    assert stream.info["stream_version"] == SI_BLURRY_STREAM_VERSION == 2
+
+
+def test_si_blurry_upstream_draws_hand_worked_short_pool():
+    # m = 100: K = 6; a quota above a task's blurry list leaves the pool short for later tasks
+    calls = [("perm", 4), ("int", 2), ("int", 2), ("int", 6), ("perm", 4), ("perm", 7), ("perm", 5)]
+    assert draws(53, calls) == [
+        [1, 3, 0, 2],  # disjoint pool [1, 3], blurry pool [0, 2]
+        [1],  # task 0 owns disjoint class 1, task 1 class 3
+        [1],  # task 0 owns blurry class 0, task 1 class 2
+        [5],  # quotas k = [5, 1]
+        [2, 1, 3, 0],  # blur-pool shuffle
+        [5, 3, 1, 0, 4, 6, 2],
+        [4, 2, 3, 1, 0],
+    ]
+    stream = si_blurry_stream(TILED, num_tasks=2, n=50, m=100, seed=53)
+    # task 0 gives all of [0, 4, 8] (3 < 5); task 1 gives [2], keeps [6, 10]; pool [0, 4, 8, 2]
+    # shuffled -> [8, 4, 2, 0]; task 0 wants 5 and takes all 4, task 1 wants 1 and gets none
+    # task 0: [1, 5, 9] + [] + [8, 4, 2, 0] by [5, 3, 1, 0, 4, 6, 2] -> [2, 8, 5, 1, 4, 0, 9]
+    # task 1: [3, 7, 11] + [6, 10] + [] by [4, 2, 3, 1, 0] -> [10, 11, 6, 7, 3]
+    assert [t.tolist() for t in stream.tasks] == [[2, 8, 5, 1, 4, 0, 9], [10, 11, 6, 7, 3]]
+    assert [s.blurred_out for s in stream.summary()] == [3, 1]
+    assert [s.blurred_in for s in stream.summary()] == [4, 0]
+
+
+@pytest.mark.parametrize(
+    ("per_class", "expected"),
+    [
+        # issue 16's figure for upstream's OnlineSampler, seed 0, T = 5, N = 50, M = 10 (its sizes
+        # sum to 5,000: 100 classes x 50 samples; task sizes do not depend on the dataset order)
+        (50, [321, 450, 650, 2650, 929]),
+        # the same, CIFAR-100's 500 per class: upstream's OnlineSampler run on these labels
+        (500, [3071, 4500, 6500, 26321, 9608]),
+    ],
+)
+def test_si_blurry_task_sizes_match_upstream(per_class, expected):
+    labels = shuffled_labels(100, per_class)
+    stream = si_blurry_stream(labels, num_tasks=5, n=50, m=10, seed=0)
+    assert [t.size for t in stream.tasks] == expected
+
+
 def test_blur_pool_refill_hand_worked():
     lists = [np.arange(0, 5), np.zeros(0, dtype=np.int64), np.arange(10, 15)]
     bounds = np.array([0, 2, 5, 6])  # quotas k = [2, 3, 1], K = 6
-    kept, received, pool = _blur(lists, bounds, np.random.default_rng(0), "dataset_order")
+    kept, received, pool = _blur(lists, bounds, torch.Generator().manual_seed(0), "dataset_order")
     # out: task 0 gives its first 2 -> {0, 1}; task 1 has none; task 2 gives its first 1 -> {10}
     assert np.array_equal(kept[0], [2, 3, 4])
     assert kept[1].size == 0
@@ -484,3 +574,49 @@ def test_label_validation():
     stream = clear_stream(labels, init_cls=2, increment=2)
     with pytest.raises(ValueError, match="task"):
         list(stream.batches(2))
+
+
+# ----------------------------------------------------------------------------- results versions
+
+
+def _results(schema_version: int, kind: str) -> dict:
+    from pilot_online.core.results import build_results
+
+    built = build_results(
+        config={"stream": kind},
+        stream={"kind": kind, "tasks": []},
+        metrics={"accuracy_matrix": [[1.0]], "A_k": [1.0], "AP": 1.0, "A_T": 1.0},
+        timing={
+            "train_seconds": 1.0,
+            "eval_seconds": 1.0,
+            "samples_per_second": 1.0,
+            "peak_memory_bytes": None,
+        },
+        counters={
+            "optimizer_steps": 1,
+            "samples_seen": 1,
+            "skipped_nonfinite_steps": 0,
+            "skipped_nonfinite_hypergradients": 0,
+        },
+    )
+    return {**built, "schema_version": schema_version}
+
+
+def test_schema_1_si_blurry_results_are_marked_old_stream(tmp_path, caplog):
+    from pilot_online.core.results import SCHEMA_VERSION, load_results, old_si_blurry_stream
+
+    assert SCHEMA_VERSION == 2  # bumped with the upstream-identical si_blurry draws
+    assert old_si_blurry_stream(_results(1, "si_blurry"))
+    assert not old_si_blurry_stream(_results(2, "si_blurry"))
+    assert not old_si_blurry_stream(_results(1, "clear"))  # the clear stream did not change
+    old = tmp_path / "old.results.json"
+    old.write_text(json.dumps(_results(1, "si_blurry")))
+    with caplog.at_level("WARNING"):
+        assert load_results(old)["schema_version"] == 1  # still read
+    assert "old stream" in caplog.text
+    current = tmp_path / "new.results.json"
+    current.write_text(json.dumps(_results(2, "si_blurry")))
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        load_results(current)
+    assert "old stream" not in caplog.text

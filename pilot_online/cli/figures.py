@@ -12,8 +12,10 @@ figure (``--which``)      what it shows                                paper
 ``imbalance``             G^k_n per task k (bars)                      Fig. 1
 ``trace``                 G^k over optimizer steps, one panel per      Fig. 2 (task 2), appendix
                           task, and task 2 alone                       grid (every task)
-``gamma``                 AP against the FGH gamma, one curve per      Fig. 3
-                          method/variant/stream (a ``fgh.gamma`` sweep)
+``gamma``                 AP against the FGH gamma, one panel per FGH  Fig. 3
+                          form and one curve per method/variant/stream
+                          (a ``fgh.gamma`` sweep); below, the fraction
+                          of coefficients at the clamp's upper bound
 ``accuracy``              accuracy on the seen classes against         the A_auc curve
                           stream samples (periodic evaluations)        (Si-Blurry)
 ``heatmap``               accuracy matrix: after task l (rows), on     appendix tables
@@ -38,7 +40,8 @@ import numpy as np
 from ..core.fgh import validate_options
 from ..core.metrics import task_gradient_trace
 from ..core.results import find_results, load_results
-from .report import method_label, variant_label
+from ..engine.config import FGH_FORMS, PAPER_FGH
+from .report import FORM_KEYS, fgh_label, method_label, variant_label
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +85,7 @@ class FigureData:
     panels: dict[str, list[Series]]
     markers: list[float] = field(default_factory=list)
     paths: list[Path] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
 
     def series(self, panel: str | None = None) -> dict[str, Series]:
         """The curves of one panel (the only one by default), by label."""
@@ -258,11 +262,61 @@ def gradient_trace_data(
     return FigureData("trace", panels, markers)
 
 
+#: Fig. 3 panel titles of the named FGH forms (``engine.config.FGH_FORMS``).
+FORM_TITLES = {
+    "appendix": "appendix algorithm: class-wise FC, Adam directions",
+    "eq8": "Eq. 8: element-wise, raw gradients",
+}
+#: Fig. 3's lower panels (alpha against the clamp) are keyed by this prefix + the form's title.
+CLAMP_PANEL = "at the clamp: "
+
+
+def fgh_form_title(fgh: dict[str, Any]) -> str:
+    """The Fig. 3 panel of an FGH setting (gamma aside): its named form, the paper's marked, else
+    the options that differ from the paper's form."""
+    resolved = validate_options(**fgh)
+    paper = validate_options(**PAPER_FGH)
+    for name, form in FGH_FORMS.items():
+        options = validate_options(**form)
+        if all(resolved[k] == options[k] for k in FORM_KEYS):
+            ours = all(options[k] == paper[k] for k in FORM_KEYS)
+            return FORM_TITLES.get(name, name) + (" (paper configs)" if ours else "")
+    return fgh_label({**fgh, "gamma": paper["gamma"]})
+
+
+def _at_upper_bound(results: dict[str, Any]) -> float | None:
+    """Fraction of FGH coefficients at the clamp's upper bound, averaged over the stream's steps
+    (``extra.diagnostics.fgh.alpha_bounds``, all groups weighted by size); None if not recorded."""
+    groups = results.get("extra", {}).get("diagnostics", {}).get("fgh", {}).get("alpha_bounds")
+    if not groups:
+        return None
+    count = sum(g["coefficients"] for g in groups)
+    values = [g["stream"].get("at_hi") for g in groups]
+    if not count or any(v is None for v in values):
+        return None
+    return sum(v * g["coefficients"] for v, g in zip(values, groups)) / count
+
+
+def _sweep_series(label: str, points: dict[float, list[float]]) -> Series:
+    """Mean (± std over seeds, where some gamma has several) of each gamma's values."""
+    gammas = sorted(points)
+    stats = [_mean_std(np.array(points[g])[:, None]) for g in gammas]
+    several = any(len(points[g]) > 1 for g in gammas)
+    mean = np.array([m[0] for m, _ in stats])
+    std = np.array([0.0 if sd is None else sd[0] for _, sd in stats]) if several else None
+    return Series(label, np.array(gammas), mean, std, max(len(points[g]) for g in gammas))
+
+
 def gamma_sensitivity_data(runs: Sequence[dict[str, Any]], metric: str = "AP") -> FigureData:
-    """Fig. 3: ``metric`` (mean ± std over seeds) against the FGH gamma, one curve per method,
-    variant (other FGH options included), dataset, stream and LR. The same configuration without
-    FGH (gamma = 0 disables it, Sec. 5.2), when present, is a series at x = 0."""
+    """Fig. 3: ``metric`` (mean ± std over seeds) against the FGH gamma. One panel per FGH form
+    (the appendix algorithm the paper configs run, the main text's Eq. 8, or other options), one
+    curve per method, variant, dataset, stream and LR. The same configuration without FGH
+    (gamma = 0 disables it, Sec. 5.2), when present, is a series at x = 0 in each panel. Where the
+    runs recorded alpha against the clamp, a panel ``CLAMP_PANEL + title`` holds the fraction of
+    coefficients at the upper bound (stream mean) against gamma."""
     sweeps: dict[tuple, dict[float, list[float]]] = {}
+    at_hi: dict[tuple, dict[float, list[float]]] = {}
+    title_of: dict[tuple, str] = {}
     baseline_of: dict[tuple, tuple] = {}  # sweep -> the same configuration without FGH
     baselines: dict[tuple, list[float]] = {}
     for results in runs:
@@ -276,7 +330,11 @@ def gamma_sensitivity_data(runs: Sequence[dict[str, Any]], metric: str = "AP") -
         gamma = float(validate_options(**fgh)["gamma"])
         fgh.pop("gamma", None)
         key = _key(_fields(results, {**config, "fgh": fgh}))
+        title_of[key] = fgh_form_title(fgh)
         sweeps.setdefault(key, {}).setdefault(gamma, []).append(value)
+        bound = _at_upper_bound(results)
+        if bound is not None:
+            at_hi.setdefault(key, {}).setdefault(gamma, []).append(bound)
         baseline_of[key] = _key(_fields(results, {**config, "fgh": None}))
     sweeps = {key: points for key, points in sweeps.items() if len(points) > 1}
     if not sweeps:
@@ -284,20 +342,32 @@ def gamma_sensitivity_data(runs: Sequence[dict[str, Any]], metric: str = "AP") -
             "gamma sensitivity needs FGH runs of one configuration at two or more values of "
             "fgh.gamma (e.g. pilot-online sweep --grid fgh.gamma=1e-4,1e-2,1)"
         )
-    series = []
+    paper_title = fgh_form_title(PAPER_FGH)
+    titles = sorted({title_of[key] for key in sweeps}, key=lambda t: (t != paper_title, t))
+    panels: dict[str, list[Series]] = {title: [] for title in titles}
+    clamp_panels: dict[str, list[Series]] = {}
     for key, label in _labels(sorted(sweeps, key=lambda k: tuple(map(str, k)))).items():
-        gammas = sorted(sweeps[key])
-        points = [_mean_std(np.array(sweeps[key][g])[:, None]) for g in gammas]
-        several = any(len(sweeps[key][g]) > 1 for g in gammas)
-        mean = np.array([m[0] for m, _ in points])
-        std = np.array([0.0 if sd is None else sd[0] for _, sd in points]) if several else None
-        count = max(len(sweeps[key][g]) for g in gammas)
-        series.append(Series(label, np.array(gammas), mean, std, count))
+        title = title_of[key]
+        panels[title].append(_sweep_series(label, sweeps[key]))
         if baseline_of[key] in baselines:
             base = np.array(baselines[baseline_of[key]])
             mean_b, std_b = _mean_std(base[:, None])
-            series.append(Series(f"{label} (γ=0: no FGH)", np.zeros(1), mean_b, std_b, len(base)))
-    return FigureData("gamma", {metric: series})
+            panels[title].append(
+                Series(f"{label} (γ=0: no FGH)", np.zeros(1), mean_b, std_b, len(base))
+            )
+        if key in at_hi and len(at_hi[key]) > 1:
+            clamp_panels.setdefault(CLAMP_PANEL + title, []).append(
+                _sweep_series(label, at_hi[key])
+            )
+    ordered = {
+        **panels,
+        **{
+            CLAMP_PANEL + t: clamp_panels[CLAMP_PANEL + t]
+            for t in titles
+            if CLAMP_PANEL + t in clamp_panels
+        },
+    }
+    return FigureData("gamma", ordered, meta={"metric": metric})
 
 
 def accuracy_curve_data(runs: Sequence[dict[str, Any]]) -> FigureData:
@@ -426,19 +496,41 @@ def _draw_trace(data: FigureData, stem: Path) -> list[Path]:
 
 
 def _draw_gamma(data: FigureData, stem: Path) -> list[Path]:
+    """One column per FGH form: the metric against gamma on top, and below it (when recorded) the
+    fraction of coefficients at the clamp's upper bound."""
     plt = _pyplot()
-    ((metric, series),) = data.panels.items()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for s in series:
-        if s.x[0] == 0:  # gamma = 0 cannot sit on a log axis: a dashed level
-            ax.axhline(s.y[0], ls="--", lw=1, label=s.label, color="grey")
-            continue
-        ax.errorbar(s.x, s.y, yerr=s.std, marker="o", capsize=3, label=s.label)
-    ax.set_xscale("log")
-    ax.set_xlabel("FGH γ")
-    ax.set_ylabel(f"{metric} (%)")
-    ax.set_title(f"Sensitivity to γ ({metric})")
-    ax.legend(fontsize="small")
+    metric = data.meta.get("metric", "AP")
+    tops = [t for t in data.panels if not t.startswith(CLAMP_PANEL)]
+    has_clamp = any(CLAMP_PANEL + t in data.panels for t in tops)
+    rows = 2 if has_clamp else 1
+    fig, axes = plt.subplots(
+        rows,
+        len(tops),
+        figsize=(6 * len(tops), 4 + 2.5 * (rows - 1)),
+        squeeze=False,
+        sharex="col",
+        sharey="row",  # the forms side by side on one scale
+    )
+    for column, title in enumerate(tops):
+        ax = axes[0][column]
+        for s in data.panels[title]:
+            if s.x[0] == 0:  # gamma = 0 cannot sit on a log axis: a dashed level
+                ax.axhline(s.y[0], ls="--", lw=1, label=s.label, color="grey")
+                continue
+            ax.errorbar(s.x, s.y, yerr=s.std, marker="o", capsize=3, label=s.label)
+        ax.set_xscale("log")
+        ax.set_ylabel(f"{metric} (%)")
+        ax.set_title(title, fontsize="medium")
+        ax.legend(fontsize="x-small")
+        if rows == 2:
+            below = axes[1][column]
+            for s in data.panels.get(CLAMP_PANEL + title, []):
+                below.errorbar(s.x, s.y, yerr=s.std, marker="s", capsize=3, label=s.label)
+            below.set_ylim(-0.02, 1.02)
+            below.set_xscale("log")
+            below.set_ylabel("α at clamp's upper bound\n(fraction, stream mean)")
+        axes[rows - 1][column].set_xlabel("FGH γ")
+    fig.suptitle(f"Sensitivity to γ ({metric}), by FGH form")
     return _save(fig, stem)
 
 

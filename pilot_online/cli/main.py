@@ -1,5 +1,5 @@
-"""The ``pilot-online`` command: setup | run | sweep | best | tables | check-config | report |
-figures | demo."""
+"""The ``pilot-online`` command: setup | run | sweep | best | tables | reproduce | doctor |
+check-config | report | figures | demo."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from pathlib import Path
 
 from ..engine.config import ConfigError, key_reference, load_json, resolve_config
 from ..pilot import patching
+from .doctor import add_doctor_arguments, run_doctor
 from .protocol import add_best_arguments, run_best
+from .reproduce import add_reproduce_arguments, run_reproduce
 from .sweep import add_sweep_arguments, run_sweep
 from .tables import add_tables_arguments, run_tables
 
@@ -120,6 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
     tables = sub.add_parser("tables", help="the paper's tables (Markdown, LaTeX) from results")
     add_tables_arguments(tables)
     tables.set_defaults(func=run_tables)
+
+    reproduce = sub.add_parser(
+        "reproduce", help="run cells of the paper's tables (or a whole table), then --vs-paper"
+    )
+    add_reproduce_arguments(reproduce)
+    reproduce.set_defaults(func=run_reproduce)
+
+    doctor = sub.add_parser(
+        "doctor", help="before a real run: can this machine run it (GPU, weights, data, memory)"
+    )
+    add_doctor_arguments(doctor)
+    doctor.set_defaults(func=run_doctor)
 
     check = sub.add_parser("check-config", help="validate configs without PILOT")
     check.add_argument("configs", nargs="*", type=Path)

@@ -9,11 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from ..core.fgh import DEFAULT_GAMMA, FineGrainedHypergradients, validate_options
+from ..core.fgh import validate_options
 from ..core.results import find_results, load_results
+from ..engine.config import FGH_FORMS, PAPER_FGH
 
-#: FGH's option defaults: a label names only the options a run changed.
-FGH_DEFAULTS: dict[str, Any] = FineGrainedHypergradients.__init__.__kwdefaults__  # gamma: None
+#: The options that make an FGH form (gamma aside): a label names the form, or what differs.
+FORM_KEYS = ("granularity", "direction", "apply", "clamp")
 
 METRIC_COLUMNS = ("AP", "A_T", "forgetting", "A_auc")
 
@@ -63,17 +64,32 @@ def variant_label(config: dict[str, Any]) -> str:
         parts.append("P")
     fgh = config.get("fgh")
     if fgh is not None:  # {} is FGH with its defaults (build_loop enables it), not "base"
-        options = [
-            f"{k}={v}"
-            for k, v in sorted(fgh.items())
-            if k in ("granularity", "direction", "apply") and v != FGH_DEFAULTS[k]
-        ]
-        parts.append("FGH" + (f"({', '.join(options)})" if options else ""))
-        resolved = validate_options(**fgh)  # gamma: the direction's default when left out
-        gamma = resolved["gamma"]
-        if gamma != DEFAULT_GAMMA[resolved["direction"]]:
-            parts[-1] += f" γ={gamma:g}"
+        parts.append(fgh_label(fgh))
     return "base" if not parts else "+ " + " + ".join(parts)
+
+
+def fgh_label(fgh: dict[str, Any]) -> str:
+    """``FGH`` for the paper's form (``engine.config.PAPER_FGH``), ``FGH(eq8)`` for another
+    named form (``FGH_FORMS``), else ``FGH(k=v, ...)`` with the options that differ from the
+    paper's; `` γ=...`` when gamma differs from the form's."""
+    resolved = validate_options(**fgh)  # gamma: the direction's default when left out
+    paper = validate_options(**PAPER_FGH)
+    forms = {name: validate_options(**form) for name, form in FGH_FORMS.items()}
+    name = next((n for n, f in forms.items() if all(resolved[k] == f[k] for k in FORM_KEYS)), None)
+    if name is not None:
+        reference = forms[name]
+        text = "FGH" if all(reference[k] == paper[k] for k in FORM_KEYS) else f"FGH({name})"
+    else:
+        reference = paper
+        options = [
+            f"{k}={list(resolved[k]) if k == 'clamp' else resolved[k]}"
+            for k in FORM_KEYS
+            if resolved[k] != paper[k]
+        ]
+        text = f"FGH({', '.join(options)})"
+    if resolved["gamma"] != reference["gamma"]:
+        text += f" γ={resolved['gamma']:g}"
+    return text
 
 
 def collect(paths: Iterable[Path]) -> list[dict[str, Any]]:

@@ -14,17 +14,25 @@ Best HP column; any other run fills the column of its ``init_lr`` if that is one
 LRs (others are left out and counted in a note). The fixed-LR columns take FGH runs only at the
 paper's FGH setting (gamma 1, element-wise, raw gradients): the others are left out, counted.
 
-Cells are mean ± std (population std, ddof 0) over seeds. A cell with no run is "—"; a cell with
-fewer seeds than the table's most common count gets a dagger and its count; the best mean of a
-column is bold (per method block in the ablation table, as in the paper; the smallest in the time
-table). The build functions return ``Table`` objects holding numbers (tests compare those), and
-``to_markdown`` / ``to_latex`` render them.
+Cells are mean ± std (population std, ddof 0) over seeds. A seed run more than once (the same
+seed and hyperparameters) counts once, by its newest complete run; the notes count the runs set
+aside. A cell whose runs have different hyperparameters (a Best HP cell fed by two choices) shows
+no mean: it is flagged (‡) and the notes give each setting's own mean. A cell with no run is "—";
+a cell with fewer seeds than the table's most common count gets a dagger and its count; the best
+mean of a column is bold (per method block in the ablation table, as in the paper; the smallest
+in the time table). The build functions return ``Table`` objects holding numbers (tests compare
+those), and ``to_markdown`` / ``to_latex`` render them.
+
+``--vs-paper`` sets each cell of Tables 1-2 and the Si-Blurry ablation beside the paper's own
+(``engine/paper.py``: mean ± std and seeds), with the difference and a verdict: within the
+paper's std, within twice it, or differs (:func:`compare_with_paper`).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -35,6 +43,13 @@ from ..core.fgh import validate_options
 from ..core.files import write_atomic
 from ..core.results import find_results, load_results
 from ..engine.config import PAPER_FGH, variant_of
+from ..engine.paper import (
+    PaperCell,
+    best_hp_discrepancies,
+    find_paper_cell,
+    paper_datasets,
+    same_column,
+)
 from ..engine.protocol import FIXED_LRS, HP_COLUMNS, method_short_name
 from .report import method_label
 
@@ -58,6 +73,7 @@ ROW_LABELS = {"base": "", "p": "+ P", "fgh_only": "+ FGH", "ours": "+ ours"}
 ABLATION_LABELS = {"base": "", "p": "+ P", "fgh_only": "+ FGH", "ours": "+ P + FGH"}
 BEST = "best"
 MISSING = "—"
+MIXED = "‡"
 ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth",
             "tenth")  # fmt: skip
 
@@ -69,10 +85,19 @@ class Cell:
     values: list[float] = field(default_factory=list)
     bold: bool = False
     fewer_seeds: bool = False
+    #: Runs left out because a newer complete run of the same seed and hyperparameters exists.
+    set_aside: int = 0
+    #: Hyperparameter setting -> its values, when the runs have more than one setting.
+    settings: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def n(self) -> int:
         return len(self.values)
+
+    @property
+    def mixed(self) -> bool:
+        """Runs of different hyperparameters: no single mean stands for the cell."""
+        return len(self.settings) > 1
 
     @property
     def mean(self) -> float | None:
@@ -92,6 +117,7 @@ class Row:
     label: str  # "" for the method's own row, else "+ ours", "+ P", ...
     cells: list[Cell]
     depth: int = 0  # indentation: 1 for "+ ..." rows, 2 for the ablation's + P + FGH
+    kind: str = "base"  # base | p | fgh_only | ours: the row's key in the paper data
 
 
 @dataclass
@@ -103,6 +129,8 @@ class Table:
     blocks: list[list[Row]]  # row blocks, separated by rules
     kind: str = "percent"  # percent | time
     notes: list[str] = field(default_factory=list)
+    stream: str = ""
+    keys: list[tuple[str, float | str]] = field(default_factory=list)  # (dataset, column) per cell
 
     def cell(self, method: str, label: str, column: int) -> Cell:
         for block in self.blocks:
@@ -121,10 +149,47 @@ def _row_kind(config: dict[str, Any]) -> str:
     return "ours" if variant == "fgh" else variant
 
 
+def _fgh_caption() -> str:
+    """The ablation caption's FGH: the form and gamma the paper configs run (``PAPER_FGH``)."""
+    options = validate_options(**PAPER_FGH)
+    form = (
+        "class-wise on the classifier, Adam directions (appendix algorithm)"
+        if (options["granularity"], options["direction"]) == ("class", "adam")
+        else f"{options['granularity']}-wise, {options['direction']} directions"
+    )
+    lo, hi = options["clamp"]
+    return f"{form}, $\\gamma={options['gamma']:g}$, clamp [{lo:g}, {hi:g}]"
+
+
 def _paper_fgh(config: dict[str, Any]) -> bool:
-    """No FGH, or FGH at the paper's setting (gamma 1, element-wise, raw gradients)."""
+    """No FGH, or FGH at the paper's setting (``engine.config.PAPER_FGH``, options resolved)."""
     fgh = config.get("fgh")
     return fgh is None or validate_options(**fgh) == validate_options(**PAPER_FGH)
+
+
+def _hyperparameters(config: dict[str, Any]) -> tuple:
+    """What tells two runs of one cell apart besides the seed: LR and the FGH options."""
+    lr = config.get("init_lr")
+    fgh = config.get("fgh")
+    options = None
+    if fgh is not None:
+        resolved = validate_options(**fgh)
+        options = tuple((k, resolved[k]) for k in sorted(resolved) if k != "foreach")
+    return (float(lr) if lr is not None else None, options)
+
+
+def _hyperparameter_label(hp: tuple) -> str:
+    lr, options = hp
+    text = "LR ?" if lr is None else f"LR {lr:g}"
+    if options is not None:
+        resolved, paper = dict(options), validate_options(**PAPER_FGH)
+        text += f", γ {resolved['gamma']:g}"
+        text += "".join(
+            f", {k} {resolved[k]}"
+            for k in sorted(resolved)
+            if k != "gamma" and k in paper and resolved[k] != paper[k]
+        )
+    return text
 
 
 def load_rows(paths: Iterable[Path]) -> list[dict[str, Any]]:
@@ -137,6 +202,8 @@ def load_rows(paths: Iterable[Path]) -> list[dict[str, Any]]:
         runs.append(
             {
                 "file": str(file),
+                "created": str(results.get("created_utc") or ""),
+                "hp": _hyperparameters(config),
                 "method": method_label(config.get("model_name")),
                 "method_key": method_short_name(config.get("model_name", "")),
                 "dataset": config.get("dataset"),
@@ -167,6 +234,31 @@ def column_of(run: dict[str, Any]) -> float | str | None:
 
 def _finite(value: Any) -> bool:
     return value is not None and math.isfinite(value)
+
+
+def make_cell(runs: list[dict[str, Any]], value: Any, flag_mixed: bool = True) -> Cell:
+    """A cell from its runs: one run per (seed, hyperparameters), the newest complete one
+    (``created_utc``, then the file name); ``value(run)`` gives the number (non-finite ones are
+    left out). With ``flag_mixed``, runs of more than one setting mark the cell mixed."""
+    newest: dict[tuple, dict[str, Any]] = {}
+    for run in runs:
+        key = (run["seed"], run["hp"])
+        if key not in newest or (run["created"], run["file"]) > (
+            newest[key]["created"],
+            newest[key]["file"],
+        ):
+            newest[key] = run
+    kept = [r for r in runs if newest[(r["seed"], r["hp"])] is r]
+    cell = Cell(set_aside=len(runs) - len(kept))
+    settings: dict[str, list[float]] = {}
+    for run in kept:
+        v = value(run)
+        if _finite(v):
+            cell.values.append(v)
+            settings.setdefault(_hyperparameter_label(run["hp"]), []).append(v)
+    if flag_mixed and len(settings) > 1:
+        cell.settings = settings
+    return cell
 
 
 def _methods_in_order(runs: list[dict[str, Any]]) -> list[list[str]]:
@@ -210,15 +302,47 @@ def _finish(table: Table, better: str = "max", bold_per_block: bool = False) -> 
     scopes = table.blocks if bold_per_block else [[r for b in table.blocks for r in b]]
     for scope in scopes:
         for column in range(columns):
-            means = [r.cells[column].mean for r in scope if r.cells[column].n]
+            means = [
+                r.cells[column].mean
+                for r in scope
+                if r.cells[column].n and not r.cells[column].mixed
+            ]
             if not means:
                 continue
             target = max(means) if better == "max" else min(means)
             for row in scope:
                 cell = row.cells[column]
-                cell.bold = cell.n > 0 and math.isclose(cell.mean, target, rel_tol=0, abs_tol=1e-12)
+                cell.bold = (
+                    cell.n > 0
+                    and not cell.mixed
+                    and math.isclose(cell.mean, target, rel_tol=0, abs_tol=1e-12)
+                )
     if any(c.n == 0 for c in cells):
         table.notes.append(f"{MISSING}: no results for this entry.")
+    set_aside = sum(c.set_aside for c in cells)
+    if set_aside:
+        table.notes.append(
+            f"{set_aside} run(s) set aside: a seed run more than once with the same "
+            "hyperparameters counts once, by its newest complete run."
+        )
+    headers = [f"{g} {c}".strip() for g, columns_ in table.groups for c in columns_]
+    mixed = [
+        f"{_plain_label(row)}, {headers[i]}: "
+        + "; ".join(
+            f"{setting} (n={len(v)}: {_plain_value(table, i, v)})"
+            for setting, v in cell.settings.items()
+        )
+        for block in table.blocks
+        for row in block
+        for i, cell in enumerate(row.cells)
+        if cell.mixed
+    ]
+    if mixed:
+        table.notes.append(
+            f"{MIXED}: runs of different hyperparameters, so no mean is shown; per setting: "
+            + " | ".join(mixed)
+            + "."
+        )
     if any(c.fewer_seeds for c in cells):
         table.notes.append(
             "†: fewer seeds than the other entries (count shown); "
@@ -228,6 +352,15 @@ def _finish(table: Table, better: str = "max", bold_per_block: bool = False) -> 
         runs = "runs" if table.kind == "time" else "seeds"
         table.notes.insert(0, f"Mean ± std over {modal} {runs} (population std).")
     return table
+
+
+def _plain_label(row: Row) -> str:
+    return row.method if not row.label else f"{row.method} {row.label}"
+
+
+def _plain_value(table: Table, column: int, values: list[float]) -> str:
+    mean, std = _values(table, column, Cell(list(values)))
+    return f"{mean} ± {std}"
 
 
 def main_table(runs: list[dict[str, Any]], stream: str, metric: str = "AP") -> Table:
@@ -247,18 +380,15 @@ def main_table(runs: list[dict[str, Any]], stream: str, metric: str = "AP") -> T
                 if row == "ours" and not mine:
                     continue  # the paper has no + ours row for this method
                 cells = [
-                    Cell(
-                        [
-                            v
-                            for r in mine
-                            if r["dataset"] == d and column_of(r) == c
-                            for v in [_metric(r, metric)]
-                            if _finite(v)
-                        ]
+                    make_cell(
+                        [r for r in mine if r["dataset"] == d and column_of(r) == c],
+                        lambda r: _metric(r, metric),
                     )
                     for d, c in columns
                 ]
-                block.append(Row(method, ROW_LABELS[row], cells, depth=int(row != "base")))
+                block.append(
+                    Row(method, ROW_LABELS[row], cells, depth=int(row != "base"), kind=row)
+                )
         blocks.append(block)
     name, caption, label = _main_names(stream, metric)
     table = Table(
@@ -269,6 +399,8 @@ def main_table(runs: list[dict[str, Any]], stream: str, metric: str = "AP") -> T
             (_dataset_header(d), [_lr_header(c) for c in (*FIXED_LRS, BEST)]) for d in datasets
         ],
         blocks=blocks,
+        stream=stream,
+        keys=columns,
     )
     if ignored:
         table.notes.append(
@@ -336,27 +468,26 @@ def ablation_table(runs: list[dict[str, Any]], stream: str) -> Table:
             for row in ("base", "p", "fgh_only", "ours"):
                 mine = [r for r in selected if r["method"] == method and r["row"] == row]
                 cells = [
-                    Cell(
-                        [
-                            r["AP"]
-                            for r in mine
-                            if r["dataset"] == d and column_of(r) == lr and _finite(r["AP"])
-                        ]
+                    make_cell(
+                        [r for r in mine if r["dataset"] == d and column_of(r) == lr],
+                        lambda r: r["AP"],
                     )
                     for d, lr in columns
                 ]
                 depth = {"base": 0, "ours": 2}.get(row, 1)
-                block.append(Row(method, ABLATION_LABELS[row], cells, depth=depth))
+                block.append(Row(method, ABLATION_LABELS[row], cells, depth=depth, kind=row))
             blocks.append(block)
     short = STREAM_NAMES.get(stream, stream)
     table = Table(
         name=f"ablation_{short}",
         caption="Average Performances (\\%) of all considered baselines with and without "
-        f"prototypes as memory and FGH, in the {STREAM_TITLES.get(stream, stream)} setting, "
-        "$\\gamma=1$.",
+        f"prototypes as memory and FGH, in the {STREAM_TITLES.get(stream, stream)} setting; "
+        f"FGH: {_fgh_caption()}.",
         label="tab:ablation" if stream == "si_blurry" else f"tab:ablation_{short}",
         groups=[(_dataset_header(d), [_lr_header(lr) for lr in FIXED_LRS]) for d in datasets],
         blocks=blocks,
+        stream=stream,
+        keys=columns,
     )
     return _finish(table, bold_per_block=True)
 
@@ -377,9 +508,19 @@ def time_table(runs: list[dict[str, Any]], dataset: str, stream: str) -> Table:
                 mine = [r for r in selected if r["method"] == method and r["row"] == row]
                 if not mine and row != "base":
                     continue
-                memory = [r["peak_memory_bytes"] / 2**20 for r in mine if r["peak_memory_bytes"]]
-                cells = [Cell([r["seconds"] for r in mine]), Cell(memory)]
-                block.append(Row(method, ROW_LABELS[row], cells, depth=int(row != "base")))
+                cells = [  # every LR on purpose: not flagged as mixed
+                    make_cell(mine, lambda r: r["seconds"], flag_mixed=False),
+                    make_cell(
+                        mine,
+                        lambda r: (
+                            r["peak_memory_bytes"] / 2**20 if r["peak_memory_bytes"] else None
+                        ),
+                        flag_mixed=False,
+                    ),
+                ]
+                block.append(
+                    Row(method, ROW_LABELS[row], cells, depth=int(row != "base"), kind=row)
+                )
         blocks.append(block)
     short = STREAM_NAMES.get(stream, stream)
     table = Table(
@@ -391,6 +532,7 @@ def time_table(runs: list[dict[str, Any]], dataset: str, stream: str) -> Table:
         groups=[("", ["Time", "Memory Footprint (MB)"])],
         blocks=blocks,
         kind="time",
+        stream=stream,
     )
     table = _finish(table, better="min")
     table.notes.append(
@@ -444,6 +586,8 @@ def _values(table: Table, column: int, cell: Cell) -> tuple[str, str | None]:
 def _md_cell(table: Table, column: int, cell: Cell) -> str:
     if not cell.n:
         return MISSING
+    if cell.mixed:
+        return f"{MIXED} mixed HP (n={cell.n})"
     mean, std = _values(table, column, cell)
     text = f"{mean} ± {std}"
     if cell.bold:
@@ -463,7 +607,8 @@ def to_markdown(table: Table) -> str:
     ]
     caption = table.caption.replace(r"\textit{", "*").replace(r"\textbf{", "**")
     caption = caption.replace("$\\mathcal{A}_T$", "A_T").replace("$\\gamma$", "γ")
-    caption = caption.replace("$\\gamma=1$", "γ = 1").replace("\\%", "%").replace("\\_", "_")
+    caption = re.sub(r"\$\\gamma=([^$]*)\$", r"γ = \1", caption)
+    caption = caption.replace("\\%", "%").replace("\\_", "_")
     caption = _close_markup(caption)
     lines = [f"**{table.name}**: {caption}", "", "| " + " | ".join(headers) + " |"]
     lines.append("| " + " | ".join(["---"] * len(headers)) + " |")
@@ -508,6 +653,8 @@ def _latex_escape(text: str) -> str:
 def _tex_cell(table: Table, column: int, cell: Cell) -> str:
     if not cell.n:
         return "---"
+    if cell.mixed:
+        return f"$\\ddagger$ mixed HP (n={cell.n})"
     mean, std = _values(table, column, cell)
     text = f"{mean}{{\\scriptsize$\\pm${std}}}"
     if cell.bold:
@@ -569,6 +716,7 @@ def to_latex(table: Table) -> str:
 
 def _tex_note(note: str) -> str:
     note = _latex_escape(note).replace("±", r"$\pm$").replace("†", r"$\dagger$")
+    note = note.replace("‡", r"$\ddagger$").replace("γ", r"$\gamma$").replace("Δ", r"$\Delta$")
     return note.replace("—", "---").replace("2^20", "$2^{20}$").replace("≥", r"$\geq$")
 
 
@@ -577,6 +725,224 @@ def _tex_header(column: str) -> str:
         mantissa, exponent = column.split("e")
         return f"${mantissa} \\times 10^{{{int(exponent)}}}$"
     return _latex_escape(column)
+
+
+# --- against the paper ----------------------------------------------------------------------
+
+#: Our table -> the paper's (package data, ``engine/paper.py``) with the same rows and columns.
+PAPER_TABLES = {
+    "all_acc_clear": "all_acc_clear",
+    "all_acc_blurry": "all_acc_blurry",
+    "ablation_blurry": "all_ablation_blurry",
+}
+WITHIN_STD, WITHIN_2STD, DIFFERS, NOT_COMPARED = (
+    "within std",
+    "within 2 std",
+    "differs",
+    "mixed HP, not compared",
+)
+VERDICTS = (WITHIN_STD, WITHIN_2STD, DIFFERS, NOT_COMPARED)
+#: The paper prints two decimals: a difference within half a unit of the last one is no
+#: difference (so a printed std of 0.0 still admits the rounding of the printed mean).
+PRINTED_ROUNDING = 0.005
+
+
+@dataclass
+class Comparison:
+    """One of our cells beside the paper's cell with the same keys."""
+
+    table: str  # our table name
+    dataset: str  # PILOT's name
+    method: str  # the paper's row name
+    label: str  # our row label ("", "+ ours", "+ P", ...)
+    column: float | str  # learning rate or "best"
+    ours: Cell
+    paper: PaperCell
+
+    @property
+    def difference(self) -> float | None:
+        return None if self.ours.mixed else self.ours.mean - self.paper.mean
+
+    @property
+    def verdict(self) -> str:
+        """Within the paper's std, within twice it, or differs (by the mean's distance)."""
+        if self.ours.mixed:
+            return NOT_COMPARED
+        distance = abs(self.difference)
+        if distance <= self.paper.std + PRINTED_ROUNDING:
+            return WITHIN_STD
+        if distance <= 2 * self.paper.std + PRINTED_ROUNDING:
+            return WITHIN_2STD
+        return DIFFERS
+
+
+@dataclass
+class PaperReport:
+    comparisons: list[Comparison]
+    unmatched: int  # our filled cells with no paper cell (other datasets, LRs, methods)
+    notes: list[str] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        found = Counter(c.verdict for c in self.comparisons)
+        return {v: found.get(v, 0) for v in VERDICTS}
+
+
+def compare_with_paper(
+    tables: Iterable[Table], only: set[tuple[str, str, str, str, float | str]] | None = None
+) -> PaperReport:
+    """Every filled cell of our AP tables whose dataset, stream, method row and column have a
+    cell in the paper. ``only``: keep just these (dataset, stream, method short name, row,
+    column) keys (``reproduce`` compares the cells it ran)."""
+    comparisons: list[Comparison] = []
+    unmatched = 0
+    short = _short_names()
+    for table in tables:
+        paper_table = PAPER_TABLES.get(table.name)
+        if paper_table is None:
+            continue
+        for block in table.blocks:
+            for row in block:
+                for (dataset, column), cell in zip(table.keys, row.cells):
+                    if not cell.n:
+                        continue
+                    key = (dataset, table.stream, short.get(row.method), row.kind, column)
+                    if only is not None and not any(_same_key(key, k) for k in only):
+                        continue
+                    paper = find_paper_cell(
+                        paper_table, dataset, table.stream, row.method, row.kind, column
+                    )
+                    if paper is None:
+                        unmatched += 1
+                        continue
+                    comparisons.append(
+                        Comparison(table.name, dataset, row.method, row.label, column, cell, paper)
+                    )
+    return PaperReport(comparisons, unmatched, _paper_notes(comparisons))
+
+
+def _same_key(a: tuple, b: tuple) -> bool:
+    return a[:4] == b[:4] and same_column(a[4], b[4])
+
+
+def _short_names() -> dict[str, str]:
+    """The paper's row name -> the method's short name (coda, l2p, ...), from the registry."""
+    from ..engine.paper import registered_names
+
+    return {paper: method_short_name(name) for paper, name in registered_names().items()}
+
+
+def _paper_notes(comparisons: list[Comparison]) -> list[str]:
+    notes = [
+        "Verdict: |ours - paper| (means) within the paper's std, within twice it, or more "
+        f"(differs); {PRINTED_ROUNDING} is added to each bound for the paper's two printed "
+        "decimals. Our std is the population std (ddof 0); the paper does not say which it prints."
+    ]
+    fewer = [c for c in comparisons if c.ours.n < c.paper.n]
+    if fewer:
+        notes.append(
+            f"{len(fewer)} of our cells have fewer seeds than the paper's "
+            "(10; 3 for ConvPrompt and oLoRA): their std is less certain."
+        )
+    best_methods = {c.method for c in comparisons if c.column == BEST}
+    notes += [
+        f"Best HP: {text}; `pilot-online reproduce` runs the Best HP cells at the LR the "
+        "tables' numbers came from (see docs/protocol.md)."
+        for text in best_hp_discrepancies()
+        if text.split(":")[0] in best_methods
+    ]
+    return notes
+
+
+def _column_header(column: float | str) -> str:
+    return _lr_header(column)
+
+
+def _comparison_cells(c: Comparison) -> list[str]:
+    ours = (
+        f"{MIXED} mixed HP (n={c.ours.n})"
+        if c.ours.mixed
+        else f"{c.ours.mean:.2f} ± {c.ours.std:.2f} (n={c.ours.n})"
+    )
+    paper = f"{c.paper.mean:.2f} ± {c.paper.std:.2f} (n={c.paper.n})"
+    diff = "—" if c.difference is None else f"{c.difference:+.2f}"
+    return [ours, paper, diff, c.verdict]
+
+
+def _summary(report: PaperReport) -> str:
+    counts = report.counts()
+    text = ", ".join(f"{verdict}: {n}" for verdict, n in counts.items())
+    return f"Summary ({len(report.comparisons)} cells): {text}." + (
+        f" {report.unmatched} of our cells have no paper counterpart." if report.unmatched else ""
+    )
+
+
+def vs_paper_markdown(report: PaperReport) -> str:
+    """One line per compared cell, then the notes and the count per verdict."""
+    headers = ["Table", "Dataset", "Method", "LR", "Ours", "Paper", "Δ", "Verdict"]
+    lines = ["**vs_paper**: our cells beside the paper's (AP, %).", ""]
+    lines += ["| " + " | ".join(headers) + " |", "| " + " | ".join(["---"] * len(headers)) + " |"]
+    for c in report.comparisons:
+        method = c.method if not c.label else f"{c.method} {c.label}"
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    c.table,
+                    paper_datasets().get(c.dataset, c.dataset),
+                    method,
+                    _column_header(c.column),
+                    *_comparison_cells(c),
+                ]
+            )
+            + " |"
+        )
+    lines += [""] + [f"- {note}" for note in report.notes] + ["", _summary(report)]
+    return "\n".join(lines) + "\n"
+
+
+def vs_paper_latex(report: PaperReport) -> str:
+    """The same, as a booktabs ``longtable``-free ``table*`` (needs booktabs and graphicx)."""
+    lines = [
+        r"\begin{table*}[t]",
+        r"    \centering",
+        r"    \caption{Our cells beside the paper's (AP, \%).}",
+        r"    \resizebox{\textwidth}{!}{",
+        r"    \begin{tabular}{lllllllll}",
+        r"    \toprule",
+        r"Table & Dataset & Method & LR & Ours & Paper & $\Delta$ & Verdict \\",
+        r"\midrule",
+    ]
+    for c in report.comparisons:
+        method = c.method if not c.label else f"{c.method} {c.label}"
+        ours, paper, diff, verdict = _comparison_cells(c)
+        cells = [
+            _latex_escape(c.table),
+            _latex_escape(paper_datasets().get(c.dataset, c.dataset)),
+            _latex_escape(method),
+            _tex_header(_column_header(c.column)),
+            _tex_note(ours),
+            _tex_note(paper),
+            diff if c.difference is not None else "---",
+            _latex_escape(verdict),
+        ]
+        lines.append(" & ".join(cells) + r" \\")
+    lines += [r"\bottomrule", r"    \end{tabular}}"]
+    notes = " ".join(_tex_note(n).replace("`", "") for n in [*report.notes, _summary(report)])
+    lines += [f"    \\par\\footnotesize {notes}", r"    \label{tab:vs_paper}", r"\end{table*}"]
+    return "\n".join(lines) + "\n"
+
+
+VS_PAPER_FORMATS = {"md": vs_paper_markdown, "tex": vs_paper_latex}
+
+
+def write_vs_paper(report: PaperReport, out: Path, formats: Iterable[str]) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for fmt in formats:
+        path = out / f"vs_paper.{fmt}"
+        write_atomic(path, VS_PAPER_FORMATS[fmt](report))
+        written.append(path)
+    return written
 
 
 FORMATS = {"md": to_markdown, "tex": to_latex}
@@ -606,6 +972,12 @@ def add_tables_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--figures", action="store_true", help="also write the paper's figures into --out"
     )
+    parser.add_argument(
+        "--vs-paper",
+        action="store_true",
+        help="also compare every cell of Tables 1-2 and the Si-Blurry ablation with the paper's "
+        "(mean ± std, difference, verdict): vs_paper.md / .tex, printed too",
+    )
 
 
 def run_tables(args: argparse.Namespace) -> int:
@@ -621,9 +993,29 @@ def run_tables(args: argparse.Namespace) -> int:
     tables = build_tables(runs)
     for path in write_tables(tables, args.out, formats):
         print(f"wrote {path}")
+    if getattr(args, "vs_paper", False):
+        report = compare_with_paper(tables)
+        if not report.comparisons:
+            print(no_paper_cells_message())
+        else:
+            print(vs_paper_markdown(report))
+            for path in write_vs_paper(report, args.out, formats):
+                print(f"wrote {path}")
     if args.figures:  # the five figures beside the tables (matplotlib: the plots extra)
         from .figures import load_runs, write_figures
 
         for path in write_figures(load_runs(args.paths), Path(args.out) / "figures"):
             print(f"wrote {path}")
     return 0
+
+
+def no_paper_cells_message() -> str:
+    """Why nothing was compared: what a cell needs to meet a paper cell."""
+    return (
+        "--vs-paper: no cell matches one of the paper's. A paper cell needs dataset "
+        + ", ".join(paper_datasets())
+        + "; stream clear or si_blurry; a method row of the paper (base or + P + FGH at the "
+        "paper's FGH setting; + P and + FGH in the Si-Blurry ablation); and init_lr "
+        + ", ".join(map(_lr_header, FIXED_LRS))
+        + " or a run tagged hp_column: best."
+    )

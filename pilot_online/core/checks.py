@@ -60,32 +60,181 @@ def check_real(name: str, value: Any) -> float:
 Check = Callable[[str, Any], Any]
 
 
-def integer(minimum: int | None = None, maximum: int | None = None) -> Check:
-    """A validator for an integer key within ``[minimum, maximum]`` (see :func:`check_int`)."""
-    return lambda name, value: check_int(name, value, minimum, maximum)
-
-
-def real(minimum: float | None = None, *, positive: bool = False) -> Check:
-    """A validator for a real-valued key, ``>= minimum`` (or ``> 0`` with ``positive``)."""
-
-    def check(name: str, value: Any) -> float:
-        value = check_real(name, value)
-        if positive and not value > 0:
-            raise ValueError(f"{name} must be > 0, got {value}")
-        if minimum is not None and value < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {value}")
-        return value
-
+def _described(description: str, check: Callable[[str, Any], Any]) -> Check:
+    """``check`` with the phrase it tests for (``"a positive integer"``), which containers and
+    :func:`optional` reuse in their own messages."""
+    check.description = description  # type: ignore[attr-defined]
     return check
 
 
-def boolean(name: str, value: Any) -> bool:
-    """A validator for a true/false key: strings such as ``"false"`` are refused, not truthy."""
+def description_of(check: Check) -> str:
+    """The phrase a validator tests for, e.g. ``"null or a positive integer"``."""
+    return getattr(check, "description", "valid")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def integer(minimum: int | None = None, maximum: int | None = None) -> Check:
+    """A validator for an integer key within ``[minimum, maximum]``: bools and floats (``2.0``,
+    a float seed) are refused, as is anything outside the bounds."""
+    if minimum == 0 and maximum is None:
+        description = "a non-negative integer"
+    elif minimum == 1 and maximum is None:
+        description = "a positive integer"
+    elif minimum is not None and maximum is not None:
+        description = f"an integer in [{minimum}, {maximum}]"
+    elif minimum is not None:
+        description = f"an integer >= {minimum}"
+    elif maximum is not None:
+        description = f"an integer <= {maximum}"
+    else:
+        description = "an integer"
+
+    def check(name: str, value: Any) -> int:
+        if not _is_int(value):
+            raise TypeError(f"{name} must be {description}, got {value!r} ({type(value).__name__})")
+        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+            raise ValueError(f"{name} must be {description}, got {value}")
+        return int(value)
+
+    return _described(description, check)
+
+
+def real(
+    minimum: float | None = None, maximum: float | None = None, *, positive: bool = False
+) -> Check:
+    """A validator for a real-valued key: ``>= minimum``, ``<= maximum``, ``> 0`` with
+    ``positive``. Integers are real numbers; bools and strings are not."""
+    if minimum is not None and maximum is not None:
+        description = f"a number in [{minimum:g}, {maximum:g}]"
+    elif positive:
+        description = "a number > 0"
+    elif minimum is not None:
+        description = f"a number >= {minimum:g}"
+    elif maximum is not None:
+        description = f"a number <= {maximum:g}"
+    else:
+        description = "a number"
+
+    def check(name: str, value: Any) -> float:
+        if not _is_real(value):
+            raise TypeError(f"{name} must be {description}, got {value!r} ({type(value).__name__})")
+        if (
+            (positive and not value > 0)
+            or (minimum is not None and value < minimum)
+            or (maximum is not None and value > maximum)
+        ):
+            raise ValueError(f"{name} must be {description}, got {value}")
+        return float(value)
+
+    return _described(description, check)
+
+
+def _boolean(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be true or false, got {value!r} ({type(value).__name__})")
     return value
 
 
+#: A validator for a true/false key: strings such as ``"false"`` are refused, not truthy.
+boolean: Check = _described("true or false", _boolean)
+
+
+def _text(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, got {value!r} ({type(value).__name__})")
+    return value
+
+
+#: A validator for a string key (a name, a path).
+text: Check = _described("a string", _text)
+
+
+def string(description: str) -> Check:
+    """A validator for a string key whose messages say what the string is (``"a folder path"``)."""
+
+    def check(name: str, value: Any) -> str:
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be {description}, got {value!r} ({type(value).__name__})")
+        return value
+
+    return _described(description, check)
+
+
+def _json_object(name: str, value: Any) -> dict:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise TypeError(f"{name} must be an object of named values, e.g. {{...}}, got {value!r}")
+    return value
+
+
+#: A validator for a key holding a JSON object (``backbone_kwargs``).
+json_object: Check = _described("an object", _json_object)
+
+
 def optional(check: Check) -> Check:
-    """``check``, with ``null`` also accepted."""
-    return lambda name, value: None if value is None else check(name, value)
+    """``check``, with ``null`` also accepted; its messages say that null is allowed."""
+    inner = description_of(check)
+    description = f"null or {inner}"
+
+    def wrapped(name: str, value: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            return check(name, value)
+        except (TypeError, ValueError) as err:
+            message, plain = str(err), f"{name} must be {inner}"
+            if message.startswith(plain):  # "x must be a ..., got" -> "x must be null or a ..."
+                message = f"{name} must be {description}{message[len(plain) :]}"
+            raise type(err)(message) from None
+
+    return _described(description, wrapped)
+
+
+def list_of(item: Check, description: str, *, min_length: int = 0, distinct: bool = False) -> Check:
+    """A validator for a JSON list whose every entry passes ``item`` (``description`` names the
+    whole, e.g. ``"a list of block indices"``); ``distinct`` refuses an entry listed twice."""
+
+    def check(name: str, value: Any) -> list:
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"{name} must be {description}, got {value!r} ({type(value).__name__})")
+        if len(value) < min_length:
+            raise ValueError(f"{name} must be {description} with at least {min_length} entries")
+        for index, entry in enumerate(value):
+            item(f"{name}[{index}]", entry)
+        if distinct:
+            twice = sorted({v for v in value if list(value).count(v) > 1})
+            if twice:
+                raise ValueError(f"{name} lists a block twice ({twice[0]!r}): {list(value)!r}")
+        return list(value)
+
+    return _described(description, check)
+
+
+#: The blocks of PILOT's ViT-B/16 (and of timm's): what ``backbone_type`` builds unless
+#: ``backbone_kwargs`` says otherwise.
+VIT_DEPTH = 12
+
+
+def vit_depth(cfg: Any) -> int:
+    """The number of ViT blocks a config builds: ``backbone_kwargs.depth``, else 12."""
+    kwargs = cfg.get("backbone_kwargs") or {}
+    depth = kwargs.get("depth", VIT_DEPTH) if isinstance(kwargs, dict) else VIT_DEPTH
+    return depth if _is_int(depth) and depth > 0 else VIT_DEPTH
+
+
+def check_blocks(cfg: Any, *keys: str) -> None:
+    """Every block index under ``keys`` (lists, or null) names a block the ViT has."""
+    depth = vit_depth(cfg)
+    for key in keys:
+        late = [i for i in cfg.get(key) or () if _is_int(i) and i >= depth]
+        if late:
+            raise ValueError(
+                f"{key}={list(cfg[key])!r} names block {late[0]}, past the last block of the "
+                f"{depth}-block ViT: use indices in [0, {depth - 1}]"
+            )

@@ -248,6 +248,25 @@ def _single_tensor_step(
     return new_signals
 
 
+def _copy_all_(targets: list[Tensor], sources: list[Tensor]) -> None:
+    """``torch._foreach_copy_`` where this torch has it, else one ``copy_`` per tensor (the
+    same values): the stated torch floor (setup.py) predates some foreach kernels."""
+    foreach_copy = getattr(torch, "_foreach_copy_", None)
+    if foreach_copy is None:
+        for target, source in zip(targets, sources):
+            target.copy_(source)
+    else:
+        foreach_copy(targets, sources)
+
+
+def _clone_all(tensors: list[Tensor]) -> list[Tensor]:
+    """``torch._foreach_clone`` where this torch has it, else one ``clone`` per tensor."""
+    foreach_clone = getattr(torch, "_foreach_clone", None)
+    if foreach_clone is None:
+        return [tensor.clone() for tensor in tensors]
+    return list(foreach_clone(tensors))
+
+
 def _foreach_step(
     grads: list[Tensor],
     partners: list[Tensor | None],
@@ -306,7 +325,7 @@ def _foreach_step(
         return None
 
     if paired:
-        torch._foreach_copy_([partners[i] for i in paired], [signals[i] for i in paired])
+        _copy_all_([partners[i] for i in paired], [signals[i] for i in paired])
     new_signals = [
         signal.clone() if partner is None else partner for signal, partner in zip(signals, partners)
     ]
@@ -339,7 +358,7 @@ def _foreach_rescale_update(
             directions[i] = direction
     torch._foreach_mul_(deltas, alpha_views)
     torch._foreach_add_(deltas, snapshots)
-    torch._foreach_copy_(params, deltas)
+    _copy_all_(params, deltas)
     return directions
 
 
@@ -385,6 +404,11 @@ class FineGrainedHypergradients:
     unchanged and the raw gradient is stored (apply="grad"). Params whose ``.grad`` is None are
     skipped, state untouched. Non-finite hypergradient entries are skipped (treated as 0) and
     counted in ``num_skipped``, a device tensor read without a host sync; alpha never becomes NaN.
+
+    Alpha against the clamp: every :meth:`step` adds, per group, the mean coefficient and the
+    fractions of coefficients equal to each clamp bound to device sums (no host sync);
+    :meth:`alpha_bounds` returns them averaged over the steps, and the current values. They are
+    part of :meth:`state_dict`, so a resumed run reports the same averages.
 
     Where alphas live: ``state[p]["alpha"]`` for element and tensor; the classifier weight's
     state holds the class alphas (shape [C], shared with the bias); the group's first
@@ -450,6 +474,13 @@ class FineGrainedHypergradients:
             self.add_param_group(group)
         first = self.param_groups[0]["params"][0]
         self.num_skipped = torch.zeros((), dtype=torch.int64, device=first.device)
+        # Alpha over the stream: per group, the sums over steps of [mean alpha, fraction of
+        # coefficients at the clamp's lower bound, fraction at its upper bound] (float64 on the
+        # device, no host sync per step); ``alpha_stream_steps`` steps were summed.
+        self.alpha_stream_sums = torch.zeros(
+            (len(self.param_groups), 3), dtype=torch.float64, device=first.device
+        )
+        self.alpha_stream_steps = 0
 
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__} ("]
@@ -486,6 +517,9 @@ class FineGrainedHypergradients:
         if options["granularity"] == "class":
             _check_class_group(names, params)
         self.param_groups.append({"params": params, "names": names, **options})
+        if hasattr(self, "alpha_stream_sums"):  # a group added after construction
+            row = self.alpha_stream_sums.new_zeros((1, 3))
+            self.alpha_stream_sums = torch.cat([self.alpha_stream_sums, row])
 
     # ------------------------------------------------------------------ the optimizer hook
 
@@ -548,7 +582,7 @@ class FineGrainedHypergradients:
             if not params:
                 continue
             snapshots = (
-                list(torch._foreach_clone(params))
+                _clone_all(params)
                 if group["foreach"] in (None, True)
                 else [p.clone() for p in params]
             )
@@ -690,7 +724,83 @@ class FineGrainedHypergradients:
             if new_signals is not None:
                 for state, signal in zip(states, new_signals):
                     state["prev"] = signal
+        self._accumulate_alpha_stream()
         self.num_steps += 1
+
+    @torch.no_grad()
+    def _alpha_census(self, group: dict[str, Any]) -> tuple[Tensor, int]:
+        """``([sum of alphas, count at clamp lo, count at clamp hi], number of coefficients)``
+        over the group's distinct coefficients, as a float64 device tensor (no host sync).
+
+        "At a bound" means equal to it: ``clamp_`` writes the bound itself. An alpha not created
+        yet is its starting 1 (at a bound only if the bound is 1)."""
+        lo, hi = group["clamp"]
+        owners = {id(o): o for o in (self._alpha_owner(group, p) for p in group["params"])}
+        device = self.alpha_stream_sums.device
+        parts, count, missing = [], 0, 0
+        for owner in owners.values():
+            alpha = self.state.get(owner, {}).get("alpha")
+            if alpha is None:
+                granularity = group["granularity"]
+                missing += {"element": owner.numel(), "class": owner.shape[0]}.get(granularity, 1)
+                continue
+            count += alpha.numel()
+            # Float passes only (bool masks and float64 casts cost several times more on CPU):
+            # the sum in the alphas' dtype (float32 for half types), and exact integer counts
+            # of the entries where alpha - bound is zero, i.e. alpha equals the bound.
+            wide = alpha.float() if alpha.element_size() < 4 else alpha
+            at_lo = alpha.numel() - torch.count_nonzero(alpha - lo)
+            at_hi = alpha.numel() - torch.count_nonzero(alpha - hi)
+            parts.append(
+                torch.stack([wide.sum().double(), at_lo.double(), at_hi.double()]).to(device)
+            )
+        if missing:  # filled on the device: no host-to-device copy per step
+            values = (missing, missing * (lo == 1), missing * (hi == 1))
+            full = [torch.full((), float(v), dtype=torch.float64, device=device) for v in values]
+            parts.append(torch.stack(full))
+        total = torch.stack(parts).sum(0)
+        return total, count + missing
+
+    @torch.no_grad()
+    def _accumulate_alpha_stream(self) -> None:
+        """Add this step's [mean alpha, fraction at lo, fraction at hi] per group to the sums."""
+        rows = []
+        for group in self.param_groups:
+            census, count = self._alpha_census(group)
+            rows.append(census / count)
+        self.alpha_stream_sums.add_(torch.stack(rows))
+        self.alpha_stream_steps += 1
+
+    @torch.no_grad()
+    def alpha_bounds(self) -> list[dict[str, Any]]:
+        """Per param group, how its coefficients sit against the clamp, now and over the stream.
+
+        ``{"clamp": [lo, hi], "coefficients": n, "final": {"mean", "at_lo", "at_hi"},
+        "stream": {"mean", "at_lo", "at_hi", "steps"}}``: ``final`` is the current mean alpha and
+        fractions of the n coefficients equal to each bound; ``stream`` averages the same three
+        numbers over every :meth:`step` so far (NaN before the first step). Values are 0-d
+        device tensors (read them once, at the end: the accumulation itself never syncs).
+        """
+        steps = self.alpha_stream_steps
+        out = []
+        for index, group in enumerate(self.param_groups):
+            census, count = self._alpha_census(group)
+            final = census / count
+            stream = (
+                self.alpha_stream_sums[index] / steps if steps else torch.full_like(final, math.nan)
+            )
+            out.append(
+                {
+                    "clamp": list(group["clamp"]),
+                    "coefficients": count,
+                    "final": dict(zip(("mean", "at_lo", "at_hi"), final.unbind())),
+                    "stream": {
+                        **dict(zip(("mean", "at_lo", "at_hi"), stream.unbind())),
+                        "steps": steps,
+                    },
+                }
+            )
+        return out
 
     def coefficients(self) -> dict[str, Tensor]:
         """name -> alpha broadcast to the parameter's shape (a copy; 1 before the first step)."""
@@ -757,6 +867,7 @@ class FineGrainedHypergradients:
             "param_groups": groups,
             "num_steps": self.num_steps,
             "num_skipped": self.num_skipped,
+            "alpha_stream": {"sums": self.alpha_stream_sums, "steps": self.alpha_stream_steps},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -817,6 +928,30 @@ class FineGrainedHypergradients:
         self.num_skipped = torch.as_tensor(skipped, dtype=torch.int64).to(
             self.num_skipped.device, copy=True
         )
+        self._load_alpha_stream(state_dict.get("alpha_stream"))
+
+    def _load_alpha_stream(self, saved: Any) -> None:
+        """Restore the alpha-over-the-stream sums (absent in state_dicts written before them:
+        the averages then cover the steps after the load only, with a warning)."""
+        device = self.alpha_stream_sums.device
+        shape = (len(self.param_groups), 3)
+        if saved is None:
+            logger.warning(
+                "FGH state_dict has no alpha_stream sums (written by an older pilot-online): the "
+                "stream averages of alpha will cover only the steps after this load"
+            )
+            self.alpha_stream_sums = torch.zeros(shape, dtype=torch.float64, device=device)
+            self.alpha_stream_steps = 0
+            return
+        sums = saved.get("sums") if isinstance(saved, dict) else None
+        if not isinstance(sums, Tensor) or tuple(sums.shape) != shape:
+            got = tuple(sums.shape) if isinstance(sums, Tensor) else type(sums).__name__
+            raise ValueError(
+                f"state_dict entry alpha_stream['sums'] has shape {got}, expected {shape} "
+                "(one row of [mean, at_lo, at_hi] sums per param group)"
+            )
+        self.alpha_stream_sums = sums.detach().to(device=device, dtype=torch.float64, copy=True)
+        self.alpha_stream_steps = int(saved.get("steps", 0))
 
     def _expected_shape(
         self, group: dict[str, Any], options: dict[str, Any], p: Tensor, field: str

@@ -4,14 +4,17 @@ buffer. Torch and the standard library only; ``methods/olora.py`` wires them int
 
 Written from a reading of christina200/online-lora-official (commit 96e7de0f,
 ``Si-blurry/online_lora.py``, ``Si-blurry/utils/lora.py``, ``Disjoint/engine.py``); no code copied.
-Where this module departs from upstream, on purpose:
+Where upstream's code does something other than what the paper describes, both exist here, and
+the method's config picks (``methods/olora.py``; defaults reproduce upstream):
 
-* **Exact merge.** Upstream "merges" by adding the new factors to the old ones
-  (``A_old += A_new``, ``B_old += B_new``), which changes the network's function by the cross
-  terms ``B_old A_new + B_new A_old``. Here the product ``B A`` is added to the frozen projection
-  weight, so the outputs just before and just after a merge agree to float rounding.
-* **Importance pseudo-labels per sample.** Upstream flattens a whole buffered batch to one row
-  (``output.view(1, -1)``) before its argmax; here each sample gets its own arg-max label.
+* **Merge** (:class:`LoRAQKV`, ``merge``). Upstream "merges" by adding the new factors to the old
+  ones (``A_old += A_new``, ``B_old += B_new``; ``"upstream"``), which changes the network's
+  function by the cross terms ``B_old A_new + B_new A_old`` from the second merge on. ``"exact"``
+  adds the product ``B A`` to the frozen projection weight, so the outputs just before and just
+  after a merge agree to float rounding.
+* **Importance pseudo-labels** (:func:`importance_loss`). Upstream flattens a whole buffered
+  batch to one row (``output.view(1, -1)``) and takes one arg-max over it (``"upstream"``);
+  ``"per_sample"`` gives each sample its own arg-max label.
 """
 
 from __future__ import annotations
@@ -23,9 +26,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .checks import check_int, check_real
+
+#: How :meth:`LoRAQKV.merge_` folds a finished adapter in: upstream's factor sums, or exactly.
+LORA_MERGES = ("upstream", "exact")
+#: The pseudo-labels of the importance loss: upstream's one arg-max per batch, or per sample.
+IMPORTANCE_LABELS = ("upstream", "per_sample")
 
 
 class LoRAQKV(nn.Module):
@@ -33,12 +42,18 @@ class LoRAQKV(nn.Module):
     its q and v thirds: ``q += B_q A_q x``, ``v += B_v A_v x`` (k untouched, as upstream).
 
     ``A`` starts Kaiming-uniform and ``B`` at zero (LoRA's init), so a fresh adapter leaves the
-    projection unchanged. :meth:`merge_` folds ``B A`` into the frozen weight and restarts.
+    projection unchanged. :meth:`merge_` folds the adapter in and restarts it: ``merge="exact"``
+    adds ``B A`` to the frozen weight; ``merge="upstream"`` adds the factors to frozen merged
+    factors (buffers ``merged_*``, zero at first), which then act as ``q += B_m A_m x`` beside
+    the trainable adapter, as upstream's ``w_As``/``w_Bs`` do.
     """
 
-    def __init__(self, qkv: nn.Linear, rank: int) -> None:
+    def __init__(self, qkv: nn.Linear, rank: int, merge: str = "exact") -> None:
         super().__init__()
         rank = check_int("LoRA rank", rank, 1)
+        if merge not in LORA_MERGES:
+            raise ValueError(f"LoRA merge must be one of {LORA_MERGES}, got {merge!r}")
+        self.merge = merge
         if qkv.out_features != 3 * qkv.in_features:
             raise ValueError(
                 f"LoRAQKV wraps a fused qkv projection d -> 3d; got {qkv.in_features} -> "
@@ -51,6 +66,11 @@ class LoRAQKV(nn.Module):
         self.b_q = nn.Parameter(torch.empty(self.dim, rank, **factory))
         self.a_v = nn.Parameter(torch.empty(rank, self.dim, **factory))
         self.b_v = nn.Parameter(torch.empty(self.dim, rank, **factory))
+        if merge == "upstream":  # frozen sums of the merged factors (checkpointed as buffers)
+            for name in ("merged_a_q", "merged_a_v"):
+                self.register_buffer(name, torch.zeros(rank, self.dim, **factory))
+            for name in ("merged_b_q", "merged_b_v"):
+                self.register_buffer(name, torch.zeros(self.dim, rank, **factory))
         self.reset_adapter()
 
     def lora_parameters(self) -> list[nn.Parameter]:
@@ -71,20 +91,33 @@ class LoRAQKV(nn.Module):
 
     @torch.no_grad()
     def merge_(self) -> None:
-        """Fold the adapter into the frozen projection (W <- W + B A) and start a fresh one."""
-        self.qkv.weight.add_(self.delta_weight().to(self.qkv.weight.dtype))
+        """Fold the adapter in (exact: W <- W + B A; upstream: A_m += A, B_m += B) and start a
+        fresh one."""
+        if self.merge == "exact":
+            self.qkv.weight.add_(self.delta_weight().to(self.qkv.weight.dtype))
+        else:
+            self.merged_a_q.add_(self.a_q)
+            self.merged_b_q.add_(self.b_q)
+            self.merged_a_v.add_(self.a_v)
+            self.merged_b_v.add_(self.b_v)
         self.reset_adapter()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).split(self.dim, dim=-1)
+        if self.merge == "upstream":
+            q = q + (x @ self.merged_a_q.T) @ self.merged_b_q.T
+            v = v + (x @ self.merged_a_v.T) @ self.merged_b_v.T
         q = q + (x @ self.a_q.T) @ self.b_q.T
         v = v + (x @ self.a_v.T) @ self.b_v.T
         return torch.cat([q, k, v], dim=-1)
 
 
-def add_lora(vit: nn.Module, rank: int, blocks: Sequence[int] | None = None) -> list[LoRAQKV]:
+def add_lora(
+    vit: nn.Module, rank: int, blocks: Sequence[int] | None = None, merge: str = "exact"
+) -> list[LoRAQKV]:
     """Freeze ``vit`` and wrap ``vit.blocks[i].attn.qkv`` with :class:`LoRAQKV` for each ``i`` in
-    ``blocks`` (``None``: every block, upstream's default). Returns the adapters in block order."""
+    ``blocks`` (``None``: every block, upstream's default) and the given ``merge``. Returns the
+    adapters in block order."""
     if not hasattr(vit, "blocks"):
         raise TypeError(f"add_lora needs a timm-style ViT with .blocks; got {type(vit).__name__}")
     count = len(vit.blocks)
@@ -101,7 +134,7 @@ def add_lora(vit: nn.Module, rank: int, blocks: Sequence[int] | None = None) -> 
         attn = vit.blocks[i].attn
         if not isinstance(getattr(attn, "qkv", None), nn.Linear):
             raise TypeError(f"block {i} has no fused nn.Linear attn.qkv to adapt")
-        attn.qkv = LoRAQKV(attn.qkv, rank)
+        attn.qkv = LoRAQKV(attn.qkv, rank, merge)
         adapters.append(attn.qkv)
     return adapters
 
@@ -220,6 +253,18 @@ class ImportanceRegularizer:
         self.updates = int(state["updates"])
 
 
+def importance_loss(logits: torch.Tensor, labels: str) -> torch.Tensor:
+    """The loss whose squared gradients are the importance: cross-entropy against arg-max
+    pseudo-labels. ``"per_sample"``: each row's own arg-max, mean over the batch. ``"upstream"``:
+    the batch flattened to one row of ``B * C`` logits (``output.view(1, -1)``) and one arg-max
+    over it, i.e. ``-log softmax`` of the batch's single largest logit among all ``B * C``."""
+    if labels not in IMPORTANCE_LABELS:
+        raise ValueError(f"importance labels must be one of {IMPORTANCE_LABELS}, got {labels!r}")
+    if labels == "upstream":
+        logits = logits.reshape(1, -1)
+    return F.cross_entropy(logits, logits.detach().argmax(1))
+
+
 @dataclass
 class BufferEntry:
     """One buffered mini-batch and its loss when last evaluated (a float, read once per step)."""
@@ -244,3 +289,35 @@ class HardBuffer:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+
+#: How the hard-buffer refresh pairs batches with losses: upstream's shifted zip, or aligned.
+BUFFER_PAIRINGS = ("upstream", "aligned")
+
+
+def hard_buffer_candidates(
+    batch: tuple[torch.Tensor, torch.Tensor],
+    buffered: Sequence[BufferEntry],
+    batch_loss: float,
+    buffered_losses: Sequence[float],
+    pairing: str,
+) -> list[BufferEntry]:
+    """The candidates of one hard-buffer refresh (for :meth:`HardBuffer.update`): the stream
+    batch and the buffered batches, each with the loss it is ranked by.
+
+    ``"aligned"``: each batch with its own loss (ties keep the stream batch first).
+    ``"upstream"``: upstream zips the losses ``[L(x), L(h_0), ..., L(h_{k-1})]`` with the batches
+    ``[h_0, ..., h_{k-1}, x]``, so ``h_0`` is ranked by the stream batch's loss, ``h_i`` by
+    ``h_{i-1}``'s and the stream batch by ``h_{k-1}``'s; and its ``reversed(sorted(...))`` keeps
+    the later of tied candidates, hence the reversed list here.
+    """
+    if pairing not in BUFFER_PAIRINGS:
+        raise ValueError(f"hard-buffer pairing must be one of {BUFFER_PAIRINGS}, got {pairing!r}")
+    if len(buffered_losses) != len(buffered):
+        raise ValueError(f"{len(buffered)} buffered batches but {len(buffered_losses)} losses")
+    losses = [batch_loss, *buffered_losses]
+    if pairing == "aligned":
+        batches = [batch, *((e.inputs, e.labels) for e in buffered)]
+        return [BufferEntry(x, y, loss) for (x, y), loss in zip(batches, losses)]
+    batches = [*((e.inputs, e.labels) for e in buffered), batch]
+    return [BufferEntry(x, y, loss) for (x, y), loss in zip(batches, losses)][::-1]

@@ -25,29 +25,43 @@ def instance_logit_scale(mask_parameters: torch.Tensor) -> torch.Tensor:
     return 2.0 * torch.sigmoid(mask_parameters)
 
 
+#: How the key loss pairs distances with use counts: upstream's broadcast, or each sample's own.
+KEY_LOSS_MASSES = ("upstream", "own_key")
+
+
 def key_contrastive_loss(
     query_distance: torch.Tensor,
     key_distances: torch.Tensor,
     mass: torch.Tensor,
     eps: float = 1e-6,
+    pairing: str = "own_key",
 ) -> torch.Tensor:
     """Contrastive prompt-key loss ``-log(N / (P + N) + eps)``.
 
     ``query_distance[i]`` is ``1 - cos(q_i, k_{s_i})`` (sample ``i``'s query to its selected key),
     ``key_distances[i, j]`` is ``1 - cos(k_{s_i}, k_j)``, and ``mass[i]`` is the selected key's
-    use count plus one. ``P = mean_i exp(d_i / mass_i)`` pulls queries to their keys,
-    ``N = mean_ij exp(D_ij / mass_i)`` pushes keys apart; heavily used keys (large mass) are
-    pushed less. Each sample is paired with its own key's mass (upstream's 2023 code broadcasts
-    ``[B, 1, P] / [B, 1]``, which pairs sample ``i``'s distances with every sample's mass).
+    use count plus one. Heavily used keys (large mass) are pushed less.
+
+    ``pairing="own_key"``: each sample with its own key's mass, ``P = mean_i exp(d_i / mass_i)``
+    pulls queries to their keys, ``N = mean_ij exp(D_ij / mass_i)`` pushes keys apart.
+    ``pairing="upstream"``: upstream's 2023 code divides ``[B]`` distances by ``[B, 1]`` masses
+    and ``[B, 1, P]`` by ``[B, 1]``, which broadcasts every sample's distances against every
+    sample's mass: ``P = mean_ij exp(d_j / mass_i)``, ``N = mean_ijk exp(D_ik / mass_j)``.
     """
     if query_distance.dim() != 1 or key_distances.dim() != 2 or mass.shape != query_distance.shape:
         raise ValueError(
             "expected query_distance [B], key_distances [B, P] and mass [B]; got "
             f"{tuple(query_distance.shape)}, {tuple(key_distances.shape)}, {tuple(mass.shape)}"
         )
+    if pairing not in KEY_LOSS_MASSES:
+        raise ValueError(f"key-loss pairing must be one of {KEY_LOSS_MASSES}, got {pairing!r}")
     mass = mass.to(query_distance.dtype)
-    positive = torch.exp(query_distance / mass).mean()
-    negative = torch.exp(key_distances / mass[:, None]).mean()
+    if pairing == "own_key":
+        positive = torch.exp(query_distance / mass).mean()
+        negative = torch.exp(key_distances / mass[:, None]).mean()
+    else:
+        positive = torch.exp(query_distance[None, :] / mass[:, None]).mean()
+        negative = torch.exp(key_distances[:, None, :] / mass[None, :, None]).mean()
     return -torch.log(negative / (positive + negative) + eps)
 
 

@@ -6,12 +6,12 @@ that ``diff`` compares, and that is never half-written: it is written to a tempo
 the same directory, flushed, fsync'ed and renamed into place. An existing results file is never
 overwritten unless ``overwrite=True`` is passed, so a finished run's results cannot be lost.
 
-Schema (``schema_version`` 1). NaN and infinity are stored as ``null``.
+Schema (``schema_version`` 2). NaN and infinity are stored as ``null``.
 
 =========================================  ============  ==========================================
 key                                        type          meaning
 =========================================  ============  ==========================================
-schema_version                             int           layout version (1); readers reject others
+schema_version                             int           layout version (2; 1 is read too)
 pilot_online_version                       str           pilot-online version that wrote the file
 created_utc                                str           ISO 8601 UTC time the results were built
 status                                     str           "complete": the run finished
@@ -64,6 +64,13 @@ end-of-task accuracy is above zero, of that best minus the final accuracy.
 Required keys: all top-level keys above, the four ``timing`` and four ``counters`` keys, and
 ``metrics.accuracy_matrix``, ``metrics.A_k``, ``metrics.AP``, ``metrics.A_T``. Readers must
 ignore keys they do not know; adding keys does not change ``schema_version``.
+
+Versions: 2 marks the ``si_blurry`` stream that draws exactly as upstream Si-Blurry (a
+``torch.Generator`` seeded with the run's seed; ``stream.info.stream_version`` 2). Version 1
+files have the same layout, but a version 1 ``si_blurry`` run trained on the old stream (numpy's
+generator: the same distribution, other task lists and sample order for the same seed);
+:func:`old_si_blurry_stream` says so, and :func:`load_results` logs a warning for such files.
+Clear-stream runs are the same in both versions.
 """
 
 from __future__ import annotations
@@ -85,6 +92,7 @@ from pilot_online.version import __version__
 from .files import write_atomic
 
 __all__ = [
+    "READABLE_SCHEMA_VERSIONS",
     "REQUIRED_COUNTER_KEYS",
     "REQUIRED_METRIC_KEYS",
     "REQUIRED_TIMING_KEYS",
@@ -93,6 +101,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "build_results",
     "load_results",
+    "old_si_blurry_stream",
     "results_path",
     "to_jsonable",
     "validate_results",
@@ -101,7 +110,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: Versions this pilot-online reads (1: the same layout, si_blurry runs on the old numpy stream).
+READABLE_SCHEMA_VERSIONS = (1, 2)
 RESULTS_SUFFIX = ".results.json"
 
 REQUIRED_TOP_LEVEL_KEYS = (
@@ -202,11 +213,20 @@ def _check_schema_version(results: dict[str, Any]) -> None:
             f"(expected schema_version {SCHEMA_VERSION})."
         )
     version = results["schema_version"]
-    if isinstance(version, bool) or version != SCHEMA_VERSION:
+    if isinstance(version, bool) or version not in READABLE_SCHEMA_VERSIONS:
         raise ValueError(
             f"unknown results schema_version {version!r}; this pilot-online {__version__} reads "
-            f"schema_version {SCHEMA_VERSION}. Upgrade pilot-online to read newer files."
+            f"schema_version {', '.join(map(str, READABLE_SCHEMA_VERSIONS))}. Upgrade "
+            "pilot-online to read newer files."
         )
+
+
+def old_si_blurry_stream(results: dict[str, Any]) -> bool:
+    """Whether ``results`` come from a ``si_blurry`` run on the pre-upstream stream (schema 1:
+    numpy draws), which for the same seed differs from upstream Si-Blurry's and today's."""
+    stream = results.get("stream") or {}
+    kind = stream.get("kind", (results.get("config") or {}).get("stream"))
+    return kind == "si_blurry" and results.get("schema_version") == 1
 
 
 def build_results(
@@ -270,6 +290,13 @@ def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:
         validate_results(results)
     except ValueError as error:
         raise ValueError(f"{target}: {error}") from error
+    if old_si_blurry_stream(results):
+        logger.warning(
+            "%s: a si_blurry run of results schema_version 1, trained on the old stream (numpy "
+            "draws, not upstream Si-Blurry's task lists for its seed); rerun it to compare with "
+            "the paper",
+            target,
+        )
     return results
 
 

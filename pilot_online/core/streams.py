@@ -11,7 +11,10 @@ Two kinds:
   class order; every task sees only its own classes, shuffled.
 * ``si_blurry``: the stochastic-incremental blurry stream of Moon et al. (ICCV 2023), as the
   upstream ``OnlineSampler`` (KHU-AGI/Si-Blurry, ``varing_NM`` branch) builds it; see
-  ``shared/SI_BLURRY.md``. Two upstream defects are handled: the trainer's argument-order bug
+  ``shared/SI_BLURRY.md``. It draws from a ``torch.Generator`` seeded with the run's seed, with
+  the same calls in the same order as upstream, so the same labels and seed give upstream's
+  task lists and sample order exactly (``SI_BLURRY_STREAM_VERSION`` 2; version 1 drew the same
+  distribution from numpy). Two upstream defects are handled: the trainer's argument-order bug
   cannot happen here (keyword-only arguments), and the dataset-order choice of blurred samples
   is kept as the default for fidelity with ``blurred_selection="random"`` as the fix.
 
@@ -29,15 +32,19 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from .checks import check_choice, check_int
 
 logger = logging.getLogger(__name__)
 
 BLURRED_SELECTIONS = ("dataset_order", "random")
+#: How ``si_blurry`` draws: 1 = numpy's generator (results schema 1), 2 = upstream's torch draws.
+SI_BLURRY_STREAM_VERSION = 2
 
 __all__ = [
     "BLURRED_SELECTIONS",
+    "SI_BLURRY_STREAM_VERSION",
     "STREAMS",
     "STREAM_BUILDERS",
     "STREAM_CONFIG_KEYS",
@@ -316,13 +323,27 @@ def _group_by_task(owner: np.ndarray, num_tasks: int) -> list[np.ndarray]:
     return [order[bounds[t] : bounds[t + 1]] for t in range(num_tasks)]
 
 
-def _random_cuts(rng: np.random.Generator, size: int, num_tasks: int) -> np.ndarray:
+def _torch_generator(seed: int) -> torch.Generator:
+    """A CPU ``torch.Generator`` seeded with ``seed``: upstream's dedicated sampler generator."""
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return generator
+
+
+def _randperm(generator: torch.Generator, n: int) -> np.ndarray:
+    """``torch.randperm(n)`` from ``generator`` as int64 numpy (one draw, as upstream makes it)."""
+    return torch.randperm(n, generator=generator).numpy().astype(np.int64)
+
+
+def _random_cuts(generator: torch.Generator, size: int, num_tasks: int) -> np.ndarray:
     """Bounds ``[0, c_1, ..., c_{T-1}, size]`` with the c's drawn with replacement in [0, size-1].
 
-    Upstream uses ``torch.randint(0, size, (T-1,))`` (exclusive high), hence ``size - 1`` as
-    the largest cut: task 0 is never empty by a cut at ``size``, the last task may get all.
+    Upstream draws ``torch.randint(0, size, (T-1,))`` (exclusive high) and sorts it, hence
+    ``size - 1`` as the largest cut: task 0 is never emptied by a cut at ``size``, the last task
+    may get all.
     """
-    cuts = np.sort(rng.integers(0, size, size=num_tasks - 1))
+    drawn = torch.randint(0, size, (num_tasks - 1,), generator=generator)
+    cuts = drawn.sort().values.numpy()
     return np.concatenate(([0], cuts, [size])).astype(np.int64)
 
 
@@ -336,15 +357,16 @@ def _owner_table(pool: np.ndarray, bounds: np.ndarray, width: int) -> np.ndarray
 def _blur(
     blurry_lists: Sequence[np.ndarray],
     quota_bounds: np.ndarray,
-    rng: np.random.Generator,
+    generator: torch.Generator,
     selection: str,
 ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
     """Si-Blurry step 6: move per-task quotas into a shared pool, shuffle, hand them back in order.
 
     Task t gives up ``min(k_t, len(blurry_t))`` entries (its first ones in dataset order, or
     random ones) and then receives up to ``k_t`` pool items; as the pool can hold fewer than
-    ``sum(k_t)`` items, later tasks can come up short. Returns (kept per task, received per
-    task, the pool in its shuffled order).
+    ``sum(k_t)`` items, later tasks can come up short. The pool (the given-up entries, task by
+    task) is shuffled by one ``randperm`` when ``K > 0``, as upstream does. Returns (kept per
+    task, received per task, the pool in its shuffled order).
     """
     quotas = np.diff(quota_bounds)
     kept, moved = [], []
@@ -354,13 +376,13 @@ def _blur(
         if take > 0:
             if selection == "dataset_order":
                 leave[:take] = False
-            else:
-                leave[rng.choice(blurry.shape[0], size=take, replace=False)] = False
+            else:  # our option, not upstream's: a random subset of the task's blurry list
+                leave[_randperm(generator, blurry.shape[0])[:take]] = False
         kept.append(blurry[leave])
         moved.append(blurry[~leave])
     pool = np.concatenate(moved) if moved else np.zeros(0, dtype=np.int64)
     if quota_bounds[-1] > 0:  # upstream shuffles the pool only when K > 0
-        pool = rng.permutation(pool)
+        pool = pool[_randperm(generator, pool.shape[0])]
     clipped = np.minimum(quota_bounds, pool.shape[0])
     received = [pool[clipped[t] : clipped[t + 1]] for t in range(quotas.shape[0])]
     return kept, received, pool
@@ -433,7 +455,10 @@ def si_blurry_stream(
     """The Si-Blurry stream (shared/SI_BLURRY.md; upstream ``OnlineSampler``, ``varing_NM``).
 
     ``n``: percent of classes that are disjoint; ``m``: percent of blurry-class samples that
-    are blurred. ``class_order`` only defines the class set (the algorithm shuffles it).
+    are blurred. ``class_order`` only defines the class set (the algorithm shuffles it): upstream
+    shuffles class ids ``0..C-1``, here the sorted class ids, which is the same thing when the
+    classes are ``0..C-1``. Draws come from ``torch.Generator().manual_seed(seed)`` in upstream's
+    order, so the task lists and their order equal upstream's for the same labels and seed.
     ``blurred_selection``: ``"dataset_order"`` (upstream: the first k_t entries of a task's
     blurry list, whole class blocks on class-sorted data) or ``"random"``.
     """
@@ -465,17 +490,21 @@ def si_blurry_stream(
             "use fewer tasks, a smaller n, or n=100 for a fully disjoint stream"
         )
 
-    # Steps 1, 3, 4: one generator; shuffle classes; random slices of each non-empty pool.
-    rng = np.random.default_rng(seed)
-    shuffled = rng.permutation(classes)
+    # Steps 1, 3, 4: one torch generator, drawn from in upstream's order (randperm of the
+    # classes, then the cut points of each non-empty pool, then the blur quotas and the pool
+    # shuffle, then one randperm per task); shuffle classes; random slices of each pool.
+    generator = _torch_generator(seed)
+    shuffled = classes[_randperm(generator, num_classes)]
     disjoint_pool = shuffled[:disjoint_size]
     blurry_pool = shuffled[disjoint_size : disjoint_size + blurry_size]
     leftover = np.sort(shuffled[disjoint_size + blurry_size :])
     zero_bounds = np.zeros(num_tasks + 1, dtype=np.int64)
     disjoint_bounds = (
-        _random_cuts(rng, disjoint_size, num_tasks) if disjoint_size > 0 else zero_bounds
+        _random_cuts(generator, disjoint_size, num_tasks) if disjoint_size > 0 else zero_bounds
     )
-    blurry_bounds = _random_cuts(rng, blurry_size, num_tasks) if blurry_size > 0 else zero_bounds
+    blurry_bounds = (
+        _random_cuts(generator, blurry_size, num_tasks) if blurry_size > 0 else zero_bounds
+    )
 
     # Step 5: per-sample owner via class lookup tables; group in dataset order.
     width = int(labels.max()) + 1
@@ -489,13 +518,15 @@ def si_blurry_stream(
     # Step 6: K blurred samples through the quota pool.
     blurry_samples = int(sum(b.shape[0] for b in blurry_lists))
     blur_quota = blurry_samples * m // 100
-    quota_bounds = _random_cuts(rng, blur_quota, num_tasks) if blur_quota > 0 else zero_bounds
-    kept, received, pool = _blur(blurry_lists, quota_bounds, rng, blurred_selection)
+    quota_bounds = _random_cuts(generator, blur_quota, num_tasks) if blur_quota > 0 else zero_bounds
+    kept, received, pool = _blur(blurry_lists, quota_bounds, generator, blurred_selection)
 
-    # Step 7: a task's stream is its disjoint + kept blurry + received samples, permuted.
-    tasks = [
-        rng.permutation(np.concatenate(parts)) for parts in zip(disjoint_lists, kept, received)
-    ]
+    # Step 7: a task's stream is its disjoint + kept blurry + received samples (upstream's list
+    # order), permuted by one randperm per task, task by task.
+    tasks = []
+    for parts in zip(disjoint_lists, kept, received):
+        joined = np.concatenate(parts)
+        tasks.append(joined[_randperm(generator, joined.shape[0])])
 
     params = {
         "num_tasks": num_tasks,
@@ -507,6 +538,7 @@ def si_blurry_stream(
         "class_order": None if class_order is None else classes.tolist(),
     }
     info = {
+        "stream_version": SI_BLURRY_STREAM_VERSION,
         "num_classes": num_classes,
         "disjoint_pool_size": disjoint_size,
         "blurry_pool_size": blurry_size,

@@ -18,6 +18,7 @@ Adapters import PILOT lazily (inside ``build_network``), so registering one need
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
@@ -64,18 +65,31 @@ class MethodAdapter:
 
     #: The upstream PILOT model name whose network we reuse (its factories check this name).
     base_model_name: ClassVar[str] = ""
-    #: A substring PILOT's ``get_backbone`` needs in ``backbone_type`` for this method.
+    #: A substring PILOT's ``get_backbone`` needs in ``backbone_type`` for this method; checked
+    #: only when ``backbone_types`` is empty.
     backbone_marker: ClassVar[str] = ""
     #: The method's row name in the paper's tables (``pilot-online report``); "" = registered name.
     paper_name: ClassVar[str] = ""
-    #: The exact ``backbone_type`` names the method accepts, where a substring cannot say it
-    #: (PILOT's plain ViTs); empty: any name containing ``backbone_marker``.
+    #: The exact ``backbone_type`` names the method accepts: those PILOT's ``get_backbone`` builds
+    #: for ``base_model_name`` (``pilot/backbone_names.py``: ``pilot_backbones(...)``,
+    #: ``PLAIN_VIT``). ``check-config`` refuses any other name and suggests only these; the
+    #: first is the method's default (scripts/make_exps.py writes it into the configs).
     backbone_types: ClassVar[tuple[str, ...]] = ()
+    #: Values the method's smoke config (``exps/smoke_<short>_online.json``, CPU, 32 px, random
+    #: weights) sets beyond the shared smoke template, e.g. shorter prompts for CI time.
+    smoke_overrides: ClassVar[Mapping[str, Any]] = {}
+    #: The paper's ablation rows (``engine.config.VARIANTS``: base, p, fgh_only, fgh) the method
+    #: can run; scripts/make_exps.py writes configs, and tests/test_contract.py runs, only these.
+    #: A method P and FGH cannot act on (SimpleCIL, which trains nothing) lists ``("base",)``.
+    variants: ClassVar[tuple[str, ...]] = ("base", "p", "fgh_only", "fgh")
     #: Whether the method keeps training samples (experience replay). A memory-free method
     #: refuses replay unless the config says ``allow_memory: true``.
     memory_based: ClassVar[bool] = False
     #: Keys of the method's own config, with defaults; see :class:`ConfigKey`.
     config_keys: ClassVar[Mapping[str, ConfigKey]] = {}
+    #: Whether the method learns by gradient steps. False (SimpleCIL's class means): the loop
+    #: runs no backward pass and no optimiser step; the method learns in :meth:`observe`.
+    trains: ClassVar[bool] = True
     args: dict = field(default_factory=dict)
 
     # -- to override -------------------------------------------------------------------------
@@ -134,6 +148,17 @@ class MethodAdapter:
         regulariser), by name; added to the step's loss. None by default."""
         return {}
 
+    def extra_backward(
+        self, network: nn.Module, autocast: Callable[[], AbstractContextManager]
+    ) -> dict[str, torch.Tensor]:
+        """Loss terms the method backpropagates itself, one graph at a time, right after the
+        loop's ``loss.backward()`` and before gradients are transformed or applied: each
+        ``backward`` accumulates into ``.grad``, so the step's gradient is the same as if the
+        terms had been added to the loss, without one autograd graph over all their batches
+        (oLoRA's hard buffer: up to 4 more batches). Run forwards under ``autocast()``. Returns
+        the terms' detached values by name; they join the step's loss terms. None by default."""
+        return {}
+
     def after_step(
         self,
         network: nn.Module,
@@ -164,6 +189,11 @@ class MethodAdapter:
         ``forward_from_query(network, x, query_features(network, x), train)`` exactly."""
         raise NotImplementedError
 
+    def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
+        """After each step, the stream batch's outputs (computed before the step's update) and
+        labels: a method that learns without gradients (``trains = False``) learns here, as
+        SimpleCIL folds the batch into its class means. Nothing by default."""
+
     def report(self) -> dict[str, Any]:
         """The method's entries for the results file's ``diagnostics.method``; none by default."""
         return {}
@@ -184,3 +214,35 @@ class MethodAdapter:
     def pilot_args(self, args: dict, **overrides: Any) -> dict:
         """A copy of ``args`` in which PILOT's factories recognise the upstream method."""
         return {**args, "model_name": self.base_model_name, **overrides}
+
+    def online_head(
+        self,
+        network: nn.Module,
+        args: Mapping[str, Any],
+        attr: str = "fc",
+        in_features: int | None = None,
+    ) -> nn.Linear:
+        """Give ``network`` its online classifier: one ``nn.Linear(in_features, nb_classes)`` over
+        every class of the stream, set as ``network.<attr>`` and returned.
+
+        Why: PILOT builds heads in ``update_fc`` at task boundaries, which online training never
+        reaches, so networks such as ``SimpleVitNet`` keep ``fc = None``. Call this in
+        ``build_network`` instead; the head is what :meth:`classifier` returns (prototypes are
+        replayed through it, FGH's class mode reweights its rows). ``in_features`` defaults to
+        the network's ``feature_dim`` (PILOT's networks all define it); the head trains.
+        """
+        if "nb_classes" not in args:
+            raise ValueError(
+                "online_head needs args['nb_classes'] (the stream's class count, which the session "
+                "sets); pass the resolved config to build_network"
+            )
+        if in_features is None:
+            in_features = getattr(network, "feature_dim", None)
+            if not isinstance(in_features, int):
+                raise ValueError(
+                    f"{type(network).__name__} has no integer feature_dim: pass "
+                    "online_head(..., in_features=<width of the features the head reads>)"
+                )
+        head = nn.Linear(int(in_features), int(args["nb_classes"]))
+        setattr(network, attr, head)
+        return head

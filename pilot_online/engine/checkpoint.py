@@ -17,13 +17,21 @@ file, what differs and what to do, when:
 
 Files are read with ``torch.load(weights_only=True)``: tensors and plain Python values only, no
 arbitrary pickles. numpy arrays (replay memory, numpy's generator state) are stored as tensors and
-converted back.
+converted back; unsigned arrays wider than a byte (numpy's generator key is uint32) are stored
+as the signed tensor of the same width, which every supported torch can hold.
+
+Seeds of one config: PILOT runs all the seeds of a config in one process. A seed whose results
+file is already complete for this version and config (:func:`completed_results`) is not trained
+again: :class:`CompletedRun` stands in for its session and returns its stored evaluations, as a
+resumed session does for the tasks it finished before the checkpoint.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +39,15 @@ import numpy as np
 import torch
 
 from ..core.files import write_atomic_with
-from ..core.results import RESULTS_SUFFIX, to_jsonable
+from ..core.results import RESULTS_SUFFIX, load_results, to_jsonable
 from ..version import __version__
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_SUFFIX = ".ckpt.pt"
-#: Layout of the checkpoint payload; bumped when the layout changes.
-CHECKPOINT_FORMAT = 1
+#: Layout of the checkpoint payload; bumped when the layout changes (2: the RNG state holds
+#: the training device's CUDA generator only; unsigned numpy arrays stored as signed tensors).
+CHECKPOINT_FORMAT = 2
 
 #: Config keys a checkpoint does not compare, each because it cannot change a result:
 IGNORED_KEYS = {
@@ -49,6 +58,8 @@ IGNORED_KEYS = {
     "checkpoint_every": "how often to checkpoint, not what is computed",
     "logger": "live logging only reads the run's numbers",
     "logger_dir": "where live logs go",
+    "pin_memory": "where host batches live, not their bytes",
+    "eval_pixel_cache": "the cached test pixels are the bytes a fresh load gives",
 }
 #: ``device`` is compared by kind (cpu / cuda), not by index: a CUDA run may resume on another GPU.
 
@@ -72,35 +83,56 @@ def _device_kind(device: Any) -> str:
     return "cuda" if text.isdigit() else text.split(":")[0]
 
 
+def _device_kinds(devices: Any) -> list[str]:
+    """The device kinds of a config's ``device``, also as a results file keeps it: the text of
+    PILOT's list of ``torch.device`` (``"[device(type='cuda', index=0)]"``)."""
+    if isinstance(devices, str) and "type=" in devices:
+        return re.findall(r"type='(\w+)'", devices)
+    if isinstance(devices, str) and devices.startswith("["):
+        try:
+            devices = ast.literal_eval(devices)
+        except (ValueError, SyntaxError):
+            pass
+    devices = devices if isinstance(devices, (list, tuple)) else [devices]
+    return [_device_kind(device) for device in devices]
+
+
 def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
     """The part of a config that a resumed run must share with the checkpoint, as plain JSON."""
     kept = {key: value for key, value in config.items() if key not in IGNORED_KEYS}
     if "device" in kept:
-        devices = kept["device"]
-        devices = devices if isinstance(devices, (list, tuple)) else [devices]
-        kept["device"] = [_device_kind(device) for device in devices]
+        kept["device"] = _device_kinds(kept["device"])
     return json.loads(json.dumps(to_jsonable(kept), sort_keys=True, default=str))
 
 
-def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """``key: saved -> current`` for every key whose value differs (or exists on one side only)."""
+def config_differences(
+    saved: dict[str, Any], current: dict[str, Any], where: str = "the checkpoint"
+) -> list[str]:
+    """``key: saved -> current`` for every key whose value differs (or exists on one side only);
+    ``where`` names what holds the saved config."""
     missing = object()
     lines = []
     for key in sorted(set(saved) | set(current)):
         before, after = saved.get(key, missing), current.get(key, missing)
         if before != after:
             show = lambda v: "(absent)" if v is missing else json.dumps(v)  # noqa: E731
-            lines.append(f"{key}: {show(before)} in the checkpoint, {show(after)} now")
+            lines.append(f"{key}: {show(before)} in {where}, {show(after)} now")
     return lines
 
 
 # -- numpy <-> tensor, so the file loads with weights_only=True -------------------------------
 _NUMPY_TAG = "__numpy_array__"
+_NUMPY_DTYPE_TAG = "__numpy_dtype__"
 
 
 def _encode(value: Any) -> Any:
     if isinstance(value, np.ndarray):
-        return {_NUMPY_TAG: torch.from_numpy(np.ascontiguousarray(value).copy())}
+        array = np.ascontiguousarray(value).copy()
+        if array.dtype.kind == "u" and array.dtype.itemsize > 1:
+            # torch < 2.3 has no uint16/32/64 tensors: keep the bits in a signed view.
+            signed = array.view(np.dtype(f"int{8 * array.dtype.itemsize}"))
+            return {_NUMPY_TAG: torch.from_numpy(signed), _NUMPY_DTYPE_TAG: array.dtype.str}
+        return {_NUMPY_TAG: torch.from_numpy(array)}
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, dict):
@@ -114,6 +146,8 @@ def _decode(value: Any) -> Any:
     if isinstance(value, dict):
         if set(value) == {_NUMPY_TAG}:
             return value[_NUMPY_TAG].numpy()
+        if set(value) == {_NUMPY_TAG, _NUMPY_DTYPE_TAG}:
+            return value[_NUMPY_TAG].numpy().view(np.dtype(value[_NUMPY_DTYPE_TAG]))
         return {key: _decode(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_decode(item) for item in value)
@@ -171,3 +205,64 @@ def load_checkpoint(path: Path, config: dict[str, Any]) -> dict[str, Any]:
             "with this config"
         )
     return _decode(payload["state"])
+
+
+# -- seeds of one config -----------------------------------------------------------------------
+def completed_results(path: Path, config: dict[str, Any]) -> dict[str, Any] | None:
+    """The results at ``path`` if they are a complete run of this config by this version, with
+    the evaluations a rerun must hand back to PILOT's trainer; else None (and a log line saying
+    why, when there is a file): the seed is then trained, into a timestamped results file."""
+    if not path.is_file():
+        return None
+    try:
+        results = load_results(path)
+    except (OSError, ValueError) as err:
+        logger.warning("results %s cannot be read (%s): training this seed again", path, err)
+        return None
+    why = None
+    if results.get("status") != "complete":
+        why = f"its status is {results.get('status')!r}, not 'complete'"
+    elif results.get("pilot_online_version") != __version__:
+        why = f"pilot-online {results.get('pilot_online_version')} wrote it, this is {__version__}"
+    elif differences := config_differences(
+        comparable_config(results["config"]), comparable_config(config), "the results"
+    ):
+        why = "it was run with another config (" + "; ".join(differences[:5]) + ")"
+    elif not isinstance(results["extra"].get("task_reports"), list):
+        why = "it holds no per-task evaluations (written before they were kept)"
+    if why is not None:
+        logger.warning("results %s exist but %s: training this seed again", path, why)
+        return None
+    return results
+
+
+class CompletedRun:
+    """Stands in for the :class:`~pilot_online.engine.session.OnlineSession` of a seed whose
+    results are complete (:func:`completed_results`): it trains nothing and writes nothing, and
+    :meth:`complete_task` returns each task's stored evaluation, PILOT's ``cnn_accy``."""
+
+    def __init__(self, path: Path, results: dict[str, Any]) -> None:
+        self.written_path = path
+        self.stored = results
+        self.task_reports: list[dict[str, Any]] = list(results["extra"]["task_reports"])
+
+    def train_task(self, task: int) -> None:
+        """Nothing to train: the stored run trained this task."""
+        if not 0 <= task < len(self.task_reports):
+            raise IndexError(
+                f"{self.written_path} holds {len(self.task_reports)} tasks, not task {task}: the "
+                "stream has changed; move the file away to train this seed again"
+            )
+
+    def complete_task(self, task: int) -> dict[str, Any]:
+        """The stored evaluation at the end of ``task``."""
+        self.train_task(task)
+        return self.task_reports[task]
+
+    def finish(self) -> dict[str, Any]:
+        """The stored results (the file is left as it is)."""
+        return self.stored
+
+    def write(self, status: str = "complete", error: str | None = None) -> dict[str, Any]:
+        """Nothing to write: the complete results are on disk already."""
+        return self.stored

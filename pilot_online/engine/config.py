@@ -13,7 +13,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..core.checks import check_choice, check_int, closest
+from ..core.checks import (
+    boolean,
+    check_choice,
+    closest,
+    integer,
+    json_object,
+    optional,
+    real,
+    string,
+    text,
+)
 from ..core.datasets import dataset_names
 from ..core.fgh import OPTION_KEYS as FGH_KEYS
 from ..core.fgh import validate_options as validate_fgh_options
@@ -22,104 +32,295 @@ from ..core.streams import BLURRED_SELECTIONS, STREAMS
 from .adapter import ConfigKey
 from .eval_cache import CACHE_MODES
 from .live_log import LOGGERS, check_logger_available
-from .loop import AMP_MODES, OPTIMIZERS
+from .loop import AMP_MODES, MATMUL_PRECISIONS, OPTIMIZERS
+from .pixel_cache import PIXEL_CACHE_MODES
 from .protocol import HP_COLUMNS
+
+
+def check_weights_file(name: str, value: Any) -> str:
+    """A ``pretrained_path``: an existing file in a form the backbones read (by its suffix)."""
+    from ..pilot.backbones import check_weights_suffix
+
+    if not isinstance(value, str) or not Path(value).is_file():
+        raise ValueError(
+            f"{name} {value!r} is not a file: point it at the ViT weights, or set it to null "
+            "to download them"
+        )
+    check_weights_suffix(value)
+    return value
+
+
+def _dataset(name: str, value: Any) -> str:
+    """PILOT looks names up case-insensitively; an unknown one would fail only after setup."""
+    owners = dataset_names()
+    valid = [n for names in owners.values() for n in names]
+    if not isinstance(value, str) or value.lower() not in valid:
+        listing = "; ".join(
+            f"{owner} datasets: {', '.join(names)}" for owner, names in owners.items()
+        )
+        hint = closest(str(value).lower(), valid)
+        raise ValueError(f"unknown {name} {value!r}{hint}. {listing}")
+    return value
+
+
+def _devices(name: str, value: Any) -> list:
+    """PILOT's ``device`` list: ``-1`` (the CPU) or CUDA indices. PILOT's trainer replaces them
+    by ``torch.device`` objects before the learner resolves its args again: those pass too."""
+    entries = value if isinstance(value, (list, tuple)) else None
+    ok = bool(entries) and all(
+        (isinstance(d, int) and not isinstance(d, bool) and d >= -1)
+        or (isinstance(d, str) and d.isdigit())
+        or type(d).__name__ == "device"
+        for d in entries
+    )
+    if not ok:
+        raise ValueError(
+            f"{name} must be a list of devices, [-1] for the CPU or CUDA indices such as "
+            f'["0"], got {value!r}'
+        )
+    return list(entries)
+
+
+def _seeds(name: str, value: Any) -> list:
+    """A list of integer seeds (PILOT's trainer runs each, and hands the learner one)."""
+    seeds = value if isinstance(value, list) else [value]
+    if not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+        raise TypeError(f"{name} must be a list of integers, e.g. [1993, 1994], got {value!r}")
+    return seeds
+
+
+def _fgh(name: str, value: Any) -> Any:
+    """``null``, or FGH's options with known names and valid values (``core.fgh``)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(f'"{name}" must be null or an object such as {{"gamma": 1}}')
+    unknown = sorted(set(value) - set(FGH_KEYS))
+    if unknown:
+        raise ValueError(
+            f"unknown {name} key(s) {unknown}{closest(unknown[0], FGH_KEYS)}; "
+            f"valid: {', '.join(FGH_KEYS)}"
+        )
+    try:
+        validate_fgh_options(**value)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{name}: {err}") from None
+    return value
+
+
+def _logger(name: str, value: Any) -> Any:
+    """A live logger whose package is installed (the name itself is checked by ``choices``)."""
+    try:
+        check_logger_available(value)
+    except ImportError as err:
+        raise ValueError(str(err)) from None
+    return value
+
+
+def _percentage(name: str, value: Any) -> int:
+    return integer(0, 100)(f"{name} (a percentage)", value)
+
 
 #: Keys PILOT's ``main.py``/``trainer.py``/``BaseLearner`` read, with the online defaults.
 PILOT_KEYS: dict[str, ConfigKey] = {
-    "prefix": ConfigKey("", "log-file prefix (PILOT)"),
-    "dataset": ConfigKey(None, "PILOT dataset name, or a plugin one such as 'synthetic'"),
+    "prefix": ConfigKey("", "log-file prefix (PILOT)", check=text),
+    "dataset": ConfigKey(
+        None, "PILOT dataset name, or a plugin one such as 'synthetic'", check=_dataset
+    ),
     "memory_size": ConfigKey(
         0, "PILOT's rehearsal memory: always 0 online (replay: er_memory_size)", forced=True
     ),
     "memory_per_class": ConfigKey(0, "rehearsal memory per class: always 0 online", forced=True),
     "fixed_memory": ConfigKey(False, "PILOT memory option: unused online", forced=True),
-    "shuffle": ConfigKey(True, "shuffle the class order with the seed (PILOT DataManager)"),
-    "init_cls": ConfigKey(10, "classes in the first task (clear stream; PILOT split)"),
-    "increment": ConfigKey(10, "classes per later task (clear stream; PILOT split)"),
+    "shuffle": ConfigKey(
+        True, "shuffle the class order with the seed (PILOT DataManager)", check=boolean
+    ),
+    "init_cls": ConfigKey(
+        10, "classes in the first task (clear stream; PILOT split)", check=integer(1)
+    ),
+    "increment": ConfigKey(
+        10, "classes per later task (clear stream; PILOT split)", check=integer(1)
+    ),
     "model_name": ConfigKey(None, "a pilot-online method, e.g. coda_online"),
-    "backbone_type": ConfigKey(None, "PILOT backbone name, e.g. vit_base_patch16_224_coda_prompt"),
-    "device": ConfigKey(["0"], "PILOT devices: -1 for CPU, else a CUDA index"),
-    "seed": ConfigKey([1993], "list of seeds; each seed runs and writes its own results file"),
-    "batch_size": ConfigKey(100, "stream batch size (the paper uses 100)"),
-    "init_lr": ConfigKey(5e-3, "constant learning rate (no scheduler online)"),
+    "backbone_type": ConfigKey(
+        None,
+        "PILOT backbone name, one the method's base model builds (check-config lists them)",
+        check=optional(text),
+    ),
+    "device": ConfigKey(["0"], "PILOT devices: -1 for CPU, else a CUDA index", check=_devices),
+    "seed": ConfigKey(
+        [1993], "list of seeds; each seed runs and writes its own results file", check=_seeds
+    ),
+    "batch_size": ConfigKey(100, "stream batch size (the paper uses 100)", check=integer(1)),
+    "init_lr": ConfigKey(
+        5e-3, "constant learning rate (no scheduler online)", check=real(positive=True)
+    ),
     "optimizer": ConfigKey(
         "adam", "optimizer, at a constant learning rate", choices=tuple(OPTIMIZERS)
     ),
-    "weight_decay": ConfigKey(0.0, "optimizer weight decay"),
+    "weight_decay": ConfigKey(0.0, "optimizer weight decay", check=real(0)),
     "pretrained": ConfigKey(
-        True, "load pretrained ViT weights (offline: false, or pretrained_path)"
+        True, "load pretrained ViT weights (offline: false, or pretrained_path)", check=boolean
     ),
-    "drop": ConfigKey(0.0, "ViT dropout"),
-    "drop_path": ConfigKey(0.0, "ViT stochastic depth"),
+    "drop": ConfigKey(0.0, "ViT dropout", check=real(0, 1)),
+    "drop_path": ConfigKey(0.0, "ViT stochastic depth", check=real(0, 1)),
 }
 
 #: Keys this plugin adds.
 ONLINE_KEYS: dict[str, ConfigKey] = {
     "stream": ConfigKey(STREAMS[0], "training stream kind", choices=STREAMS),
-    "si_blurry_n": ConfigKey(50, "Si-Blurry N: percent of classes that are disjoint"),
-    "si_blurry_m": ConfigKey(10, "Si-Blurry M: percent of blurry-class samples blurred"),
+    "si_blurry_n": ConfigKey(
+        50, "Si-Blurry N: percent of classes that are disjoint", check=_percentage
+    ),
+    "si_blurry_m": ConfigKey(
+        10, "Si-Blurry M: percent of blurry-class samples blurred", check=_percentage
+    ),
     "si_blurry_selection": ConfigKey(
         BLURRED_SELECTIONS[0],
         "which blurry samples move: the first in dataset order (upstream), or random ones",
         choices=BLURRED_SELECTIONS,
     ),
-    "online_prototypes": ConfigKey(False, "add the prototype loss L_P (paper Eq. 1-2)"),
+    "online_prototypes": ConfigKey(
+        False, "add the prototype loss L_P (paper Eq. 1-2)", check=boolean
+    ),
     "fgh": ConfigKey(
-        None, "null, or {gamma, granularity, direction, apply, clamp}: Fine-Grained Hypergradients"
+        None,
+        "null, or {gamma, granularity, direction, apply, clamp}: Fine-Grained Hypergradients",
+        check=_fgh,
     ),
     "logit_mask": ConfigKey("batch", "training-loss logit mask", choices=LOGIT_MASKS),
-    "eval_period": ConfigKey(None, "also evaluate every N stream samples (A_auc); null = off"),
+    "eval_period": ConfigKey(
+        None,
+        "also evaluate every N stream samples (A_auc); null = off",
+        check=optional(integer(1)),
+    ),
     "batchwise_prompt_eval": ConfigKey(
-        False, "batch majority-vote prompt selection at test time (leaks task identity)"
+        False,
+        "batch majority-vote prompt selection at test time (leaks task identity)",
+        check=boolean,
     ),
-    "backbone_kwargs": ConfigKey({}, "extra kwargs for timm.create_model, e.g. {img_size: 32}"),
+    "backbone_kwargs": ConfigKey(
+        {}, "extra kwargs for timm.create_model, e.g. {img_size: 32}", check=json_object
+    ),
     "pretrained_path": ConfigKey(
-        None, "local ViT weights file (timm 0.6 npz) instead of a download"
+        None,
+        "local ViT weights instead of a download: timm 0.6's npz, or a timm state dict "
+        "(.pth/.pt/.bin, or the Hugging Face cache's .safetensors); loaded strictly",
+        check=lambda name, value: None if value is None else check_weights_file(name, value),
     ),
-    "num_workers": ConfigKey(2, "DataLoader workers"),
-    "eval_batch_size": ConfigKey(256, "batch size for evaluation"),
+    "num_workers": ConfigKey(
+        None,
+        "DataLoader workers per loader (stream, replay, evaluation; persistent for the run); "
+        "null = one per CPU this process may use, less one, at most 16",
+        check=optional(integer(minimum=0)),
+    ),
+    "eval_batch_size": ConfigKey(256, "batch size for evaluation", check=integer(1)),
     "eval_query_cache": ConfigKey(
         "auto",
         "cache the frozen query pass per test image (L2P, DualPrompt, CODA, MVP); bit-identical",
         choices=CACHE_MODES,
     ),
-    "amp": ConfigKey(None, 'null (fp32) or "bf16": bfloat16 autocast in training and evaluation'),
-    "sdpa": ConfigKey(False, "ViT attention through torch's scaled_dot_product_attention"),
-    "pin_memory": ConfigKey(False, "DataLoader pinned memory (CUDA: faster host-to-device copies)"),
-    "max_nonfinite_steps": ConfigKey(10, "consecutive non-finite losses tolerated before stopping"),
-    "grad_trace": ConfigKey(
-        True, "record per-step classifier-row gradient norms (imbalance plots)"
+    "eval_pixel_cache": ConfigKey(
+        "auto",
+        "keep each test image, decoded and transformed once per run, as uint8 (deterministic "
+        "test transforms only); auto: on the GPU if it fits, else pinned host memory; identical",
+        choices=PIXEL_CACHE_MODES,
     ),
-    "results_dir": ConfigKey(None, "where results JSON goes (default: PILOT's log directory)"),
+    "amp": ConfigKey(
+        None,
+        'null (fp32) or "bf16": bfloat16 autocast in training and evaluation',
+        choices=AMP_MODES,
+    ),
+    "sdpa": ConfigKey(
+        False, "ViT attention through torch's scaled_dot_product_attention", check=boolean
+    ),
+    "matmul_precision": ConfigKey(
+        "highest",
+        'float32 matmuls: "highest" (fp32), "high" (TF32 on Ampere+ GPUs), "medium" (bf16-based)',
+        choices=MATMUL_PRECISIONS,
+    ),
+    "pin_memory": ConfigKey(
+        None,
+        "DataLoader pinned memory (faster host-to-device copies); null = on when the device is "
+        "a GPU",
+        check=optional(boolean),
+    ),
+    "max_nonfinite_steps": ConfigKey(
+        10, "consecutive non-finite losses tolerated before stopping", check=integer(0)
+    ),
+    "grad_trace": ConfigKey(
+        True, "record per-step classifier-row gradient norms (imbalance plots)", check=boolean
+    ),
+    "results_dir": ConfigKey(
+        None,
+        "where results JSON goes (default: PILOT's log directory)",
+        check=optional(string("a folder path")),
+    ),
     "hp_column": ConfigKey(
         HP_COLUMNS[0],
         "main tables' column the run fills: lr (its init_lr) or best (Best HP, sweep --hp-from)",
         choices=HP_COLUMNS,
     ),
-    "log_interval": ConfigKey(10, "steps between progress-bar updates (each one syncs the device)"),
-    "er_memory_size": ConfigKey(
-        0, "experience-replay reservoir size; > 0 turns replay on (memory-based rows only)"
+    "log_interval": ConfigKey(
+        10, "steps between progress-bar updates (each one syncs the device)", check=integer(1)
     ),
-    "er_batch_size": ConfigKey(100, "memory samples replayed beside each stream batch"),
+    "er_memory_size": ConfigKey(
+        0,
+        "experience-replay reservoir size; > 0 turns replay on (memory-based rows only)",
+        check=integer(0),
+    ),
+    "er_batch_size": ConfigKey(
+        100, "memory samples replayed beside each stream batch", check=integer(0)
+    ),
     "allow_memory": ConfigKey(
-        False, "let a memory-free row keep samples (experience replay on with er_memory_size)"
+        False,
+        "let a memory-free row keep samples (experience replay on with er_memory_size)",
+        check=boolean,
     ),
     "logger": ConfigKey(
         None,
         "live logging: null (off) or tensorboard (scalars every log_interval)",
         choices=LOGGERS,
+        check=_logger,
     ),
-    "logger_dir": ConfigKey(None, "TensorBoard folder (default: beside the results file)"),
+    "logger_dir": ConfigKey(
+        None,
+        "TensorBoard folder (default: beside the results file)",
+        check=optional(string("a folder path")),
+    ),
     "checkpoint_every": ConfigKey(
         None,
         "checkpoint every N stream batches and at each task end, and resume from it; null = off",
+        check=optional(integer(1)),
     ),
 }
 
-#: The paper's FGH setting (Eq. 8, gamma 1) and its four ablation rows: base, + P, + FGH and
-#: + P + FGH ("ours"). exps/, ``pilot-online sweep --grid variant=...`` and the demo use these.
-PAPER_FGH = {"gamma": 1, "granularity": "element", "direction": "grad", "apply": "grad"}
+#: The two forms of FGH the paper states (docs/fgh.md; ``benchmarks/fgh_proxy.py`` measures both).
+#: ``appendix``: the appendix algorithm, "the algorithm that we used for our experiments": one
+#: coefficient per classifier row (weight row and bias together), paired Adam-normalised
+#: directions, gamma 1e-3 as its listing sets it, and the coefficient clamp it mentions but does
+#: not state (ours, explicit: [0, 10]). ``eq8``: the main text's Eq. 8 and Algorithm 1, one
+#: coefficient per trainable scalar on raw gradients, gamma 1.
+FGH_FORMS: dict[str, dict[str, Any]] = {
+    "appendix": {
+        "gamma": 0.001,
+        "granularity": "class",
+        "direction": "adam",
+        "apply": "grad",
+        "clamp": [0.0, 10.0],
+    },
+    "eq8": {
+        "gamma": 1,
+        "granularity": "element",
+        "direction": "grad",
+        "apply": "grad",
+        "clamp": [0.0, 10.0],
+    },
+}
+#: The FGH the paper's "+ ours" rows ran (the appendix algorithm), and its four ablation rows:
+#: base, + P, + FGH and + P + FGH ("ours"). exps/, ``pilot-online sweep --grid variant=...`` and
+#: the demo use these; the other form is ``FGH_FORMS["eq8"]``, pasted as a config's ``"fgh"``.
+PAPER_FGH = FGH_FORMS["appendix"]
 VARIANTS: dict[str, dict[str, Any]] = {
     "base": {"online_prototypes": False, "fgh": None},
     "p": {"online_prototypes": True, "fgh": None},
@@ -170,33 +371,25 @@ def load_json(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _check_dataset(name: Any) -> None:
-    """PILOT looks names up case-insensitively; an unknown one would fail only after setup."""
-    owners = dataset_names()
-    valid = [n for names in owners.values() for n in names]
-    if not isinstance(name, str) or name.lower() not in valid:
-        listing = "; ".join(
-            f"{owner} datasets: {', '.join(names)}" for owner, names in owners.items()
-        )
-        hint = closest(str(name).lower(), valid)
-        raise ConfigError(f"unknown dataset {name!r}{hint}. {listing}")
-
-
-def _check_fgh(fgh: Any) -> None:
-    if fgh is None:
-        return
-    if not isinstance(fgh, dict):
-        raise ConfigError('"fgh" must be null or an object such as {"gamma": 1}')
-    unknown = sorted(set(fgh) - set(FGH_KEYS))
-    if unknown:
+def _check_backbone(cfg: dict[str, Any], adapter: Any) -> None:
+    """``backbone_type`` must be a name PILOT's ``get_backbone`` builds for the method's upstream
+    model (``adapter.backbone_types``, from ``pilot/backbone_names.py``): PILOT itself fails only
+    after setup, or with an ``UnboundLocalError`` for a name that matches a branch's substring
+    but none of its exact names. Only names in the table are ever suggested."""
+    name, model = cfg["backbone_type"], cfg["model_name"]
+    if adapter.backbone_types:
+        if name not in adapter.backbone_types:
+            raise ConfigError(
+                f"backbone_type {name!r} is not a backbone PILOT builds for {model} (upstream "
+                f"model {adapter.base_model_name!r}){closest(name, adapter.backbone_types)}: "
+                f"choose one of {', '.join(adapter.backbone_types)}"
+            )
+    elif adapter.backbone_marker and adapter.backbone_marker not in str(name).lower():
         raise ConfigError(
-            f"unknown fgh key(s) {unknown}{closest(unknown[0], FGH_KEYS)}; "
-            f"valid: {', '.join(FGH_KEYS)}"
+            f"backbone_type {name!r} is not a {adapter.base_model_name} backbone: PILOT needs "
+            f"one containing {adapter.backbone_marker!r} (declare the adapter's backbone_types "
+            "to check exact names)"
         )
-    try:
-        validate_fgh_options(**fgh)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"fgh: {err}") from None
 
 
 def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -224,6 +417,10 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
             )
     cfg = {key: spec.default for key, spec in schema.items()}
     cfg.update(raw)
+    for key in ("dataset", "backbone_type"):
+        if not cfg[key]:
+            raise ConfigError(f"the config needs {key!r}")
+    method_keys = set(adapter.config_keys)
     for key, spec in schema.items():
         if spec.forced and cfg[key] != spec.default:
             raise ConfigError(
@@ -235,64 +432,9 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
             if spec.check is not None:
                 spec.check(key, cfg[key])
         except (TypeError, ValueError) as err:
-            raise ConfigError(str(err)) from None
-    for key in ("dataset", "backbone_type"):
-        if not cfg[key]:
-            raise ConfigError(f"the config needs {key!r}")
-
-    if adapter.backbone_types and cfg["backbone_type"] not in adapter.backbone_types:
-        raise ConfigError(
-            f"backbone_type {cfg['backbone_type']!r} is not a backbone {cfg['model_name']} can "
-            f"use: choose one of {', '.join(adapter.backbone_types)}"
-        )
-    if adapter.backbone_marker not in str(cfg["backbone_type"]).lower():
-        raise ConfigError(
-            f"backbone_type {cfg['backbone_type']!r} is not a {adapter.base_model_name} backbone: "
-            f"PILOT needs one containing {adapter.backbone_marker!r}, e.g. "
-            f"'vit_base_patch16_224{adapter.backbone_marker}'"
-        )
-    _check_dataset(cfg["dataset"])
-    try:
-        for key in ("batch_size", "eval_batch_size", "init_cls", "increment", "log_interval"):
-            check_int(key, cfg[key], 1)
-        for key in ("si_blurry_n", "si_blurry_m"):
-            check_int(f"{key} (a percentage)", cfg[key], 0, 100)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(str(err)) from None
-    if not isinstance(cfg["init_lr"], (int, float)) or cfg["init_lr"] <= 0:
-        raise ConfigError(f"init_lr must be a positive number, got {cfg['init_lr']!r}")
-    if cfg["eval_period"] is not None and (
-        not isinstance(cfg["eval_period"], int) or cfg["eval_period"] < 1
-    ):
-        raise ConfigError("eval_period must be null or a positive number of stream samples")
-    every = cfg["checkpoint_every"]
-    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
-        raise ConfigError(
-            f"checkpoint_every must be null (no checkpoints) or a positive number of stream "
-            f"batches, got {every!r}"
-        )
-    seeds = cfg["seed"] if isinstance(cfg["seed"], list) else [cfg["seed"]]
-    if not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
-        raise ConfigError('"seed" must be a list of integers, e.g. [1993, 1994]')
-    if not isinstance(cfg["backbone_kwargs"], dict):
-        raise ConfigError('"backbone_kwargs" must be an object, e.g. {"img_size": 32}')
-    if cfg["pretrained_path"] is not None and not Path(cfg["pretrained_path"]).is_file():
-        raise ConfigError(
-            f"pretrained_path {cfg['pretrained_path']!r} is not a file: point it at the ViT "
-            "weights (timm 0.6 npz), or set it to null to download them"
-        )
-    if cfg["amp"] not in AMP_MODES:
-        raise ConfigError(f'amp must be null or "bf16", got {cfg["amp"]!r}')
-    for key in ("sdpa", "pin_memory"):
-        if not isinstance(cfg[key], bool):
-            raise ConfigError(f"{key} must be true or false, got {cfg[key]!r}")
-    _check_fgh(cfg["fgh"])
-    if cfg["logger_dir"] is not None and not isinstance(cfg["logger_dir"], str):
-        raise ConfigError(f"logger_dir must be null or a folder path, got {cfg['logger_dir']!r}")
-    try:
-        check_logger_available(cfg["logger"])
-    except ImportError as err:
-        raise ConfigError(str(err)) from None
+            owner = f"{cfg['model_name']}: " if key in method_keys else ""
+            raise ConfigError(f"{owner}{err}") from None
+    _check_backbone(cfg, adapter)
     try:
         adapter.check_config(cfg)
     except (TypeError, ValueError) as err:
@@ -303,12 +445,6 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 def _check_replay(cfg: dict[str, Any], raw: Mapping[str, Any], adapter: Any) -> None:
     """Experience replay is on iff ``er_memory_size > 0``; only memory-based rows keep samples."""
-    for key in ("er_memory_size", "er_batch_size"):
-        value = cfg[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ConfigError(f"{key} must be a non-negative integer, got {value!r}")
-    if not isinstance(cfg["allow_memory"], bool):
-        raise ConfigError(f"allow_memory must be true or false, got {cfg['allow_memory']!r}")
     replay = cfg["er_memory_size"] > 0
     default_batch = ONLINE_KEYS["er_batch_size"].default
     name = cfg["model_name"]

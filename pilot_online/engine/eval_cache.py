@@ -34,6 +34,30 @@ CACHE_MODES = ("auto", "device", "cpu", "off")
 DEVICE_FRACTION = 0.25
 
 
+def cache_placement(mode: str, nbytes: int, device: torch.device, key: str) -> torch.device:
+    """Where a cache of ``nbytes`` goes under ``mode`` (:data:`CACHE_MODES` but ``off``): the CPU
+    for ``cpu`` or a CPU run, ``device`` itself for ``device``, and for ``auto`` the CUDA device
+    when ``nbytes`` is at most :data:`DEVICE_FRACTION` of its free memory, else the CPU (logged,
+    naming the config ``key``). Shared by every evaluation cache, so they follow one rule."""
+    device = torch.device(device)
+    if mode == "cpu" or device.type == "cpu":
+        return torch.device("cpu")
+    if mode == "device":
+        return device
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if nbytes <= DEVICE_FRACTION * free:
+            return device
+        logger.info(
+            "%s on the CPU: %d MiB exceed %.0f%% of the device's free memory",
+            key,
+            nbytes >> 20,
+            100 * DEVICE_FRACTION,
+        )
+        return torch.device("cpu")
+    return device
+
+
 def _versions(params: list[nn.Parameter]) -> tuple[int, ...]:
     return tuple(p._version for p in params)
 
@@ -86,21 +110,7 @@ class QueryCache:
 
     # -- storage -----------------------------------------------------------------------------
     def _place(self, nbytes: int) -> torch.device:
-        if self.mode == "cpu" or self.device.type == "cpu":
-            return torch.device("cpu")
-        if self.mode == "device":
-            return self.device
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            if nbytes <= DEVICE_FRACTION * free:
-                return self.device
-            logger.info(
-                "eval_query_cache on the CPU: %d MiB exceed %.0f%% of the device's free memory",
-                nbytes >> 20,
-                100 * DEVICE_FRACTION,
-            )
-            return torch.device("cpu")
-        return self.device
+        return cache_placement(self.mode, nbytes, self.device, "eval_query_cache")
 
     def _reserve(self, size: int, like: torch.Tensor) -> None:
         """Room for indices ``< size``, shaped and typed like one query row of ``like``."""

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +65,31 @@ def make_optimizer(
 ) -> torch.optim.Optimizer:
     """The constant-LR optimiser of online training (no scheduler: stream length is unknown)."""
     optimizer_cls, extra = OPTIMIZERS[check_choice("optimizer", name, OPTIMIZERS)]
-    return optimizer_cls(params, lr=lr, weight_decay=weight_decay, **extra)
+    # One parameter group, so that a method that trains nothing (SimpleCIL) gets an empty one.
+    return optimizer_cls([{"params": list(params)}], lr=lr, weight_decay=weight_decay, **extra)
+
+
+def check_classifier(adapter: MethodAdapter, network: nn.Module) -> None:
+    """The adapter's :meth:`~MethodAdapter.classifier` must be a built linear layer: prototypes
+    are replayed through it, FGH's class mode and the gradient trace read its rows. PILOT builds
+    heads in ``update_fc`` at task boundaries, which online training never reaches, so a port
+    that reuses a PILOT network as it is finds ``fc = None`` here."""
+    name = type(adapter).__name__
+    layer = adapter.classifier(network)
+    if layer is None:
+        raise ValueError(
+            f"{name}.classifier() returned None: PILOT builds heads in update_fc at task "
+            "boundaries, which online training never calls. Build the head in build_network "
+            "with self.online_head(network, args) (one nn.Linear over args['nb_classes']) and "
+            "return it from classifier()"
+        )
+    weight = getattr(layer, "weight", None)
+    if not isinstance(getattr(layer, "in_features", None), int) or weight is None:
+        raise ValueError(
+            f"{name}.classifier() returned {type(layer).__name__}, not a linear layer with "
+            "in_features and weight: return the nn.Linear that produces the logits (build one "
+            "with self.online_head(network, args))"
+        )
 
 
 class OnlineLoop:
@@ -84,9 +108,13 @@ class OnlineLoop:
         self.config = config
         self.num_classes = num_classes
         self.device = torch.device(device)
+        check_classifier(adapter, self.network)
         self.named_parameters = list(adapter.trainable_parameters(self.network))
-        if not self.named_parameters:
-            raise ValueError(f"{type(adapter).__name__} exposes no trainable parameters")
+        if not self.named_parameters and adapter.trains:
+            raise ValueError(
+                f"{type(adapter).__name__} exposes no trainable parameters; a method that learns "
+                "without gradients sets trains = False and learns in observe()"
+            )
         self.optimizer = make_optimizer(
             config.get("optimizer", "adam"),
             [p for _, p in self.named_parameters],
@@ -109,6 +137,9 @@ class OnlineLoop:
         self.query_cache = QueryCache(config.get("eval_query_cache", "auto"), self.device)
         self.amp = config.get("amp")
         check_amp(self.amp, self.device)
+        self.matmul_precision = check_choice(
+            "matmul_precision", config.get("matmul_precision", "highest"), MATMUL_PRECISIONS
+        )
         self.setup()
 
     def attach_samples(self, loader: SampleLoader) -> None:
@@ -154,6 +185,15 @@ class OnlineLoop:
     def train_step(
         self, inputs: torch.Tensor, labels: torch.Tensor, indices: np.ndarray | None = None
     ) -> StepStats:
+        """One online step on one stream batch (``indices``: its dataset indices, for replay),
+        under the run's ``matmul_precision`` (put back afterwards: see :func:`matmul_precision`).
+        """
+        with matmul_precision(self.matmul_precision):
+            return self._train_step(inputs, labels, indices)
+
+    def _train_step(
+        self, inputs: torch.Tensor, labels: torch.Tensor, indices: np.ndarray | None = None
+    ) -> StepStats:
         """One online step on one stream batch (``indices``: its dataset indices, for replay).
 
         Replayed samples join the stream batch in one forward pass (a ViT normalises per sample,
@@ -189,8 +229,17 @@ class OnlineLoop:
             loss = torch.stack([t.reshape(()) for t in terms.values()]).sum()
         correct = (logits[:stream_size].detach().argmax(1) == labels).sum()
         self.samples_seen += stream_size
+        if not self.adapter.trains:  # it learns in observe(): no backward, no optimiser step
+            self._observe(out, labels, stream_size)
+            return StepStats(loss.detach(), correct, stream_size, terms=_detached(terms))
 
         loss.backward()
+        # Terms the adapter backpropagates itself, one graph at a time (oLoRA's hard buffer):
+        # their gradients accumulate into .grad, their values join the loss and its terms.
+        extra = self.adapter.extra_backward(self.network, self.autocast)
+        if extra:
+            terms.update(extra)
+            loss = loss.detach() + torch.stack([t.reshape(()) for t in extra.values()]).sum()
         # One host sync per step, as GradScaler does: a NaN/inf loss or gradient must reach
         # neither the weights nor FGH's stored signals.
         grads = [p.grad for _, p in self.named_parameters if p.grad is not None]
@@ -208,12 +257,18 @@ class OnlineLoop:
         restarted = list(self.adapter.after_step(self.network, inputs, batch_labels, detached))
         if restarted:
             self.reset_state(restarted)
-        if replay is not None:
+        self._observe(out, labels, stream_size)
+        return StepStats(loss.detach(), correct, stream_size, terms=detached)
+
+    def _observe(self, out: StepOutput, labels: torch.Tensor, stream_size: int) -> None:
+        """The step's outputs on the stream batch alone (replayed samples are not new
+        observations) go to the adapter's ``observe`` and the mixins' ``after_step``."""
+        if out.logits.shape[0] != stream_size:
             out = dataclasses.replace(
                 out, logits=out.logits[:stream_size], features=out.features[:stream_size]
             )
+        self.adapter.observe(self.network, out, labels)
         self.after_step(out, labels)
-        return StepStats(loss.detach(), correct, stream_size, terms=detached)
 
     def _skip_nonfinite(self, loss, correct, samples, terms) -> StepStats:
         self.skipped_nonfinite_steps += 1
@@ -246,7 +301,8 @@ class OnlineLoop:
         norms = class_grad_norms(fc.weight, fc.bias)
         self._grad_norm_sum += norms
         if self._grad_trace is not None:
-            self._grad_trace.append(norms.to(torch.float16 if norms.is_cuda else norms.dtype))
+            # float32 on every device, so CPU and GPU results files hold the same precision.
+            self._grad_trace.append(norms.to(torch.float32))
 
     def gradient_statistics(self, include_trace: bool = True) -> dict[str, np.ndarray]:
         """``mean``: g^j = mean over steps of ||g_t^j||; ``trace``: steps x classes, if kept
@@ -324,11 +380,22 @@ class OnlineLoop:
         topk: int,
         sample_ids: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k predictions over ``batches`` with logits outside ``allowed`` masked out.
+        """Top-k predictions over ``batches`` with logits outside ``allowed`` masked out, under
+        the run's ``matmul_precision``.
 
         ``sample_ids``: the test-sample index of each row of ``batches``, in order, given only when
         the test transforms are deterministic; with them, the query cache serves the method's
         frozen query pass (``engine/eval_cache.py``)."""
+        with matmul_precision(self.matmul_precision):
+            return self._predict(batches, allowed, topk, sample_ids)
+
+    def _predict(
+        self,
+        batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+        allowed: torch.Tensor,
+        topk: int,
+        sample_ids: np.ndarray | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
         self.adapter.eval_mode(self.network)
         allowed = allowed.to(self.device)
         topk = max(1, min(topk, int(allowed.sum())))
@@ -374,6 +441,32 @@ class OnlineLoop:
 
 #: ``amp`` values: null (fp32) or "bf16" (autocast).
 AMP_MODES = (None, "bf16")
+
+#: ``matmul_precision`` values, torch's float32 matmul precisions: "highest" (full fp32, the
+#: default), "high" (TF32 matmuls and cuDNN convolutions on Ampere and later GPUs; CPU matmuls
+#: unchanged), "medium" (bf16-based matmuls where the hardware has them, CPUs with oneDNN too).
+MATMUL_PRECISIONS = ("highest", "high", "medium")
+
+
+@contextlib.contextmanager
+def matmul_precision(mode: str) -> Iterator[None]:
+    """``torch.set_float32_matmul_precision(mode)`` and cuDNN's TF32 switch (on unless
+    ``"highest"``) for the block; both are process-wide, so they are put back after it: code
+    that runs between our steps (PILOT's trainer, another seed's setup) sees its own settings.
+    """
+    check_choice("matmul_precision", mode, MATMUL_PRECISIONS)
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision(mode)
+    torch.backends.cudnn.allow_tf32 = mode != "highest"
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]
+
+
+def _detached(terms: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t.detach() for name, t in terms.items()}
 
 
 def check_amp(amp: Any, device: torch.device) -> None:

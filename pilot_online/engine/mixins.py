@@ -67,7 +67,9 @@ class FGHMixin:
     ``granularity="class"`` covers the classifier layer only (the appendix algorithm); the other
     granularities cover every trainable parameter (Eq. 8). With ``apply="update"``, setup
     registers FGH's step hooks on the loop's optimizer (see
-    :meth:`FineGrainedHypergradients.register_optimizer_hooks`).
+    :meth:`FineGrainedHypergradients.register_optimizer_hooks`). The report holds each group's
+    alpha against the clamp (``alpha_bounds``: final and stream-averaged mean and fractions at
+    each bound), accumulated on the device and read once here.
     """
 
     fgh: FineGrainedHypergradients
@@ -114,8 +116,22 @@ class FGHMixin:
             "steps": self.fgh.num_steps,
             "skipped_nonfinite": int(self.fgh.num_skipped),
             "alpha": alphas,
+            # Per FGH param group: the clamp, and the mean alpha and fractions of coefficients at
+            # each bound, at the end ("final") and averaged over the stream's steps ("stream").
+            "alpha_bounds": _host_numbers(self.fgh.alpha_bounds()),
         }
         return report
+
+
+def _host_numbers(value: Any) -> Any:
+    """``value`` with every 0-d tensor read as a Python float (one read each, at report time)."""
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, dict):
+        return {key: _host_numbers(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_host_numbers(item) for item in value]
+    return value
 
 
 def _run_seed(seed: Any) -> int:
@@ -134,6 +150,11 @@ class ReplayMixin:
     them through the training transforms (``OnlineLoop.sample_loader``, attached by the session)
     and trains on them beside the stream batch; the stream batch is then offered to the
     reservoir. The memory holds dataset indices and labels only.
+
+    With a keyed loader (``keyed = True``, as ``PilotDataSource.train_samples``), the next step's
+    draw is made right after this step's batch is stored and handed to ``loader.prefetch``, so a
+    worker loads it off the critical path; each draw is loaded keyed by the stream samples offered
+    before its step, so its augmentations do not depend on the number of workers.
     """
 
     memory: ReservoirMemory
@@ -144,6 +165,10 @@ class ReplayMixin:
             int(self.config["er_memory_size"]), seed=_run_seed(self.config.get("seed", 0))
         )
         self.replay_size = int(self.config.get("er_batch_size", 100))
+        # The next step's draw, made as soon as this step's batch is stored (the reservoir's
+        # generator runs in the same order as drawing at the next step would), so that a keyed
+        # loader's worker loads it while this step computes.
+        self.next_draw: np.ndarray | None = None
 
     def replay_batch(
         self: OnlineLoop, indices: np.ndarray | None, labels: torch.Tensor
@@ -154,27 +179,45 @@ class ReplayMixin:
                 "experience replay needs each stream batch's dataset indices: call "
                 "train_step(inputs, labels, indices)"
             )
-        drawn, _ = self.memory.sample(self.replay_size)
+        drawn = (
+            self.next_draw
+            if self.next_draw is not None
+            else self.memory.sample(self.replay_size)[0]
+        )
+        step = self.memory.num_seen  # unique per step: stream samples offered before it
         # Labels come from the data loader, on the host: no device sync.
         self.memory.add(np.asarray(indices), labels.detach().cpu().numpy())
+        load = self.sample_loader
+        keyed = getattr(load, "keyed", False)  # loads keyed by step, and may prefetch
+        self.next_draw = self.memory.sample(self.replay_size)[0] if keyed else None
         if not len(drawn):
-            return replay
-        if self.sample_loader is None:
+            memory_inputs = None
+        elif load is None:
             raise RuntimeError(
                 "experience replay has no way to load memory samples: the session must call "
                 "loop.attach_samples(data.train_samples)"
             )
-        memory_inputs, memory_labels = self.sample_loader(drawn)
+        else:
+            memory_inputs, memory_labels = load(drawn, step) if keyed else load(drawn)
+        if keyed:
+            load.prefetch(self.next_draw, self.memory.num_seen)
+        if memory_inputs is None:
+            return replay
         if replay is None:
             return memory_inputs, memory_labels
         return torch.cat([replay[0], memory_inputs]), torch.cat([replay[1], memory_labels])
 
     def state_dict(self: OnlineLoop) -> dict[str, Any]:
-        return {**super().state_dict(), "memory": self.memory.state_dict()}
+        return {
+            **super().state_dict(),
+            "memory": self.memory.state_dict(),
+            "next_draw": self.next_draw,
+        }
 
     def load_state_dict(self: OnlineLoop, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.memory.load_state_dict(state["memory"])
+        self.next_draw = state.get("next_draw")
 
     def report(self: OnlineLoop) -> dict[str, Any]:
         report = super().report()

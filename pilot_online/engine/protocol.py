@@ -3,11 +3,13 @@ VTAB search behind the "Best HP" column) and the rule that picks a grid point.
 
 Why one module: scripts/make_exps.py (the per-LR configs), ``pilot-online sweep --preset hp_grid``
 (the search), ``pilot-online best`` (the selection) and ``pilot-online tables`` (the columns) all
-read the table from here, so they cannot disagree with each other or with the paper.
+read the table from here, so they cannot disagree with each other or with the paper. The table's
+values themselves are the package's paper data (``engine/paper.py``), beside Tables 1-2.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,23 +42,32 @@ class HPGridRow:
     best_gamma: float | None = None
 
 
-_PROMPT_LRS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1)
-_GAMMAS = (0.00001, 0.0001, 0.001, 0.01, 0.1, 1, 10)
+@functools.cache
+def _hp_grid() -> dict[str, HPGridRow]:
+    """The hp_grid table from the package's paper data (``engine.paper``), keyed by short name."""
+    from .paper import hp_grid_rows, registered_names
 
-#: The paper's appendix table hp_grid (``tables/hp_grid.tex``), keyed by the method's short name
-#: (exps/<name>_online_*.json; ``model_name`` is ``<name>_online``), in the table's row order.
-HP_GRID: dict[str, HPGridRow] = {
-    "finetune": HPGridRow((0.001, 0.005, 0.01, 0.05, 0.1), 0.01),
-    "linear_probe": HPGridRow((0.001, 0.005, 0.01, 0.05, 0.1), 0.005),
-    "er": HPGridRow((0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1), 0.00005),
-    "er_linear_probe": HPGridRow((0.001, 0.005, 0.01, 0.05, 0.1), 0.01),
-    "mvp": HPGridRow(_PROMPT_LRS, 0.005),
-    "olora": HPGridRow((0.001, 0.005, 0.01, 0.05, 0.1), 0.005),
-    "coda": HPGridRow(_PROMPT_LRS, 0.01, _GAMMAS, 0.1),
-    "convprompt": HPGridRow(_PROMPT_LRS, 0.005, _GAMMAS, 1),
-    "dualprompt": HPGridRow(_PROMPT_LRS, 0.01, _GAMMAS, 1),
-    "l2p": HPGridRow(_PROMPT_LRS, 0.01, _GAMMAS, 1),
-}
+    names = registered_names()
+    grid = {}
+    for row in hp_grid_rows():
+        grid[method_short_name(names[row["method"]])] = HPGridRow(
+            tuple(row["learning_rates"]),
+            row["best_lr"],
+            tuple(row["gammas"] or ()),
+            row["best_gamma"],
+        )
+    return grid
+
+
+def __getattr__(name: str) -> Any:
+    """``HP_GRID``: the paper's appendix table hp_grid, keyed by the method's short name
+    (exps/<name>_online_*.json; ``model_name`` is ``<name>_online``), in the table's row order.
+    Built on first use from ``pilot_online/data/paper_tables.json`` (one copy of the values),
+    because the method registry it names methods through fills only once the methods import."""
+    if name == "HP_GRID":
+        return _hp_grid()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 SELECTION_RULE = (
     "For each method and row (base; ours = + P + FGH), the grid point with the highest AP "
@@ -83,11 +94,12 @@ def hp_grid_points(
     """The grid points of ``method``'s hp_grid row: every LR for the base row, and every
     LR x gamma for + ours where the table lists gammas. ``learning_rates``/``gammas`` replace
     the table's values (smoke runs)."""
-    if method not in HP_GRID:
+    grid = _hp_grid()
+    if method not in grid:
         raise ValueError(
-            f"method {method!r} has no row in the hp_grid table; choose from {', '.join(HP_GRID)}"
+            f"method {method!r} has no row in the hp_grid table; choose from {', '.join(grid)}"
         )
-    row = HP_GRID[method]
+    row = grid[method]
     lrs = list(learning_rates or row.learning_rates)
     points = [{"variant": HP_ROWS["base"], "init_lr": lr} for lr in lrs]
     if row.gammas:

@@ -11,6 +11,7 @@ Needs no PILOT: data comes from any :class:`DataSource`.
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import io
 import logging
@@ -49,7 +50,11 @@ class DataSource(Protocol):
 
     ``deterministic_eval`` (optional, False when absent): the test transforms are deterministic
     and ``eval_batches`` yields the samples in the order of the indices it is given, so the
-    evaluation query cache may key features by test-sample index."""
+    evaluation query cache may key features by test-sample index.
+
+    Optional too: ``attach_device(device)``, called once here before any batch, for a source
+    that delivers batches on the loop's device (``PilotDataSource``: uint8 from its workers, made
+    float there); ``close()``, called by :meth:`OnlineSession.finish`, stops its workers."""
 
     test_labels: np.ndarray
 
@@ -63,8 +68,19 @@ class DataSource(Protocol):
         """Yield (inputs, labels) over the given test indices."""
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the run's peak-memory count: PILOT runs every seed of a config in one process, and
+    without a reset each seed would report the maximum over all earlier seeds. The collection
+    first frees what only reference cycles still hold of the previous seed's network. On the CPU
+    the peak resident set size cannot be reset: it stays the process's."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak accelerator memory on CUDA; peak resident set size of the process on CPU."""
+    """Peak accelerator memory since :func:`reset_peak_memory` on CUDA (the run's own); peak
+    resident set size of the process on CPU."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
@@ -92,9 +108,13 @@ class OnlineSession:
         checkpoint_path: Path | None = None,
     ) -> None:
         self.loop, self.stream, self.data, self.config = loop, stream, data, config
+        reset_peak_memory(loop.device)
         self.results_path = results_path
         self.written_path: Path | None = None
         self.progress = progress
+        attach_device = getattr(data, "attach_device", None)
+        if attach_device is not None:  # batches then arrive on the loop's device, as its inputs
+            attach_device(loop.device)
         loader = getattr(data, "train_samples", None)
         if loader is not None:  # optional for memory-free runs; replay says so when missing
             loop.attach_samples(loader)
@@ -169,6 +189,9 @@ class OnlineSession:
         results = self.write()
         if self.checkpoint_path is not None:
             self.checkpoint_path.unlink(missing_ok=True)
+        close = getattr(self.data, "close", None)
+        if close is not None:  # the data source's persistent loader workers
+            close()
         return results
 
     # -- training ----------------------------------------------------------------------------------
@@ -286,7 +309,7 @@ class OnlineSession:
             "eval_seconds": self.eval_seconds,
             "resumed_from": list(self.resumed_from),
             "loop": self.loop.state_dict(),
-            "rng": capture_rng_state(),
+            "rng": capture_rng_state(self.loop.device),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -310,7 +333,7 @@ class OnlineSession:
         self.resumed_from = list(state["resumed_from"])
         position = state["position"]
         self.resume_position = (int(position["task"]), int(position["step"]))
-        restore_rng_state(state["rng"])
+        restore_rng_state(state["rng"], self.loop.device)
 
     def save_checkpoint(self, task: int, step: int) -> None:
         """Write the checkpoint atomically (the previous one stays until the rename)."""
@@ -449,6 +472,8 @@ class OnlineSession:
             extra={
                 **({"resumed_from": self.resumed_from} if self.resumed_from else {}),
                 "periodic_evaluations": self.periodic,
+                # PILOT's cnn_accy of each task: what a rerun hands back for a finished seed.
+                "task_reports": self.task_reports,
                 "per_class_final_accuracy": history[-1] if history is not None else None,
                 "gradient_imbalance": imbalance,
                 "diagnostics": diagnostics,

@@ -6,9 +6,27 @@ rows); importing this package registers them all. A new method is one more file 
 name in the import below.
 """
 
-from . import coda_prompt, convprompt, dualprompt, finetune, l2p, linear_probe, mvp, olora
+from . import (
+    aper_adapter,
+    aper_finetune,
+    aper_ssf,
+    aper_vpt,
+    coda_prompt,
+    convprompt,
+    dualprompt,
+    finetune,
+    l2p,
+    linear_probe,
+    mvp,
+    olora,
+    simplecil,
+)
 
 __all__ = [
+    "aper_adapter",
+    "aper_finetune",
+    "aper_ssf",
+    "aper_vpt",
     "coda_prompt",
     "convprompt",
     "dualprompt",
@@ -17,4 +35,5 @@ __all__ = [
     "linear_probe",
     "mvp",
     "olora",
+    "simplecil",
 ]

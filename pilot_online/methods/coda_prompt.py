@@ -13,13 +13,15 @@ pass with ``train=False`` and compute that penalty here, on the parameters' own 
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from ..core.checks import integer, real
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
 from ..engine.registry import register_method
+from ..pilot.backbone_names import pilot_backbones
 
 
 def orthogonality_penalty(t: torch.Tensor) -> torch.Tensor:
@@ -29,14 +31,30 @@ def orthogonality_penalty(t: torch.Tensor) -> torch.Tensor:
     return ((t @ t.T - eye) ** 2).mean()
 
 
+def _prompt_param(name: str, value: Any) -> list:
+    """CODA's ``[components, length, mu]``: PILOT's ``CodaPrompt`` unpacks exactly three."""
+    if not isinstance(value, (list, tuple)) or len(value) != 3:
+        raise ValueError(
+            f"{name} must be [components, prompt length, orthogonality weight], e.g. "
+            f"[100, 8, 0.0], got {value!r}"
+        )
+    integer(1)(f"{name}[0] (components)", value[0])
+    integer(1)(f"{name}[1] (prompt length)", value[1])
+    real(0)(f"{name}[2] (orthogonality weight mu)", value[2])
+    return list(value)
+
+
 @register_method("coda_online")
 class CodaOnline(MethodAdapter):
     paper_name: ClassVar[str] = "CODA"
     base_model_name: ClassVar[str] = "coda_prompt"
     backbone_marker: ClassVar[str] = "_coda_prompt"
+    backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("coda_prompt")
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "prompt_param": ConfigKey(
-            [100, 8, 0.0], "[components (paper: 100), prompt length, orthogonality weight mu]"
+            [100, 8, 0.0],
+            "[components (paper: 100), prompt length, orthogonality weight mu]",
+            check=_prompt_param,
         ),
     }
 

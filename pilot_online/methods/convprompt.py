@@ -26,14 +26,17 @@ gradient-norm clipping at 1.0 (upstream's CIFAR config).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from ..core.checks import boolean, check_blocks, integer, list_of, text
 from ..core.conv_prompt import ConvPromptGenerator
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
 from ..engine.registry import register_method
+from ..pilot.backbone_names import pilot_backbones
 
 
 class ConvPromptNet(nn.Module):
@@ -94,25 +97,43 @@ class ConvPromptOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "dualprompt"  # PILOT's DualPrompt ViT and data transforms
     paper_name: ClassVar[str] = "ConvPrompt"
     backbone_marker: ClassVar[str] = "_dualprompt"
+    backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("dualprompt")
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "prompt_layers": ConfigKey(
-            [0, 1, 2, 3, 4, 5, 6], "ViT blocks that get generated prefixes (upstream: 0-6)"
+            [0, 1, 2, 3, 4, 5, 6],
+            "ViT blocks that get generated prefixes (upstream: 0-6)",
+            check=list_of(
+                integer(0), "a list of distinct block indices", min_length=1, distinct=True
+            ),
         ),
-        "length": ConfigKey(20, "prefix length per prompted layer, for keys and values (upstream)"),
+        "length": ConfigKey(
+            20,
+            "prefix length per prompted layer, for keys and values (upstream)",
+            check=integer(1),
+        ),
         "kernel_size": ConfigKey(
-            17, "generator kernel k; shared embeddings are (length+k-1) x (head_dim+k-1)"
+            17,
+            "generator kernel k; shared embeddings are (length+k-1) x (head_dim+k-1)",
+            check=integer(1),
         ),
         "num_generators": ConfigKey(
-            5, "prompt generators, all trained at all times (paper: 5; upstream adds 5 per task)"
+            5,
+            "prompt generators, all trained at all times (paper: 5; upstream adds 5 per task)",
+            check=integer(1),
         ),
         "freeze": ConfigKey(
             ["blocks", "patch_embed", "cls_token", "pos_embed"],
             "frozen backbone prefixes (upstream's: the final norm stays trainable)",
+            check=list_of(text, "a list of parameter-name prefixes"),
         ),
         "train_block_norms": ConfigKey(
-            True, "keep norm1/norm2 of frozen blocks trainable, as upstream does"
+            True, "keep norm1/norm2 of frozen blocks trainable, as upstream does", check=boolean
         ),
     }
+
+    @classmethod
+    def check_config(cls, cfg: Mapping[str, Any]) -> None:
+        check_blocks(cfg, "prompt_layers")
 
     def build_network(self, args: dict) -> nn.Module:
         import timm

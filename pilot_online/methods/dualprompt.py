@@ -20,29 +20,40 @@ unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from torch import nn
 
+from ..core.checks import boolean, check_blocks, integer, list_of
 from ..engine.adapter import ConfigKey
 from ..engine.registry import register_method
+from ..pilot.backbone_names import pilot_backbones
 from .l2p import PROMPT_POOL_KEYS, L2POnline
+
+BLOCKS = "a list of distinct block indices"
 
 # In upstream exps/dualprompt.json's order (later duplicates keep their first position).
 _HEAD = ("get_original_backbone", "global_pool", "head_type", "freeze")
 DUALPROMPT_KEYS: dict[str, ConfigKey] = {
     **{key: PROMPT_POOL_KEYS[key] for key in _HEAD},
-    "head_type": ConfigKey("token", "what the head reads"),
-    "use_g_prompt": ConfigKey(True, "general (task-shared) prompt"),
-    "g_prompt_length": ConfigKey(5, "G-prompt length (paper: 5)"),
-    "g_prompt_layer_idx": ConfigKey([0, 1], "layers that get the G-prompt"),
-    "use_prefix_tune_for_g_prompt": ConfigKey(True, "prefix-tune the G-prompt"),
-    "use_e_prompt": ConfigKey(True, "expert prompt pool"),
-    "e_prompt_layer_idx": ConfigKey([2, 3, 4], "layers that get E-prompts"),
-    "use_prefix_tune_for_e_prompt": ConfigKey(True, "prefix-tune the E-prompts"),
+    "head_type": ConfigKey(
+        "token", "what the head reads", choices=PROMPT_POOL_KEYS["head_type"].choices
+    ),
+    "use_g_prompt": ConfigKey(True, "general (task-shared) prompt", check=boolean),
+    "g_prompt_length": ConfigKey(5, "G-prompt length (paper: 5)", check=integer(1)),
+    "g_prompt_layer_idx": ConfigKey(
+        [0, 1], "layers that get the G-prompt", check=list_of(integer(0), BLOCKS, distinct=True)
+    ),
+    "use_prefix_tune_for_g_prompt": ConfigKey(True, "prefix-tune the G-prompt", check=boolean),
+    "use_e_prompt": ConfigKey(True, "expert prompt pool", check=boolean),
+    "e_prompt_layer_idx": ConfigKey(
+        [2, 3, 4], "layers that get E-prompts", check=list_of(integer(0), BLOCKS, distinct=True)
+    ),
+    "use_prefix_tune_for_e_prompt": ConfigKey(True, "prefix-tune the E-prompts", check=boolean),
     **{key: spec for key, spec in PROMPT_POOL_KEYS.items() if key not in _HEAD},
-    "top_k": ConfigKey(1, "E-prompts selected per sample"),
-    "same_key_value": ConfigKey(False, "share prefix keys and values"),
+    "top_k": ConfigKey(1, "E-prompts selected per sample (at most size)", check=integer(1)),
+    "same_key_value": ConfigKey(False, "share prefix keys and values", check=boolean),
 }
 
 
@@ -70,7 +81,13 @@ class DualPromptOnline(L2POnline):
     paper_name: ClassVar[str] = "DualPrompt"
     base_model_name: ClassVar[str] = "dualprompt"
     backbone_marker: ClassVar[str] = "_dualprompt"
+    backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("dualprompt")
     config_keys: ClassVar[dict[str, ConfigKey]] = DUALPROMPT_KEYS
+
+    @classmethod
+    def check_config(cls, cfg: Mapping[str, Any]) -> None:
+        super().check_config(cfg)
+        check_blocks(cfg, "g_prompt_layer_idx", "e_prompt_layer_idx")
 
     def build_network(self, args: dict) -> nn.Module:
         """PILOT's DualPrompt network, with each sample's E-prompt prefixes laid out per sample."""

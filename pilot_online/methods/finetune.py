@@ -22,20 +22,19 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ..core.checks import integer
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
 from ..engine.registry import register_method
+from ..pilot.backbone_names import PLAIN_VIT
 
 #: The ``backbone_type`` names PILOT's ``get_backbone`` maps to a plain (prompt-free) ViT-B/16.
-PLAIN_VIT_BACKBONES = (
-    "vit_base_patch16_224",
-    "vit_base_patch16_224_in21k",
-    "pretrained_vit_b16_224",
-    "pretrained_vit_b16_224_in21k",
-)
+PLAIN_VIT_BACKBONES = PLAIN_VIT
 
 #: The paper's replay settings: 1,000 samples in memory, 100 replayed per step.
 REPLAY_KEYS: dict[str, ConfigKey] = {
-    "er_memory_size": ConfigKey(1000, "experience-replay reservoir size (paper: 1000)"),
+    "er_memory_size": ConfigKey(
+        1000, "experience-replay reservoir size (paper: 1000)", check=integer(0)
+    ),
 }
 
 
@@ -57,7 +56,7 @@ class FinetuneOnline(MethodAdapter):
         from utils.inc_net import SimpleVitNet
 
         network = SimpleVitNet(self.pilot_args(args), True)
-        network.fc = nn.Linear(network.feature_dim, int(args["nb_classes"]))
+        self.online_head(network, args)
         network.requires_grad_(True)
         return network
 

@@ -12,36 +12,53 @@ restores upstream behaviour for comparison.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from ..core.checks import boolean, integer, list_of, real, text
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
 from ..engine.registry import register_method
+from ..pilot.backbone_names import pilot_backbones
+
+#: The prompt-pool options PILOT's ``backbone/prompt.py`` recognises (others leave the pool
+#: uninitialised or the query undefined).
+INITIALISERS = ("zero", "uniform")
+EMBEDDING_KEYS = ("mean", "max", "mean_max", "cls")
+BACKBONE_PREFIXES = "a list of parameter-name prefixes"
 
 PROMPT_POOL_KEYS: dict[str, ConfigKey] = {
     "get_original_backbone": ConfigKey(True, "frozen query ViT that selects prompts", forced=True),
-    "global_pool": ConfigKey("token", "ViT pooling"),
-    "head_type": ConfigKey("prompt", "what the head reads: prompt | token | gap | token+prompt"),
-    "freeze": ConfigKey(
-        ["blocks", "patch_embed", "cls_token", "norm", "pos_embed"], "frozen backbone prefixes"
+    "global_pool": ConfigKey("token", "ViT pooling", choices=("token", "avg", "")),
+    "head_type": ConfigKey(
+        "prompt",
+        "what the head reads: prompt | token | gap | token+prompt",
+        choices=("prompt", "token", "gap", "token+prompt"),
     ),
-    "prompt_pool": ConfigKey(True, "use a prompt pool"),
-    "size": ConfigKey(10, "prompt pool size (paper: 10)"),
-    "length": ConfigKey(5, "prompt length"),
-    "top_k": ConfigKey(5, "prompts selected per sample"),
-    "initializer": ConfigKey("uniform", "prompt initialiser"),
-    "prompt_key": ConfigKey(True, "learnable prompt keys"),
-    "prompt_key_init": ConfigKey("uniform", "prompt-key initialiser"),
+    "freeze": ConfigKey(
+        ["blocks", "patch_embed", "cls_token", "norm", "pos_embed"],
+        "frozen backbone prefixes",
+        check=list_of(text, BACKBONE_PREFIXES),
+    ),
+    "prompt_pool": ConfigKey(True, "use a prompt pool", check=boolean),
+    "size": ConfigKey(10, "prompt pool size (paper: 10)", check=integer(1)),
+    "length": ConfigKey(5, "prompt length", check=integer(1)),
+    "top_k": ConfigKey(5, "prompts selected per sample (at most size)", check=integer(1)),
+    "initializer": ConfigKey("uniform", "prompt initialiser", choices=INITIALISERS),
+    "prompt_key": ConfigKey(True, "learnable prompt keys", check=boolean),
+    "prompt_key_init": ConfigKey("uniform", "prompt-key initialiser", choices=INITIALISERS),
     "use_prompt_mask": ConfigKey(False, "task-id prompt masks need task identity", forced=True),
     "shared_prompt_pool": ConfigKey(False, "copying prompts at task changes", forced=True),
     "shared_prompt_key": ConfigKey(False, "copying keys at task changes", forced=True),
-    "batchwise_prompt": ConfigKey(True, "batch majority-vote prompt selection in training"),
-    "embedding_key": ConfigKey("cls", "query embedding"),
-    "predefined_key": ConfigKey("", "unused by PILOT"),
-    "pull_constraint": ConfigKey(True, "add the key-query pull constraint"),
-    "pull_constraint_coeff": ConfigKey(0.1, "weight of the pull constraint"),
+    "batchwise_prompt": ConfigKey(
+        True, "batch majority-vote prompt selection in training", check=boolean
+    ),
+    "embedding_key": ConfigKey("cls", "query embedding", choices=EMBEDDING_KEYS),
+    "predefined_key": ConfigKey("", "unused by PILOT", check=text),
+    "pull_constraint": ConfigKey(True, "add the key-query pull constraint", check=boolean),
+    "pull_constraint_coeff": ConfigKey(0.1, "weight of the pull constraint", check=real(0)),
 }
 
 
@@ -50,7 +67,16 @@ class L2POnline(MethodAdapter):
     paper_name: ClassVar[str] = "L2P"
     base_model_name: ClassVar[str] = "l2p"
     backbone_marker: ClassVar[str] = "_l2p"
+    backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("l2p")
     config_keys: ClassVar[dict[str, ConfigKey]] = PROMPT_POOL_KEYS
+
+    @classmethod
+    def check_config(cls, cfg: Mapping[str, Any]) -> None:
+        if cfg["top_k"] > cfg["size"]:
+            raise ValueError(
+                f"top_k={cfg['top_k']} prompts cannot be selected from a pool of size="
+                f"{cfg['size']}: set top_k <= size"
+            )
 
     def build_network(self, args: dict) -> nn.Module:
         from utils.inc_net import PromptVitNet

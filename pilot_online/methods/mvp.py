@@ -36,10 +36,13 @@ Differences from upstream, and why:
   prompt networks cannot express MVP's scheme (count-scaled key selection, per-key class masks,
   prompt tuning with tokens dropped after each block), so the prompted pass is written here, on
   PILOT's blocks.
-- GSF weights each sample's loss (``gsf_reduction: "sample"``, the paper's equation). Upstream's
-  code multiplies the batch-mean loss by per-sample weights and averages, i.e. scales the whole
-  batch by the mean weight: ``gsf_reduction: "batch"``.
-- The key loss pairs each sample with its own key's use count (see ``key_contrastive_loss``).
+- GSF: upstream's code multiplies the batch-mean loss by per-sample weights and averages, i.e.
+  scales the whole batch by the mean weight (``gsf_reduction: "upstream"``, the default: the
+  paper's numbers came from that code); ``"sample"`` weights each sample's loss, as the MVP
+  paper's equation reads.
+- The key loss: upstream's code broadcasts every sample's distances against every sample's key
+  use count (``key_loss_mass: "upstream"``, the default); ``"own_key"`` pairs each sample with
+  its own key's count (see ``key_contrastive_loss``).
 - One key per sample (upstream's ``selection_size`` default, the only value its code handles).
 """
 
@@ -52,8 +55,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.checks import boolean, check_blocks, integer, list_of, real
 from ..core.masks import mask_logits
 from ..core.mvp_losses import (
+    KEY_LOSS_MASSES,
     feature_scales,
     focal_weights,
     gradient_dissimilarity,
@@ -62,38 +67,52 @@ from ..core.mvp_losses import (
 )
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
 from ..engine.registry import register_method
+from ..pilot.backbone_names import pilot_backbones
 
-GSF_REDUCTIONS = ("sample", "batch")
+#: ``gsf_reduction``: upstream's mean weight times the batch loss, or per-sample weights.
+GSF_REDUCTIONS = ("upstream", "sample")
+
+_BLOCKS = list_of(integer(0), "a list of distinct block indices", distinct=True)
 
 MVP_KEYS: dict[str, ConfigKey] = {
-    "e_pool_size": ConfigKey(10, "keys, E-prompts and class-mask rows (upstream: 10)"),
-    "pos_g_prompt": ConfigKey([0, 1], "blocks that get the G-prompt (prompt tuning)"),
-    "len_g_prompt": ConfigKey(5, "G-prompt tokens per block"),
-    "pos_e_prompt": ConfigKey([2, 3, 4], "blocks that get the selected E-prompt (prompt tuning)"),
-    "len_e_prompt": ConfigKey(20, "E-prompt tokens per block"),
-    "use_last_layer": ConfigKey(
-        False, "query from all blocks (upstream default: all but the last)"
+    "e_pool_size": ConfigKey(
+        10, "keys, E-prompts and class-mask rows (upstream: 10)", check=integer(1)
     ),
-    "use_mask": ConfigKey(True, "instance-wise logit masks learned per key"),
-    "use_contrastive": ConfigKey(True, "contrastive key loss and use-count-scaled selection"),
-    "use_afs": ConfigKey(True, "adaptive feature scaling in the training loss"),
-    "use_gsf": ConfigKey(True, "gradient-similarity-based focal loss"),
-    "gsf_alpha": ConfigKey(0.5, "GSF: weight of the focal part, in [0, 1]"),
-    "gsf_gamma": ConfigKey(2.0, "GSF: focusing exponent, >= 0"),
-    "gsf_reduction": ConfigKey("sample", "GSF weights per sample (paper) | batch (upstream code)"),
-    "afs_margin": ConfigKey(0.5, "AFS: margin added to 1 - cos(W_y, h), > 0"),
+    "pos_g_prompt": ConfigKey(
+        [0, 1], "blocks that get the G-prompt (prompt tuning)", check=_BLOCKS
+    ),
+    "len_g_prompt": ConfigKey(5, "G-prompt tokens per block", check=integer(1)),
+    "pos_e_prompt": ConfigKey(
+        [2, 3, 4], "blocks that get the selected E-prompt (prompt tuning)", check=_BLOCKS
+    ),
+    "len_e_prompt": ConfigKey(20, "E-prompt tokens per block", check=integer(1)),
+    "use_last_layer": ConfigKey(
+        False, "query from all blocks (upstream default: all but the last)", check=boolean
+    ),
+    "use_mask": ConfigKey(True, "instance-wise logit masks learned per key", check=boolean),
+    "use_contrastive": ConfigKey(
+        True, "contrastive key loss and use-count-scaled selection", check=boolean
+    ),
+    "use_afs": ConfigKey(True, "adaptive feature scaling in the training loss", check=boolean),
+    "use_gsf": ConfigKey(True, "gradient-similarity-based focal loss", check=boolean),
+    "gsf_alpha": ConfigKey(0.5, "GSF: weight of the focal part, in [0, 1]", check=real(0, 1)),
+    "gsf_gamma": ConfigKey(2.0, "GSF: focusing exponent, >= 0", check=real(0)),
+    "gsf_reduction": ConfigKey(
+        "upstream",
+        "GSF: upstream (the batch loss times the mean weight, upstream's code) | sample (each "
+        "sample's loss times its weight, the MVP paper's equation)",
+        choices=GSF_REDUCTIONS,
+    ),
+    "key_loss_mass": ConfigKey(
+        "upstream",
+        "key loss: upstream (every sample's distances over every sample's key count, upstream's "
+        "broadcast) | own_key (each sample over its own key's count)",
+        choices=KEY_LOSS_MASSES,
+    ),
+    "afs_margin": ConfigKey(
+        0.5, "AFS: margin added to 1 - cos(W_y, h), > 0", check=real(positive=True)
+    ),
 }
-
-
-def _positions(cfg: Mapping[str, Any], key: str) -> tuple[int, ...]:
-    value = cfg[key]
-    if not isinstance(value, Sequence) or isinstance(value, str):
-        raise ValueError(f"{key} must be a list of block indices, e.g. [0, 1]; got {value!r}")
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
-        raise ValueError(f"{key} must hold non-negative block indices, got {value!r}")
-    if len(set(value)) != len(value):
-        raise ValueError(f"{key} lists a block twice: {value!r}")
-    return tuple(value)
 
 
 class MVPNet(nn.Module):
@@ -174,39 +193,20 @@ class MVPNet(nn.Module):
 class MVPOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "l2p"  # PILOT's ViT module whose plain ViT we reuse
     backbone_marker: ClassVar[str] = "_l2p"
+    backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("l2p")
     paper_name: ClassVar[str] = "MVP"
     config_keys: ClassVar[dict[str, ConfigKey]] = MVP_KEYS
+    #: CI time: the 20-token E-prompts cost MVP 5x a 2-token run on the CPU.
+    smoke_overrides: ClassVar[dict[str, Any]] = {"len_g_prompt": 2, "len_e_prompt": 2}
 
     @classmethod
     def check_config(cls, cfg: Mapping[str, Any]) -> None:
-        _positions(cfg, "pos_g_prompt")
-        _positions(cfg, "pos_e_prompt")
-        for key in ("e_pool_size", "len_g_prompt", "len_e_prompt"):
-            value = cfg[key]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{key} must be a positive integer, got {value!r}")
-        for key in ("use_last_layer", "use_mask", "use_contrastive", "use_afs", "use_gsf"):
-            if not isinstance(cfg[key], bool):
-                raise ValueError(f"{key} must be true or false, got {cfg[key]!r}")
-        if not isinstance(cfg["gsf_alpha"], (int, float)) or not 0 <= cfg["gsf_alpha"] <= 1:
-            raise ValueError(f"gsf_alpha must be a number in [0, 1], got {cfg['gsf_alpha']!r}")
-        if not isinstance(cfg["gsf_gamma"], (int, float)) or cfg["gsf_gamma"] < 0:
-            raise ValueError(f"gsf_gamma must be a number >= 0, got {cfg['gsf_gamma']!r}")
-        if not isinstance(cfg["afs_margin"], (int, float)) or cfg["afs_margin"] <= 0:
-            raise ValueError(
-                f"afs_margin must be > 0 (AFS divides features by 1 - cos + margin), "
-                f"got {cfg['afs_margin']!r}"
-            )
-        if cfg["gsf_reduction"] not in GSF_REDUCTIONS:
-            raise ValueError(
-                f"gsf_reduction={cfg['gsf_reduction']!r} is not one of {', '.join(GSF_REDUCTIONS)}"
-            )
+        check_blocks(cfg, "pos_g_prompt", "pos_e_prompt")
 
     def build_network(self, args: dict) -> nn.Module:
         import timm
         from backbone import vit_l2p  # noqa: F401  (PILOT: registers its ViTs with timm)
 
-        self.check_config(args)
         vit = timm.create_model(
             args["backbone_type"],
             pretrained=args["pretrained"],
@@ -276,7 +276,12 @@ class MVPOnline(MethodAdapter):
             if self.args["use_contrastive"]:
                 keys = network.keys
                 key_distances = 1.0 - F.cosine_similarity(keys[chosen][:, None], keys[None], dim=-1)
-                aux = key_contrastive_loss(query_distance, key_distances, mass[chosen])
+                aux = key_contrastive_loss(
+                    query_distance,
+                    key_distances,
+                    mass[chosen],
+                    pairing=self.args["key_loss_mass"],
+                )
             else:
                 aux = query_distance.mean()
         return StepOutput(logits, features, aux, extras)
@@ -307,7 +312,7 @@ class MVPOnline(MethodAdapter):
             plain = out.logits if mask is None else mask_logits(out.logits, mask)
             dissimilarity = gradient_dissimilarity(out.features, plain, labels, scale)
             weights = focal_weights(dissimilarity, self.args["gsf_alpha"], self.args["gsf_gamma"])
-        if self.args["gsf_reduction"] == "batch":
+        if self.args["gsf_reduction"] == "upstream":
             return weights.mean() * losses.mean()
         return (weights * losses).mean()
 

@@ -12,42 +12,77 @@ Our own version, written from a reading of christina200/online-lora-official at 
   branch of ``get_backbone`` hard-codes ``pretrained=True`` and has no LoRA network to reuse.
 * **Step.** CE on the stream batch plus, with ``hard_loss``, CE on each batch of the hard buffer
   (the ``hard_buffer_size`` highest-loss mini-batches seen so far, refreshed every step), plus the
-  importance-weighted regulariser ``mas_weight / 2 * sum(omega * p^2)`` on the current LoRA.
+  importance-weighted regulariser ``mas_weight / 2 * sum(omega * p^2)`` on the current LoRA. The
+  buffered batches are backpropagated one at a time after the stream batch's backward
+  (:meth:`OLoRAOnline.extra_backward`): the gradients accumulate to the same sum, and at most one
+  batch's activations are alive at once (upstream holds one graph over all of them).
 * **Plateaus.** After each optimiser step the window loss (batch CE plus the buffer CEs, before
   the regulariser: upstream's ``first_train_loss``) feeds the plateau detector. At a plateau the
   importance ``omega`` is updated from squared gradients on the hard buffer (arg-max pseudo-labels,
-  eval mode), the LoRA is merged exactly into the frozen qkv weights, and a fresh LoRA starts.
+  eval mode), the LoRA is merged into the frozen weights, and a fresh LoRA starts.
   The count and steps of plateaus go to ``extra.diagnostics.method`` in the results file.
 
+Six behaviours of upstream's code are config keys. The ``"upstream"`` value (the default: the
+paper's numbers came from that code) does what upstream does; the corrected behaviour is the
+other value, one key away:
+
+* ``olora_merge``: upstream merges by adding the factors (``A_m += A``, ``B_m += B``), which
+  adds cross terms from the second merge on; ``"exact"`` adds ``B A`` to the frozen weight.
+* ``olora_merge_optimizer_state``: upstream builds Adam once, so the fresh factors inherit the
+  merged ones' moments (and FGH's state); ``"reset"`` drops both at a merge.
+* ``olora_importance_batches``: upstream's importance loop uses parameter iterators that run dry
+  after the first buffered batch, so only the top-ranked batch counts; ``"all"``: every one.
+* ``olora_importance_labels``: upstream flattens a buffered batch to one row
+  (``view(1, -1)``) and takes one arg-max; ``"per_sample"``: one arg-max label per sample.
+* ``olora_window_loss``: upstream's plateau window and buffer ranking read the stream batch's
+  unmasked CE (upstream trains unmasked); ``"masked"``: the loop's training-masked CE.
+* ``olora_buffer_pairing``: upstream zips the losses ``[L(x), L(h_0), ...]`` with the batches
+  ``[h_0, ..., x]``, one place off; ``"aligned"``: each batch ranked by its own loss.
+
 Cost: the window needs the loss on the host, so this method reads the device once per step (one
-``tolist`` of the step's loss terms); the other methods do not. Each step also runs one forward
+``tolist`` of the step's loss values); the other methods do not. Each step also runs one forward
 and backward pass per buffered batch (up to 4 more than the other methods): that, not the LoRA
-factors, is where oLoRA's memory goes (``benchmarks/bench_memory.py``).
+factors, is where oLoRA's time and memory go (``benchmarks/bench_memory.py``). One batch at a
+time, its activation memory is one batch's, not five (at 64 px, batch 32, 4 buffered batches on
+the CPU: 603 MiB against 1722 MiB with one graph).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from contextlib import AbstractContextManager
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.checks import check_int
+from ..core.checks import boolean, check_blocks, integer, list_of, optional, real
 from ..core.lora import (
+    BUFFER_PAIRINGS,
+    IMPORTANCE_LABELS,
+    LORA_MERGES,
     BufferEntry,
     HardBuffer,
     ImportanceRegularizer,
     LoRAQKV,
     LossPlateauDetector,
     add_lora,
+    hard_buffer_candidates,
+    importance_loss,
 )
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
 from ..engine.registry import register_method
 
 logger = logging.getLogger(__name__)
+
+#: ``olora_merge_optimizer_state``: keep the factors' optimiser state at a merge, or drop it.
+MERGE_OPTIMIZER_STATES = ("upstream", "reset")
+#: ``olora_importance_batches``: the first buffered batch only, or all of them.
+IMPORTANCE_BATCHES = ("upstream", "all")
+#: ``olora_window_loss``: the unmasked stream CE, or the loop's masked one.
+WINDOW_LOSSES = ("upstream", "masked")
 
 
 class OLoRANet(nn.Module):
@@ -73,26 +108,79 @@ class OLoRAOnline(MethodAdapter):
         "vit_base_patch16_224_in21k",
     )
     paper_name: ClassVar[str] = "oLoRA"
+    #: One buffered batch: the same code paths, two passes a step instead of five (CI time).
+    smoke_overrides: ClassVar[dict[str, Any]] = {"hard_buffer_size": 1}
     config_keys: ClassVar[dict[str, ConfigKey]] = {
-        "lora_rank": ConfigKey(4, "LoRA rank r on the q and v projections (upstream 4)"),
-        "lora_layer": ConfigKey(None, "ViT block indices that get LoRA; null = all (upstream)"),
+        "lora_rank": ConfigKey(
+            4, "LoRA rank r on the q and v projections (upstream 4)", check=integer(1)
+        ),
+        "lora_layer": ConfigKey(
+            None,
+            "ViT block indices that get LoRA; null = all (upstream)",
+            check=optional(list_of(integer(0), "a list of distinct block indices", distinct=True)),
+        ),
         "loss_window_length": ConfigKey(
-            5, "steps in the loss window (upstream 5; at batch 100, 500 samples: > a CUB task)"
+            5,
+            "steps in the loss window (upstream 5; at batch 100, 500 samples: > a CUB task)",
+            check=integer(1),
         ),
         "loss_window_mean_threshold": ConfigKey(
-            6.0, "plateau when the window mean is below this (upstream 6.0; a sum of <= 5 CEs)"
+            6.0,
+            "plateau when the window mean is below this (upstream 6.0; a sum of <= 5 CEs)",
+            check=real(),
         ),
         "loss_window_variance_threshold": ConfigKey(
-            0.1, "plateau when the window variance is below this too (upstream 0.1)"
+            0.1, "plateau when the window variance is below this too (upstream 0.1)", check=real(0)
         ),
-        "hard_buffer_size": ConfigKey(4, "highest-loss mini-batches kept for replay (upstream 4)"),
-        "hard_loss": ConfigKey(True, "add the hard buffer's CE to the loss (upstream true)"),
-        "mas_weight": ConfigKey(2000.0, "weight of the importance regulariser (upstream 2000)"),
+        "hard_buffer_size": ConfigKey(
+            4, "highest-loss mini-batches kept for replay (upstream 4)", check=integer(0)
+        ),
+        "hard_loss": ConfigKey(
+            True, "add the hard buffer's CE to the loss (upstream true)", check=boolean
+        ),
+        "mas_weight": ConfigKey(
+            2000.0, "weight of the importance regulariser (upstream 2000)", check=real(0)
+        ),
+        "olora_merge": ConfigKey(
+            "upstream",
+            "upstream: merge by adding the factors (A += A', B += B'); exact: W += B A",
+            choices=LORA_MERGES,
+        ),
+        "olora_merge_optimizer_state": ConfigKey(
+            "upstream",
+            "upstream: the fresh factors keep Adam's (and FGH's) state; reset: drop it at a merge",
+            choices=MERGE_OPTIMIZER_STATES,
+        ),
+        "olora_importance_batches": ConfigKey(
+            "upstream",
+            "upstream: importance from the first (top-ranked) buffered batch; all: every one",
+            choices=IMPORTANCE_BATCHES,
+        ),
+        "olora_importance_labels": ConfigKey(
+            "upstream",
+            "upstream: one arg-max pseudo-label over the flattened batch; per_sample: one each",
+            choices=IMPORTANCE_LABELS,
+        ),
+        "olora_window_loss": ConfigKey(
+            "upstream",
+            "upstream: plateau window and buffer ranking read the unmasked stream CE; masked: "
+            "the loop's training-masked CE",
+            choices=WINDOW_LOSSES,
+        ),
+        "olora_buffer_pairing": ConfigKey(
+            "upstream",
+            "upstream: buffer ranking zips losses one place off the batches; aligned: each "
+            "batch with its own loss",
+            choices=BUFFER_PAIRINGS,
+        ),
     }
 
     # -- network -------------------------------------------------------------------------------
+    @classmethod
+    def check_config(cls, cfg: Mapping[str, Any]) -> None:
+        check_blocks(cfg, "lora_layer")
+
     def build_network(self, args: dict) -> nn.Module:
-        self._check_options(args)
         import timm  # lazily: methods/ imports no timm when imported
 
         backbone = timm.create_model(
@@ -102,7 +190,9 @@ class OLoRAOnline(MethodAdapter):
             drop_rate=float(args.get("drop", 0.0)),
             drop_path_rate=float(args.get("drop_path", 0.0)),
         )
-        adapters = add_lora(backbone, args["lora_rank"], args["lora_layer"])
+        adapters = add_lora(
+            backbone, args["lora_rank"], args["lora_layer"], merge=args["olora_merge"]
+        )
         network = OLoRANet(backbone, int(args["nb_classes"]), adapters)
         self._lora = [p for adapter in adapters for p in adapter.lora_parameters()]
         self.detector = LossPlateauDetector(
@@ -113,25 +203,8 @@ class OLoRAOnline(MethodAdapter):
         self.regularizer = ImportanceRegularizer(args["mas_weight"])
         self.buffer = HardBuffer(args["hard_buffer_size"])
         self._hard_losses: list[torch.Tensor] = []
+        self._unmasked_ce: torch.Tensor | None = None
         return network
-
-    @staticmethod
-    def _check_options(args: Mapping[str, Any]) -> None:
-        try:
-            check_int("lora_rank", args["lora_rank"], 1)
-            check_int("loss_window_length", args["loss_window_length"], 1)
-            check_int("hard_buffer_size", args["hard_buffer_size"], 0)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"olora_online: {err}") from None
-        if not isinstance(args["hard_loss"], bool):
-            raise ValueError(
-                f"olora_online: hard_loss must be true or false, got {args['hard_loss']!r}"
-            )
-        layers = args["lora_layer"]
-        if layers is not None and not isinstance(layers, (list, tuple)):
-            raise ValueError(
-                f"olora_online: lora_layer must be null or a list of block indices, got {layers!r}"
-            )
 
     def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
         logits, features = network(x)
@@ -141,22 +214,41 @@ class OLoRAOnline(MethodAdapter):
         return network.fc
 
     # -- the method's own loss terms and after-step work ----------------------------------------
+    def classification_loss(
+        self,
+        network: nn.Module,
+        out: StepOutput,
+        labels: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The loop's masked CE; with ``olora_window_loss: upstream`` the unmasked CE of the same
+        logits is kept too (detached): upstream's window and buffer ranking read that one."""
+        if self.args["olora_window_loss"] == "upstream":
+            self._unmasked_ce = F.cross_entropy(out.logits.detach().float(), labels)
+        return super().classification_loss(network, out, labels, mask)
+
     def loss_terms(
         self, network: nn.Module, inputs: torch.Tensor, labels: torch.Tensor
     ) -> dict[str, torch.Tensor]:
-        terms: dict[str, torch.Tensor] = {}
-        hard_loss = self.args["hard_loss"]
-        with torch.set_grad_enabled(hard_loss and torch.is_grad_enabled()):
-            self._hard_losses = [
-                F.cross_entropy(network(entry.inputs)[0], entry.labels)
-                for entry in self.buffer.entries
-            ]
-        if hard_loss and self._hard_losses:
-            terms["hard_buffer"] = torch.stack(self._hard_losses).sum()
         penalty = self.regularizer.penalty(self._lora)
-        if penalty is not None:
-            terms["importance"] = penalty
-        return terms
+        return {} if penalty is None else {"importance": penalty}
+
+    def extra_backward(
+        self, network: nn.Module, autocast: Callable[[], AbstractContextManager]
+    ) -> dict[str, torch.Tensor]:
+        """The hard buffer's CEs, one batch at a time: with ``hard_loss`` each is backpropagated
+        at once (its graph freed before the next forward), else computed without a graph (the
+        ranking still needs them)."""
+        hard_loss = self.args["hard_loss"]
+        values = []
+        for entry in self.buffer.entries:
+            with torch.set_grad_enabled(hard_loss), autocast():
+                loss = F.cross_entropy(network(entry.inputs)[0], entry.labels)
+            if hard_loss:
+                loss.backward()
+            values.append(loss.detach())
+        self._hard_losses = values
+        return {"hard_buffer": torch.stack(values).sum()} if hard_loss and values else {}
 
     def after_step(
         self,
@@ -166,30 +258,40 @@ class OLoRAOnline(MethodAdapter):
         terms: Mapping[str, torch.Tensor],
     ) -> list[nn.Parameter]:
         # The one host read per step: the window needs the loss, the buffer its ordering.
-        values = torch.stack([terms["ce"].reshape(()), *(t.detach() for t in self._hard_losses)])
+        stream_ce = terms["ce"] if self._unmasked_ce is None else self._unmasked_ce
+        values = torch.stack([stream_ce.reshape(()).float(), *self._hard_losses])
         batch_loss, *hard = values.tolist()
-        self._hard_losses = []  # drop the references to this step's graph
+        self._hard_losses, self._unmasked_ce = [], None
         window_loss = batch_loss + (sum(hard) if self.args["hard_loss"] else 0.0)
         restarted: list[nn.Parameter] = []
         if self.detector.update(window_loss):
             self._consolidate(network)
-            restarted = list(self._lora)  # a fresh adapter: no momentum from the merged one
-        candidates = [BufferEntry(inputs, labels, batch_loss)]
-        candidates += [
-            BufferEntry(entry.inputs, entry.labels, loss)
-            for entry, loss in zip(self.buffer.entries, hard)
-        ]
-        self.buffer.update(candidates)
+            if self.args["olora_merge_optimizer_state"] == "reset":
+                restarted = list(self._lora)  # a fresh adapter: no momentum from the merged one
+        self.buffer.update(
+            hard_buffer_candidates(
+                (inputs, labels),
+                self.buffer.entries,
+                batch_loss,
+                hard,
+                self.args["olora_buffer_pairing"],
+            )
+        )
         return restarted
 
     def _consolidate(self, network: nn.Module) -> None:
-        """At a plateau: importance from the hard buffer, then merge the LoRA and start afresh."""
+        """At a plateau: importance from the hard buffer (its first batch only, as upstream, or
+        all of it), then merge the LoRA and start afresh."""
         squared = [torch.zeros_like(p) for p in self._lora]
-        if self.buffer.entries:
+        entries = self.buffer.entries
+        if self.args["olora_importance_batches"] == "upstream":
+            entries = entries[:1]  # upstream's parameter iterators run dry after the first batch
+        if entries:
             self.eval_mode(network)
-            for entry in self.buffer.entries:
-                logits = network(entry.inputs)[0]
-                loss = F.cross_entropy(logits, logits.detach().argmax(1))
+            for entry in entries:
+                loss = importance_loss(
+                    network(entry.inputs)[0], self.args["olora_importance_labels"]
+                )
                 grads = torch.autograd.grad(loss, self._lora)
                 torch._foreach_addcmul_(squared, grads, grads)
             self.train_mode(network)
@@ -214,7 +316,9 @@ class OLoRAOnline(MethodAdapter):
                 for e in self.buffer.entries
             ],
         }
-        if self.detector.plateaus:  # before any merge the rebuilt network already has them
+        if self.detector.plateaus and self.args["olora_merge"] == "exact":
+            # before any merge the rebuilt network already has them; upstream merges live in
+            # the adapters' merged_* buffers, which the loop checkpoints with the network's
             state["merged_qkv"] = [adapter.qkv.weight.detach() for adapter in network.adapters]
         return state
 

@@ -17,7 +17,7 @@ bit for bit; off by default.
 from __future__ import annotations
 
 import logging
-import types
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -82,13 +82,36 @@ def _forward_for(module: nn.Module):
     return None
 
 
+#: (attention class, our forward) -> its subclass whose ``forward`` is ours.
+_SDPA_CLASSES: dict[tuple[type, Any], type] = {}
+
+
+def _sdpa_class(cls: type, forward) -> type:
+    """``cls`` with ``forward`` replaced, same name, made once per (class, forward).
+
+    A class, not ``module.forward = types.MethodType(forward, module)``: that bound method is a
+    reference cycle (module -> its ``__dict__`` -> method -> module), so a network dropped at
+    the end of a seed would keep its weights allocated until the garbage collector ran, and the
+    next seed's peak memory would count them. A class attribute holds no module."""
+    if getattr(cls, "_sdpa_forward", None) is not None:
+        return cls  # swapped already
+    key = (cls, forward)
+    if key not in _SDPA_CLASSES:
+        _SDPA_CLASSES[key] = type(
+            cls.__name__,
+            (cls,),
+            {"forward": forward, "_sdpa_forward": forward, "__module__": cls.__module__},
+        )
+    return _SDPA_CLASSES[key]
+
+
 def use_sdpa(network: nn.Module) -> int:
     """Route every recognised attention module of ``network`` through SDPA; returns how many."""
     swapped = 0
     for module in network.modules():
         forward = _forward_for(module)
         if forward is not None:
-            module.forward = types.MethodType(forward, module)
+            module.__class__ = _sdpa_class(type(module), forward)
             swapped += 1
     if not swapped:
         raise ValueError("sdpa: true, but the network has no attention module sdpa knows")

@@ -1,14 +1,21 @@
-"""PILOT data glue: plugin datasets, clear errors for missing data, stream-ordered loaders.
+"""PILOT data glue: plugin datasets, clear errors for missing or incomplete data, one data path.
 
 PILOT's patched ``utils/data_manager.py`` calls :func:`get_idata` for dataset names it does not know
 and :func:`prepare` instead of ``idata.download_data()``. :class:`PilotDataSource` serves a
 :class:`~pilot_online.engine.session.OnlineSession` from a ``DataManager``'s raw arrays, in
 stream order (``DataManager.get_dataset`` concatenates class by class and would lose that order).
+
+The data path of a run (issue 15): one DataLoader for the stream, one for evaluation and one for
+replay draws, each built once with persistent workers and fed the batches of each pass; the
+transforms end in a uint8 tensor on the workers (``ToTensor``'s division and ``Normalize`` run on
+the device, :class:`~pilot_online.engine.pixel_cache.DeviceEnd`, with the same numbers); the test
+images are transformed once per run (:class:`~pilot_online.engine.pixel_cache.PixelCache`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,12 +25,39 @@ import torch
 
 from ..core.datasets import DATASETS, PILOT_DATASETS, dataset_names, dataset_spec, make_synthetic
 from ..core.rng import seeded
+from ..engine.pixel_cache import DeviceEnd, Normalization, PixelCache
 
 logger = logging.getLogger(__name__)
 
 
 class DatasetUnavailableError(RuntimeError):
     """The dataset's files are missing and could not be downloaded."""
+
+
+class IncompleteDatasetError(DatasetUnavailableError):
+    """The dataset's files hold fewer (or more) classes than PILOT's class order names."""
+
+
+#: The classes each PILOT 5240714 dataset has (read from its ``utils/data.py``: the length of each
+#: iData's ``class_order``, but 100 for imagenet100, whose ``class_order`` lists 1000).
+EXPECTED_CLASSES: dict[str, int] = {
+    "cifar10": 10,
+    "cifar100": 100,
+    "cifar224": 100,
+    "cub": 200,
+    "imagenetr": 200,
+    "imageneta": 200,
+    "objectnet": 200,
+    "omnibenchmark": 300,
+    "vtab": 50,
+    "imagenet100": 100,
+    "imagenet1000": 1000,
+}
+#: PILOT datasets torchvision reads from (and downloads into) a CIFAR folder, not ImageFolders.
+ARRAY_DATASETS = ("cifar10", "cifar100", "cifar224")
+#: PILOT datasets whose folders the user writes into PILOT's ``utils/data.py`` (upstream stops
+#: with an assert until then): their folders are not known here, only their loaded labels.
+USER_FOLDER_DATASETS = ("imagenet100", "imagenet1000")
 
 
 class SyntheticIData:
@@ -61,9 +95,10 @@ def prepare(idata: Any, dataset_name: str, args: dict[str, Any]) -> None:
     """Load the data, and give online learners the transforms upstream gives their base method.
 
     Called by the patched ``DataManager._setup_data`` instead of ``idata.download_data()``, so a
-    missing dataset stops here, before PILOT's trainer builds any network. PILOT picks some
-    transforms by the literal model name (``coda_prompt`` on cifar224/imagenetr): the iData is
-    rebuilt the way upstream's own ``_get_idata`` builds it, with the base method's name.
+    missing dataset, or one that lacks classes (:data:`EXPECTED_CLASSES`,
+    :func:`check_dataset_folders`), stops here, before PILOT's trainer builds any network. PILOT
+    picks some transforms by the literal model name (``coda_prompt`` on cifar224/imagenetr): the
+    iData is rebuilt the way upstream's own ``_get_idata`` builds it, with the base method's name.
     """
     try:
         idata.download_data()
@@ -71,6 +106,11 @@ def prepare(idata: Any, dataset_name: str, args: dict[str, Any]) -> None:
         # ImageFolder raises FileNotFoundError, a failed CIFAR download URLError or RuntimeError,
         # and PILOT's imagenet100/imagenet1000 an AssertionError until their folders are set.
         raise DatasetUnavailableError(_unavailable_message(dataset_name, err)) from err
+    problems = _class_count_problems(dataset_name, idata)
+    if not problems and getattr(idata, "use_path", False):
+        problems = check_dataset_folders({"dataset": dataset_name})
+    if problems:
+        raise IncompleteDatasetError(" ".join(problems))
     base = _base_model_name(args)
     if base and dataset_name.lower() not in DATASETS:
         from utils.data_manager import _get_idata  # PILOT (the caller's own module)
@@ -103,6 +143,98 @@ def _base_model_name(args: dict[str, Any] | None) -> str | None:
         return None  # an upstream method: keep PILOT's own choice
 
 
+def _class_count_problems(dataset_name: str, idata: Any) -> list[str]:
+    """The loaded labels against :data:`EXPECTED_CLASSES` (counts only; names: the folders)."""
+    name = dataset_name.lower()
+    expected = EXPECTED_CLASSES.get(name)
+    if expected is None:
+        return []
+    found = {
+        "training": len(np.unique(np.asarray(idata.train_targets))),
+        "test": len(np.unique(np.asarray(idata.test_targets))),
+    }
+    if all(count == expected for count in found.values()):
+        return []
+    cwd = Path.cwd()
+    where = PILOT_DATASETS[name]
+    if getattr(idata, "use_path", False) and name not in USER_FOLDER_DATASETS:
+        holds = ", ".join(
+            f"{cwd / folder} holds {found[split]}"
+            for split, folder in zip(("training", "test"), where.folders)
+        )
+        places = "class folders (ImageFolder: one sub-folder per class)"
+    else:
+        holds = f"the training data holds {found['training']}, the test data {found['test']}"
+        if name in USER_FOLDER_DATASETS:
+            places = "classes (the folders set in PILOT's utils/data.py download_data)"
+        else:
+            places = f"classes ({cwd / where.folders[0]})"
+    return [
+        f"dataset {dataset_name!r} lacks classes: {holds} {places}, but PILOT's class order for "
+        f"{name} names {expected}. A run over the classes present would silently be another "
+        f"benchmark (other tasks, other class order). Fix: put all {expected} classes in place "
+        f"({where.source}), then rerun."
+    ]
+
+
+def check_dataset_folders(args: dict[str, Any]) -> list[str]:
+    """Problems, each with its fix, in the folders PILOT will read ``args["dataset"]`` from
+    (relative to the working directory, as PILOT reads them); empty when they are fine.
+
+    Checks the ImageFolder datasets without loading an image: both folders exist, each holds the
+    :data:`EXPECTED_CLASSES` class folders, and the test folder's classes are the training
+    folder's (ImageFolder numbers classes by sorted folder name, so a class missing on one side
+    would shift every later label). CIFAR (torchvision downloads it) and the plugin's synthetic
+    datasets have nothing to check, nor imagenet100/imagenet1000, whose folders the user sets in
+    PILOT's ``utils/data.py`` (:func:`prepare` checks their class counts once they are loaded).
+    ``pilot-online doctor`` and :func:`prepare` call it.
+    """
+    name = str(args.get("dataset") or "").lower()
+    where = PILOT_DATASETS.get(name)
+    if where is None or name in (*ARRAY_DATASETS, *USER_FOLDER_DATASETS):
+        return []
+    cwd, expected = Path.cwd(), EXPECTED_CLASSES[name]
+    problems: list[str] = []
+    classes: dict[str, list[str]] = {}
+    for split, relative in zip(("training", "test"), where.folders):
+        folder = cwd / relative
+        if not folder.is_dir():
+            problems.append(
+                f"dataset {name!r}: the {split} folder {folder} does not exist (PILOT reads it "
+                f"relative to the working directory {cwd}). Fix: run from the folder that holds "
+                f"data/, or put {where.source} there."
+            )
+            continue
+        classes[split] = sorted(entry.name for entry in folder.iterdir() if entry.is_dir())
+        if len(classes[split]) != expected:
+            problems.append(
+                f"dataset {name!r} lacks classes: the {split} folder {folder} holds "
+                f"{len(classes[split])} class folders, but PILOT's class order for {name} names "
+                f"{expected}. Fix: put all {expected} class folders there ({where.source})."
+            )
+    if len(classes) == 2 and classes["training"] != classes["test"]:
+        only_train = sorted(set(classes["training"]) - set(classes["test"]))
+        only_test = sorted(set(classes["test"]) - set(classes["training"]))
+        train_dir, test_dir = (cwd / folder for folder in where.folders)
+        problems.append(
+            f"dataset {name!r}: the class folders of {train_dir} and {test_dir} differ (only in "
+            f"training: {only_train[:5]}, only in test: {only_test[:5]}); ImageFolder numbers "
+            "classes by sorted folder name, so every later label would be shifted. Fix: give "
+            "both folders the same class folders."
+        )
+    return problems
+
+
+def auto_workers() -> int:
+    """``num_workers: null``: one DataLoader worker per CPU this process may run on, less one for
+    the training process itself (0 on a single CPU: load in the main process), at most 16."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(0, min(cpus - 1, 16))
+
+
 class SeededSamples(torch.utils.data.Dataset):
     """A dataset whose sample ``i`` is loaded with the random generators seeded by ``(seed, i)``.
 
@@ -123,6 +255,27 @@ class SeededSamples(torch.utils.data.Dataset):
             return self.dataset[index]
 
 
+#: Ends the key of a replay draw's seed, so that it never equals a stream sample's key.
+REPLAY_KEY = 0x5245504C
+
+
+class ReplaySamples(torch.utils.data.Dataset):
+    """Training samples keyed ``(step, index)``: sample ``index`` replayed at ``step`` is loaded
+    with the generators seeded by ``(seed, step, index)``, so a replayed image gets a new
+    augmentation at each draw, the same in whichever worker and however many there are."""
+
+    def __init__(self, dataset: Any, seed: int) -> None:
+        self.dataset, self.seed = dataset, int(seed)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        step, index = key
+        with seeded(self.seed, int(step), int(index), REPLAY_KEY):
+            return self.dataset[int(index)]
+
+
 #: torchvision transforms that map an image to the same tensor every time (PILOT's test ones).
 DETERMINISTIC_TRANSFORMS = frozenset(
     {"Resize", "CenterCrop", "ToTensor", "PILToTensor", "Normalize", "ConvertImageDtype"}
@@ -131,72 +284,283 @@ DETERMINISTIC_TRANSFORMS = frozenset(
 
 def deterministic_transforms(transforms: Sequence[Any]) -> bool:
     """Whether every transform is one of :data:`DETERMINISTIC_TRANSFORMS` (an unknown one may be
-    random: the evaluation query cache, which needs the same input at every evaluation, is then
-    not used)."""
+    random: the evaluation query and pixel caches, which need the same input at every evaluation,
+    are then not used)."""
     unknown = [type(t).__name__ for t in transforms]
     unknown = [name for name in unknown if name not in DETERMINISTIC_TRANSFORMS]
     if unknown:
-        logger.info("test transforms %s may be random: no evaluation query cache", unknown)
+        logger.info("test transforms %s may be random: no evaluation query or pixel cache", unknown)
     return not unknown
 
 
+class ToUInt8:
+    """``ToTensor`` without its division: a PIL image (or HWC uint8 array) as a CHW uint8 tensor.
+
+    The division by 255 (and any ``Normalize``) then runs on the device (``DeviceEnd``), on a
+    quarter of the bytes; for 8-bit images the numbers equal ``ToTensor``'s."""
+
+    def __call__(self, picture: Any) -> torch.Tensor:
+        if isinstance(picture, np.ndarray):
+            array = picture
+        else:
+            if picture.mode not in ("L", "RGB", "RGBA", "CMYK", "YCbCr", "LAB", "HSV", "P"):
+                raise TypeError(
+                    f"a {picture.mode!r} image is not 8-bit: the uint8 data path reads 8-bit "
+                    "images only (PILOT's loaders give RGB)"
+                )
+            array = np.asarray(picture)
+        if array.dtype != np.uint8:
+            raise TypeError(f"the uint8 data path needs uint8 images, got {array.dtype}")
+        if array.ndim == 2:
+            array = array[:, :, None]
+        return torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1)))
+
+    def __repr__(self) -> str:
+        return "ToUInt8()"
+
+
+def split_transforms(transforms: Sequence[Any]) -> tuple[Any, DeviceEnd]:
+    """``[PIL transforms..., ToTensor, Normalize...]`` -> (the worker's part, ending in
+    :class:`ToUInt8`; the device's part). Lists of any other shape (a tensor transform after
+    ``ToTensor``, no ``ToTensor``) stay whole on the workers and cross as float."""
+    from torchvision import transforms as T
+
+    names = [type(t).__name__ for t in transforms]
+    if names.count("ToTensor") == 1:
+        cut = names.index("ToTensor")
+        tail = transforms[cut + 1 :]
+        if all(isinstance(t, T.Normalize) for t in tail):
+            normalizations: list[Normalization] = [(t.mean, t.std) for t in tail]
+            return T.Compose([*transforms[:cut], ToUInt8()]), DeviceEnd(normalizations)
+    logger.info("transforms %s stay whole on the workers: batches cross as float", names)
+    return T.Compose(list(transforms)), DeviceEnd()
+
+
+def open_image(path: str) -> Any:
+    """An image file as an RGB PIL image (as PILOT's ``pil_loader`` reads it)."""
+    from PIL import Image
+
+    with open(path, "rb") as handle:
+        return Image.open(handle).convert("RGB")
+
+
+class Images(torch.utils.data.Dataset):
+    """``(index, transform(image), label)`` per sample, as PILOT's ``DummyDataset`` yields them,
+    from uint8 HWC arrays or (``use_path``) image files."""
+
+    def __init__(self, images: Any, labels: Any, transform: Any, use_path: bool) -> None:
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.images, self.labels = images, labels
+        self.transform, self.use_path = transform, bool(use_path)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[int, Any, Any]:
+        if self.use_path:
+            image = open_image(self.images[index])
+        else:
+            from PIL import Image
+
+            image = Image.fromarray(self.images[index])
+        return index, self.transform(image), self.labels[index]
+
+
+class _Feed:
+    """A DataLoader's batch sampler whose batches are set before each pass, so that one loader
+    (and its persistent workers) serves every task and every evaluation of a run."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[Any]] = []
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class _Loader:
+    """One DataLoader of the run, built on first use, fed one pass at a time."""
+
+    def __init__(self, dataset: Any, workers: int, pin_memory: bool, seed: int) -> None:
+        self.dataset, self.workers, self.pin_memory = dataset, workers, pin_memory
+        # Worker seeds come from here, never from the global generator (which an iterator would
+        # otherwise draw from); the samples' augmentations do not depend on them.
+        self.generator = torch.Generator().manual_seed(seed)
+        self.feed = _Feed()
+        self.loader: torch.utils.data.DataLoader | None = None
+
+    def run(self, batches: Sequence[list[Any]]) -> Iterator:
+        """Start a pass over ``batches`` (workers start loading now) and return its iterator."""
+        if self.loader is None:
+            self.loader = torch.utils.data.DataLoader(
+                self.dataset,
+                batch_sampler=self.feed,
+                num_workers=self.workers,
+                pin_memory=self.pin_memory,
+                generator=self.generator,
+                persistent_workers=self.workers > 0,
+            )
+        self.feed.batches = list(batches)
+        return iter(self.loader)
+
+    def close(self) -> None:
+        """Stop the workers (a new pass would start new ones)."""
+        iterator = getattr(self.loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        self.loader = None
+
+
+class SampleLoader:
+    """Replay's memory draws: ``loader(indices, step)`` loads training samples through the
+    training transforms, keyed by ``step`` (:class:`ReplaySamples`); ``prefetch(indices, step)``
+    hands the next draw to a worker, so that it loads while this step computes."""
+
+    keyed = True
+
+    def __init__(self, source: PilotDataSource) -> None:
+        self.source = source
+        self._pending: tuple[int, tuple[int, ...], tuple[int, Iterator]] | None = None
+        self.prefetched = self.loaded = 0
+
+    def _start(self, key: tuple[int, ...], step: int) -> tuple[int, Iterator]:
+        """Hand the draw to the workers, split in one part per worker so that they load it
+        together (the parts are joined in order; each sample's augmentation is keyed, so the
+        split changes nothing): (number of parts, the pass's iterator)."""
+        parts = np.array_split(np.asarray(key, dtype=np.int64), max(1, self.source._replay.workers))
+        parts = [[(int(step), int(i)) for i in part] for part in parts if len(part)]
+        return len(parts), self.source._replay.run(parts)
+
+    def prefetch(self, indices: np.ndarray, step: int) -> None:
+        if self.source._replay.workers == 0 or not len(indices):
+            return  # in-process loading gains nothing from starting early
+        key = tuple(int(i) for i in indices)
+        self._pending = (int(step), key, self._start(key, step))
+
+    def __call__(
+        self, indices: np.ndarray, step: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = tuple(int(i) for i in indices)
+        if step is None:  # an unkeyed draw: in this process, with the global generators
+            samples = [self.source._train[i] for i in key]
+            inputs = torch.stack([image for _, image, _ in samples])
+            labels = torch.as_tensor(np.asarray([label for _, _, label in samples]))
+            return self.source.model_inputs(inputs), labels.long()
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[:2] == (int(step), key):
+            count, iterator = pending[2]
+            self.prefetched += 1
+        else:
+            count, iterator = self._start(key, step)
+        self.loaded += 1
+        parts = [next(iterator) for _ in range(count)]  # each (indices, inputs, labels)
+        # Each part crosses on its own (pinned, asynchronous) and is joined on the device.
+        inputs = [self.source.model_inputs(part[1]) for part in parts]
+        labels = torch.cat([part[2] for part in parts])
+        return (torch.cat(inputs) if count > 1 else inputs[0]), labels.long()
+
+
 class PilotDataSource:
-    """Stream-ordered training batches and test batches from a PILOT ``DataManager``."""
+    """Stream-ordered training batches and test batches from a PILOT ``DataManager``.
+
+    Batches come out on the device :meth:`attach_device` names (the CPU until then), as the model's
+    float inputs. ``num_workers`` and ``pin_memory`` null mean: :func:`auto_workers`, and pinned
+    memory when the device is a GPU.
+    """
 
     def __init__(self, data_manager: Any, config: dict[str, Any], seed: int) -> None:
-        from torchvision import transforms
-        from utils.data_manager import DummyDataset
-
         dm = data_manager
-        self._train = DummyDataset(
-            dm._train_data,
-            dm._train_targets,
-            transforms.Compose([*dm._train_trsf, *dm._common_trsf]),
-            dm.use_path,
-        )
-        self._stream_samples = SeededSamples(self._train, seed)
-        self._test = DummyDataset(
-            dm._test_data,
-            dm._test_targets,
-            transforms.Compose([*dm._test_trsf, *dm._common_trsf]),
-            dm.use_path,
-        )
+        train_host, self._train_end = split_transforms([*dm._train_trsf, *dm._common_trsf])
+        test_host, self._test_end = split_transforms([*dm._test_trsf, *dm._common_trsf])
+        self._train = Images(dm._train_data, dm._train_targets, train_host, dm.use_path)
+        self._test = Images(dm._test_data, dm._test_targets, test_host, dm.use_path)
         self.deterministic_eval = deterministic_transforms([*dm._test_trsf, *dm._common_trsf])
         self.train_labels = np.asarray(dm._train_targets)
         self.test_labels = np.asarray(dm._test_targets)
-        self.num_workers = int(config["num_workers"])
+        workers = config.get("num_workers")
+        self.num_workers = auto_workers() if workers is None else int(workers)
         self.eval_batch_size = int(config["eval_batch_size"])
-        # Worker seeds come from here, not from the global generator; augmentations of stream
-        # samples do not depend on them (``SeededSamples``).
-        self._generator = torch.Generator().manual_seed(seed)
-        self.pin_memory = bool(config.get("pin_memory", False)) and torch.cuda.is_available()
+        self._pin_memory = config.get("pin_memory")
+        self._pixel_mode = config.get("eval_pixel_cache", "auto")
+        self.seed = int(seed)
+        self.device = torch.device("cpu")
+        self._loaders: list[_Loader] = []
+        self._stream = self._replay = self._eval = None
+        self.pixel_cache: PixelCache | None = None
+        self.train_samples = SampleLoader(self)
+        self.attach_device(self.device)
 
-    def _loader(self, dataset, batch_sampler, generator=None) -> Iterator:
-        loader = torch.utils.data.DataLoader(
-            dataset,
-            batch_sampler=batch_sampler,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            generator=generator,
-        )
-        for _, inputs, labels in loader:
-            yield inputs, labels
+    def attach_device(self, device: torch.device | str) -> None:
+        """Where batches go (the session calls it with the loop's device before any pass)."""
+        self.close()
+        self.device = torch.device(device)
+        pin = self._pin_memory
+        pin = self.device.type == "cuda" if pin is None else bool(pin)
+        self.pin_memory = pin and torch.cuda.is_available()
+        seed, workers = self.seed, self.num_workers
+        self._stream = _Loader(SeededSamples(self._train, seed), workers, self.pin_memory, seed)
+        self._replay = _Loader(ReplaySamples(self._train, seed), workers, self.pin_memory, seed)
+        self._eval = _Loader(self._test, workers, self.pin_memory, seed)
+        self._loaders = [self._stream, self._replay, self._eval]
+        mode = self._pixel_mode if self.deterministic_eval else "off"
+        self.pixel_cache = PixelCache(len(self.test_labels), mode, self.device)
+
+    def close(self) -> None:
+        """Stop every loader's workers (the end of the run)."""
+        for loader in self._loaders:
+            loader.close()
+        if self._loaders and (self.pixel_cache.store is not None or self.train_samples.loaded):
+            logger.info("data path: %s", self.report())
+
+    def report(self) -> dict[str, Any]:
+        """What the data path did: workers, pinned memory, the pixel cache, replay prefetches."""
+        return {
+            "num_workers": self.num_workers,
+            "pin_memory": self.pin_memory,
+            "pixel_cache": self.pixel_cache.report(),
+            "replay_draws": self.train_samples.loaded,
+            "replay_draws_prefetched": self.train_samples.prefetched,
+        }
+
+    def model_inputs(self, inputs: torch.Tensor, end: DeviceEnd | None = None) -> torch.Tensor:
+        """A batch from the workers as the model's inputs, on the device."""
+        return (end or self._train_end)(inputs, self.device)
 
     def train_batches(self, batches: Sequence[np.ndarray]) -> Iterator:
-        return self._loader(self._stream_samples, [b.tolist() for b in batches], self._generator)
-
-    def train_samples(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Training samples by index, through the training transforms (replay's memory draws).
-
-        Loaded in this process: a worker pool per 100-sample draw would cost more than it saves.
-        Random augmentations use torch's global generator, which PILOT seeds per run and a
-        checkpoint saves (a replayed sample is augmented anew at each draw)."""
-        samples = [self._train[int(i)] for i in indices]
-        inputs = torch.stack([image for _, image, _ in samples])
-        labels = torch.as_tensor(np.asarray([label for _, _, label in samples]), dtype=torch.long)
-        return inputs, labels
+        for _, inputs, labels in self._stream.run([b.tolist() for b in batches]):
+            yield self.model_inputs(inputs), labels
 
     def eval_batches(self, indices: np.ndarray) -> Iterator:
+        """Test batches of ``eval_batch_size`` over ``indices``, in order. With the pixel cache,
+        the first evaluation stores every test image (those asked for as they are yielded, then
+        the rest), and later ones read only the cache."""
         size = self.eval_batch_size
-        chunks = [indices[i : i + size].tolist() for i in range(0, len(indices), size)]
-        return self._loader(self._test, chunks)
+        indices = np.asarray(indices, dtype=np.int64)
+        chunks = [indices[i : i + size] for i in range(0, len(indices), size)]
+        cache = self.pixel_cache
+        if cache is None or not cache.enabled:
+            for _, inputs, labels in self._eval.run([c.tolist() for c in chunks]):
+                yield self.model_inputs(inputs, self._test_end), labels
+            return
+        needed = [cache.missing(chunk) for chunk in chunks]
+        asked = np.zeros(len(self.test_labels), dtype=bool)
+        asked[indices] = True
+        rest = cache.missing(np.flatnonzero(~asked))
+        loads = [n for n in needed if len(n)] + [
+            rest[i : i + size] for i in range(0, len(rest), size)
+        ]
+        batches = self._eval.run([n.tolist() for n in loads]) if loads else iter(())
+        for chunk, need in zip(chunks, needed):
+            if len(need):
+                _, inputs, _ = next(batches)
+                cache.put(need, inputs)
+            labels = torch.from_numpy(self.test_labels[chunk])
+            yield self.model_inputs(cache.get(chunk), self._test_end), labels
+        for start in range(0, len(rest), size):  # the images no evaluation asked for yet
+            _, inputs, _ = next(batches)
+            cache.put(rest[start : start + size], inputs)
+        if loads and cache.complete:  # evaluation reads only the cache from now on
+            self._eval.close()

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from models.base import BaseLearner  # PILOT: this module is imported lazily
+from torch import nn
 
 from ..core.results import results_path
 from ..core.streams import build_stream
 from ..engine.adapter import MethodAdapter
-from ..engine.checkpoint import checkpoint_path_for
+from ..engine.checkpoint import CompletedRun, checkpoint_path_for, completed_results
 from ..engine.config import resolve_config
 from ..engine.loop import build_loop
 from ..engine.session import OnlineSession, unique_results_path
@@ -41,22 +42,35 @@ class OnlineLearner(BaseLearner):
     def __init__(self, args: dict[str, Any], adapter_cls: type[MethodAdapter]) -> None:
         super().__init__(args)
         self.config = resolve_config(args)
+        self.topk = 5
+        self.session: OnlineSession | CompletedRun | None = None
+        directory = Path(self.config["results_dir"] or pilot_log_dir(self.config))
+        path = results_path(
+            directory, self.config["prefix"], self.config["seed"], self.config["backbone_type"]
+        )
+        # PILOT runs every seed of a config in this process: a seed whose results are complete
+        # for this config is not trained again (nor its network built); its stored evaluations
+        # go back to PILOT's trainer. An interrupted seed resumes from its checkpoint.
+        self.completed = completed_results(path, self.config)
+        if self.completed is not None:
+            logger.warning(
+                "seed %s: results complete for this config at %s; not training it again",
+                self.config["seed"],
+                path,
+            )
+            self.results_path = path
+            self._network = nn.Module()  # PILOT's trainer counts its parameters: none
+            return
         if len(self._multiple_gpus) > 1:
             logger.warning("online learners use one device: training on %s only", self._device)
         self.adapter = adapter_cls(args=self.config)
         overrides = self.adapter.backbone_kwargs(self.config)
-        with timm_overrides(overrides, self.config["pretrained_path"]):
+        with timm_overrides(overrides, self.config["pretrained_path"], self.config["pretrained"]):
             network = self.adapter.build_network(self.config)
         if self.config["sdpa"]:
             use_sdpa(network)
         self.loop = build_loop(self.adapter, network, self.config, args["nb_classes"], self._device)
         self._network = self.loop.network
-        self.topk = 5
-        self.session: OnlineSession | None = None
-        directory = Path(self.config["results_dir"] or pilot_log_dir(self.config))
-        path = results_path(
-            directory, self.config["prefix"], self.config["seed"], self.config["backbone_type"]
-        )
         # The checkpoint's name is fixed by the config, so rerunning the command finds it; the
         # results file gets a timestamped name only if a finished run already wrote there.
         self.checkpoint_path = checkpoint_path_for(path)
@@ -67,8 +81,11 @@ class OnlineLearner(BaseLearner):
             {n: p.numel() for n, p in self.loop.named_parameters},
         )
 
-    def _start(self, data_manager) -> OnlineSession:
-        """Build the whole stream once, from the DataManager's remapped labels and class order."""
+    def _start(self, data_manager) -> OnlineSession | CompletedRun:
+        """Build the whole stream once, from the DataManager's remapped labels and class order
+        (for a seed whose results are complete: the stand-in that hands them back)."""
+        if self.completed is not None:
+            return CompletedRun(self.results_path, self.completed)
         cfg = self.config
         labels = data_manager._train_targets
         classes = list(range(data_manager.nb_classes))  # labels are positions in the class order
@@ -96,7 +113,8 @@ class OnlineLearner(BaseLearner):
         except BaseException as err:
             self.session.write(status="failed", error=f"{type(err).__name__}: {err}")
             raise
-        self._total_classes = int(self.loop.seen.sum())
+        if self.completed is None:
+            self._total_classes = int(self.loop.seen.sum())
 
     def eval_task(self):
         try:
@@ -105,7 +123,7 @@ class OnlineLearner(BaseLearner):
             self.session.write(status="failed", error=f"{type(err).__name__}: {err}")
             raise
         logger.info("accuracy after segment %d: %s", self._cur_task, cnn_accy["grouped"])
-        if self._cur_task == self.session.stream.num_tasks - 1:
+        if self._cur_task == self.data_manager.nb_tasks - 1:
             results = self.session.finish()
             logger.info(
                 "AP %.2f  A_T %.2f  (results: %s)",

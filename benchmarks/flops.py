@@ -1,0 +1,271 @@
+"""The FLOP model: FLOPs per image of every registered method at 224 px, and the predicted time
+of a whole CUB run beside the paper's time table.
+
+Run ``python benchmarks/flops.py`` (PILOT is needed: ``--pilot-root``, default ``$PILOT_ROOT`` or
+``../shared/LAMDA-PILOT``; only imported, never written). For each method (``--methods``, default
+every registered one) it builds the network from the paper's config (``exps/<method>_base.json``,
+else the smoke config) at 224 px with random weights on the CPU, and counts with
+``torch.utils.flop_counter.FlopCounterMode`` (2 FLOPs per multiply-add) on ``--batch`` images:
+
+- ``train_forward_flops_per_image``: ``adapter.forward(train=True)``, the query pass included;
+- ``train_flops_per_image``: that plus the loss and ``backward`` (forward only for a method that
+  trains nothing, such as SimpleCIL);
+- ``query_flops_per_image``: the frozen query pass alone (0 without one);
+- ``test_flops_per_image``: ``adapter.forward(train=False)``.
+
+P and FGH are element-wise (no matrix products), so the base variant stands for all four rows.
+It writes them, with the torch and timm versions, to the package data
+``pilot_online/cli/flops.json`` (``--no-write`` to leave it; ``--table-only`` to skip counting
+and print from it), then prints the predicted GPU compute time of one CUB run (clear, 20 tasks,
+batch 100, one evaluation per task, query cache on) per method at ``--tflops`` sustained
+(default: an H100's bf16 peak at 40%, see ``pilot_online/cli/estimate.py``) beside the paper's
+time table (one Quadro RTX 8000; oLoRA two), and checks the target: CODA + P + FGH <= 20 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+FLOPS_JSON = ROOT / "pilot_online" / "cli" / "flops.json"
+PAPER_TEX = ROOT.parent / "shared" / "paper" / "fgh_online_cl_paper.tex.txt"
+#: The CODA + P + FGH target of issue 15 for a whole CUB run on an H100 (seconds).
+TARGET_SECONDS = 20.0
+#: Paper table rows (time_consumption) per registered method.
+PAPER_ROWS = {
+    "finetune_online": "Fine-tuning",
+    "linear_probe_online": "Linear probe",
+    "er_online": "ER",
+    "er_linear_probe_online": "ER + Linear probe",
+    "mvp_online": "MVP",
+    "olora_online": "oLoRA",
+    "coda_online": "CODA",
+    "l2p_online": "L2P",
+    "dualprompt_online": "DualPrompt",
+    "convprompt_online": "ConvPrompt",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", default="", help="comma-separated (default: all registered)")
+    parser.add_argument("--batch", type=int, default=1, help="images per counted pass")
+    parser.add_argument("--classes", type=int, default=200, help="head size (CUB: 200)")
+    parser.add_argument("--tflops", type=float, default=None, help="sustained TFLOP/s")
+    parser.add_argument("--no-write", action="store_true", help="do not update flops.json")
+    parser.add_argument("--table-only", action="store_true", help="print from flops.json only")
+    parser.add_argument(
+        "--pilot-root",
+        default=os.environ.get("PILOT_ROOT") or str(ROOT.parent / "shared" / "LAMDA-PILOT"),
+    )
+    args = parser.parse_args(argv)
+    if not args.table_only and not Path(args.pilot_root, "utils", "inc_net.py").is_file():
+        parser.error(f"{args.pilot_root} is no PILOT checkout: pass --pilot-root or set PILOT_ROOT")
+    if args.batch < 1:
+        parser.error("--batch must be >= 1")
+    return args
+
+
+def method_config(method: str, classes: int) -> dict[str, Any]:
+    """The paper's config of ``method`` (base row) at 224 px, random weights, on the CPU."""
+    from pilot_online.engine.config import load_json, resolve_config
+
+    short = method.removesuffix("_online")
+    path = ROOT / "exps" / f"{short}_online_base.json"
+    if not path.is_file():
+        path = ROOT / "exps" / f"smoke_{short}_online.json"
+    raw = load_json(path)
+    raw.pop("backbone_kwargs", None)  # 224 px
+    raw.update(pretrained=False, device=[-1], online_prototypes=False, fgh=None)
+    return {**resolve_config(raw), "nb_classes": classes, "nb_tasks": 20}
+
+
+def count(fn) -> tuple[int, Any]:
+    with FlopCounterMode(display=False) as counter:
+        result = fn()
+    return counter.get_total_flops(), result
+
+
+def count_method(method: str, args: argparse.Namespace) -> dict[str, float]:
+    """FLOPs per image of ``method``'s training step, training forward, query pass and test
+    forward."""
+    from pilot_online.engine.registry import get_method
+    from pilot_online.pilot.backbones import timm_overrides
+
+    config = method_config(method, args.classes)
+    adapter = get_method(method)(args=config)
+    torch.manual_seed(0)
+    with timm_overrides(adapter.backbone_kwargs(config)):
+        network = adapter.build_network(config)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.rand(args.batch, 3, 224, 224, generator=generator)
+    y = torch.randint(0, args.classes, (args.batch,), generator=generator)
+
+    adapter.train_mode(network)
+
+    def forward():
+        out = adapter.forward(network, x, train=True)
+        loss = adapter.classification_loss(network, out, y, None)
+        return loss if out.aux_loss is None else loss + out.aux_loss.reshape(())
+
+    forward_flops, loss = count(forward)
+    backward_flops = 0
+    if getattr(adapter, "trains", True) and loss.requires_grad:
+        backward_flops, _ = count(loss.backward)
+    network.zero_grad(set_to_none=True)
+
+    adapter.eval_mode(network)
+    with torch.no_grad():
+        test_flops, _ = count(lambda: adapter.forward(network, x, train=False))
+        query_flops = 0
+        if adapter.query_parameters(network):
+            query_flops, _ = count(lambda: adapter.query_features(network, x))
+    return {
+        "train_flops_per_image": (forward_flops + backward_flops) / args.batch,
+        "train_forward_flops_per_image": forward_flops / args.batch,
+        "query_flops_per_image": query_flops / args.batch,
+        "test_flops_per_image": test_flops / args.batch,
+    }
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    import timm
+
+    sys.dont_write_bytecode = True  # PILOT's tree stays untouched
+    sys.path.insert(0, str(Path(args.pilot_root).resolve()))
+    warnings.filterwarnings("ignore")
+    from pilot_online.engine.registry import list_methods
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] or list_methods()
+    table: dict[str, Any] = {
+        "note": (
+            "FLOPs per image (torch.utils.flop_counter, 2 per multiply-add) of each method's "
+            "PILOT network, ViT-B/16 at 224 px, base variant (P and FGH add no matrix products), "
+            f"{args.classes}-class head; written by benchmarks/flops.py"
+        ),
+        "img_size": 224,
+        "batch": args.batch,
+        "classes": args.classes,
+        "torch": torch.__version__,
+        "timm": timm.__version__,
+        "methods": {},
+    }
+    for method in methods:
+        begin = time.perf_counter()
+        table["methods"][method] = count_method(method, args)
+        row = table["methods"][method]
+        print(
+            f"{method:24} train {row['train_flops_per_image'] / 1e9:7.1f} GFLOP/img  "
+            f"test {row['test_flops_per_image'] / 1e9:6.1f}  query "
+            f"{row['query_flops_per_image'] / 1e9:6.1f}  ({time.perf_counter() - begin:.0f} s)",
+            flush=True,
+        )
+    return table
+
+
+def paper_times() -> dict[tuple[str, str], int]:
+    """Seconds per (paper method, row) of the paper's time table: from the package data
+    ``pilot_online/data/paper_tables.json`` when present, else read from the paper's LaTeX."""
+    data = ROOT / "pilot_online" / "data" / "paper_tables.json"
+    if data.is_file():
+        rows = json.loads(data.read_text(encoding="utf-8")).get("time_consumption", {})
+        if rows.get("rows"):
+            return {(r["method"], r["row"]): int(r["seconds"]) for r in rows["rows"]}
+    text = PAPER_TEX.read_text(encoding="utf-8")
+    table = text[text.index("%% file: tables/time_consumption.tex") :]
+    table = table[: table.index("\\end{table}")]
+    times, method = {}, ""
+    for line in table.splitlines():
+        match = re.match(r"\s*(.+?)\s*&\s*((?:\d+h)?(?:\d+m)?\d+s)\s*&", line)
+        if not match:
+            continue
+        name, text_time = match.groups()
+        row = "base"
+        if "hookrightarrow" in name:
+            row = {"+ P": "p", "+ FGH": "fgh_only", "+ ours": "ours"}[name.split("$")[-1].strip()]
+        else:
+            method = name
+        parts = {unit: number for number, unit in re.findall(r"(\d+)([hms])", text_time)}
+        seconds = int(parts.get("h", 0)) * 3600 + int(parts.get("m", 0)) * 60 + int(parts["s"])
+        times[(method, row)] = seconds
+    return times
+
+
+def duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m{int(seconds % 60):02d}s"
+    if seconds >= 60:
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+    return f"{seconds:.1f}s"
+
+
+def print_table(tflops: float | None) -> bool:
+    from pilot_online.cli import estimate
+
+    estimate.load_flops.cache_clear()
+    sustained = tflops or estimate.DEFAULT_SUSTAINED_TFLOPS
+    table = estimate.load_flops()
+    size = estimate.DATASET_SIZES["cub"]
+    print(
+        f"\nPredicted GPU compute time of one CUB run (clear, 20 tasks, batch 100, one evaluation "
+        f"per task, query cache on; {size.train} train / {size.test} test images) at "
+        f"{sustained:.1f} TFLOP/s sustained"
+        + (" (H100 bf16 peak 989.4 at 40%)" if tflops is None else "")
+        + f"; FLOPs counted with torch {table['torch']}, timm {table['timm']}."
+    )
+    print("Paper: one Quadro RTX 8000 (oLoRA: two), whole run; P and FGH rows add no FLOPs here.")
+    paper = paper_times()
+    print(
+        f"{'method':24} {'train TFLOP':>11} {'eval TFLOP':>10} {'predicted':>10} "
+        f"{'paper base':>11} {'paper +P+FGH':>12}"
+    )
+    rows = estimate.predicted_time_table(sustained_tflops=sustained, dataset="cub")
+    ok = True
+    for row in rows:
+        name = PAPER_ROWS.get(row["method"], "")
+        base, ours = paper.get((name, "base")), paper.get((name, "ours"))
+        print(
+            f"{row['method']:24} {row['train_tflop']:11.0f} {row['eval_tflop']:10.0f} "
+            f"{duration(row['seconds']):>10} {duration(base) if base else 'n/a':>11} "
+            f"{duration(ours) if ours else 'n/a':>12}"
+        )
+        if row["method"] == "coda_online":
+            ok = row["seconds"] <= TARGET_SECONDS
+            coda = row["seconds"]
+    if "coda_online" in table["methods"]:
+        print(
+            f"target: CODA + P + FGH CUB run <= {TARGET_SECONDS:.0f} s on an H100: "
+            f"{coda:.1f} s predicted, {'pass' if ok else 'FAIL'}"
+        )
+    return ok
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not args.table_only:
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        table = measure(args)
+        if not args.no_write:
+            if FLOPS_JSON.is_file():  # keep counts of methods not measured this time
+                old = json.loads(FLOPS_JSON.read_text(encoding="utf-8"))
+                table["methods"] = {**old.get("methods", {}), **table["methods"]}
+            FLOPS_JSON.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+            print(f"wrote {FLOPS_JSON.relative_to(ROOT)}")
+    if not print_table(args.tflops):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

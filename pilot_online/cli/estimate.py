@@ -1,0 +1,230 @@
+"""The FLOP model: a run's GPU compute time from FLOPs counted on each method's real network.
+
+``benchmarks/flops.py`` builds every registered method's PILOT network (ViT-B/16 at 224 px) and
+counts, with ``torch.utils.flop_counter.FlopCounterMode`` (2 FLOPs per multiply-add), the FLOPs
+per image of a training step (forward with the query pass, loss, backward), of the training
+forward alone, of the frozen query pass, and of a test forward. It writes them to the package
+data ``cli/flops.json`` that this module reads (no PILOT, no torch needed here).
+
+A run's FLOPs (:func:`run_flops`):
+
+- **training**: every training image once (online: one pass over the stream), at the step's
+  FLOPs; experience replay adds ``er_batch_size / batch_size`` more images per stream image, and
+  oLoRA its ``hard_buffer_size`` buffered batches (forward and backward with ``hard_loss``, else
+  forward only), both counted as if full from the first step (an upper bound). P and FGH add
+  element-wise work only (no matrix products): nothing here.
+- **evaluation**: one evaluation per task, over the test images of the classes seen so far (the
+  clear stream's ``init_cls`` + ``increment`` schedule; a Si-Blurry run is counted the same).
+  With the query cache (``eval_query_cache`` not ``"off"``) the frozen query pass runs once per
+  test image per run and each evaluation runs the rest; ``eval_period`` adds evaluations over
+  the average seen share of the test set.
+
+Seconds = FLOPs / sustained throughput: :data:`DEFAULT_SUSTAINED_TFLOPS` is an H100 SXM's dense
+bf16 peak (989.4 TFLOP/s, NVIDIA's datasheet) at 40%, i.e. 395.8 TFLOP/s. It is a floor for the
+GPU's compute, not a wall-clock prediction: data loading, optimiser and FGH element-wise work,
+kernel launches and host syncs are not in it. Other image sizes (``backbone_kwargs.img_size``)
+scale the counts by the ViT's token count, roughly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+#: H100 SXM5 dense bf16 tensor-core peak (TFLOP/s, NVIDIA H100 datasheet; 1,979 with sparsity).
+H100_BF16_PEAK_TFLOPS = 989.4
+#: The share of that peak a ViT-B training loop sustains, as assumed here.
+SUSTAINED_FRACTION = 0.40
+DEFAULT_SUSTAINED_TFLOPS = H100_BF16_PEAK_TFLOPS * SUSTAINED_FRACTION  # 395.76
+#: The image size the FLOPs were counted at, and ViT-B/16's token count there (1 + 14 x 14).
+MEASURED_IMG_SIZE = 224
+PATCH = 16
+
+
+@dataclass(frozen=True)
+class DatasetSize:
+    """Train/test image counts and classes of a dataset as PILOT reads it."""
+
+    train: int
+    test: int
+    classes: int
+    source: str
+
+
+#: The paper's datasets as PILOT 5240714 reads them (``utils/data.py``).
+DATASET_SIZES: dict[str, DatasetSize] = {
+    "cifar224": DatasetSize(
+        50_000, 10_000, 100, "torchvision CIFAR-100 (paper appendix: 500 train, 100 test a class)"
+    ),
+    "cub": DatasetSize(
+        9_430,
+        2_358,
+        200,
+        "the APER split PILOT's README links (11,788 images, 80/20; APER, Zhou et al., "
+        "arXiv:2303.07338); CUB-200-2011's official split is 5,994/5,794",
+    ),
+    "imagenetr": DatasetSize(
+        24_000, 6_000, 200, "the APER split PILOT's README links (30,000 images, 80/20)"
+    ),
+    "vtab": DatasetSize(1_796, 8_619, 50, "the APER VTAB-CIL split PILOT's README links"),
+}
+
+
+def _tokens(img_size: int) -> int:
+    return 1 + (img_size // PATCH) ** 2
+
+
+@lru_cache(maxsize=1)
+def load_flops() -> dict[str, Any]:
+    """The package data ``pilot_online/cli/flops.json`` (written by ``benchmarks/flops.py``)."""
+    text = resources.files("pilot_online.cli").joinpath("flops.json").read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+def method_flops(method: str, table: Mapping[str, Any] | None = None) -> dict[str, float]:
+    """The per-image FLOPs of one registered method; a clear error for one not counted."""
+    methods = (table or load_flops())["methods"]
+    if method not in methods:
+        raise ValueError(
+            f"the FLOP model has no counts for {method!r} (it has {', '.join(sorted(methods))}): "
+            "run `python benchmarks/flops.py` with PILOT_ROOT set to count every registered method"
+        )
+    return dict(methods[method])
+
+
+def _method_default(method: str, key: str, fallback: Any) -> Any:
+    """A method's own config default (e.g. oLoRA's ``hard_buffer_size``), without PILOT."""
+    try:
+        from ..engine.registry import get_method
+
+        spec = get_method(method).config_keys.get(key)
+    except (ImportError, ValueError):
+        return fallback
+    return spec.default if spec is not None else fallback
+
+
+def dataset_size(cfg: Mapping[str, Any]) -> DatasetSize:
+    """The run's dataset sizes: the paper's datasets, or the plugin's synthetic ones."""
+    name = str(cfg.get("dataset") or "").lower()
+    if name in DATASET_SIZES:
+        return DATASET_SIZES[name]
+    try:
+        from ..core.datasets import DATASETS
+
+        spec = DATASETS.get(name)
+    except ImportError:
+        spec = None
+    if spec is None:
+        raise ValueError(
+            f"the FLOP model knows no image counts for dataset {name!r}: it has "
+            f"{', '.join(DATASET_SIZES)} and the synthetic datasets"
+        )
+    return DatasetSize(
+        spec.num_classes * spec.train_per_class,
+        spec.num_classes * spec.test_per_class,
+        spec.num_classes,
+        "synthetic spec",
+    )
+
+
+def seen_fractions(classes: int, init_cls: int, increment: int) -> list[float]:
+    """The share of classes seen at each task end of a clear stream (one evaluation each)."""
+    if init_cls < 1 or increment < 1:
+        raise ValueError(f"init_cls and increment must be >= 1, got {init_cls}, {increment}")
+    tasks = 1 + max(0, math.ceil((classes - init_cls) / increment))
+    return [min(classes, init_cls + t * increment) / classes for t in range(tasks)]
+
+
+def run_flops(cfg: Mapping[str, Any], table: Mapping[str, Any] | None = None) -> dict[str, float]:
+    """``{"train": FLOPs, "eval": FLOPs, "total": FLOPs}`` of one run (one seed) of ``cfg``."""
+    method = str(cfg["model_name"])
+    counts = method_flops(method, table)
+    size = dataset_size(cfg)
+    img_size = int((cfg.get("backbone_kwargs") or {}).get("img_size", MEASURED_IMG_SIZE))
+    scale = _tokens(img_size) / _tokens(MEASURED_IMG_SIZE)
+    batch = int(cfg.get("batch_size", 100))
+
+    step = counts["train_flops_per_image"]
+    per_stream_image = step
+    if int(cfg.get("er_memory_size", _method_default(method, "er_memory_size", 0)) or 0) > 0:
+        replayed = int(cfg.get("er_batch_size", _method_default(method, "er_batch_size", batch)))
+        per_stream_image += step * replayed / batch
+    buffered = int(cfg.get("hard_buffer_size", _method_default(method, "hard_buffer_size", 0)))
+    if buffered:
+        hard_loss = bool(cfg.get("hard_loss", _method_default(method, "hard_loss", True)))
+        per_buffered = step if hard_loss else counts["train_forward_flops_per_image"]
+        per_stream_image += buffered * per_buffered
+    train = size.train * per_stream_image
+
+    fractions = seen_fractions(
+        size.classes, int(cfg.get("init_cls", 10)), int(cfg.get("increment", 10))
+    )
+    passes = size.test * sum(fractions)  # test images evaluated over the task-end evaluations
+    period = cfg.get("eval_period")
+    if period:
+        passes += size.test * (size.train // int(period)) * sum(fractions) / len(fractions)
+    test, query = counts["test_flops_per_image"], counts.get("query_flops_per_image", 0.0)
+    cached = query > 0 and cfg.get("eval_query_cache", "auto") != "off"
+    if cached:  # the query pass once per test image ever evaluated (all seen by the last task)
+        evaluation = passes * (test - query) + size.test * fractions[-1] * query
+    else:
+        evaluation = passes * test
+    train, evaluation = train * scale, evaluation * scale
+    return {"train": train, "eval": evaluation, "total": train + evaluation}
+
+
+def estimate_run_seconds(
+    cfg: Mapping[str, Any], sustained_tflops: float = DEFAULT_SUSTAINED_TFLOPS
+) -> float:
+    """The GPU compute seconds of one run (one seed) of ``cfg`` at ``sustained_tflops``
+    (default: an H100's bf16 peak at 40%, 395.8 TFLOP/s); see the module docstring."""
+    if not sustained_tflops > 0:
+        raise ValueError(f"sustained_tflops must be > 0, got {sustained_tflops}")
+    return run_flops(cfg)["total"] / (sustained_tflops * 1e12)
+
+
+def paper_run_config(method: str, dataset: str = "cub", **overrides: Any) -> dict[str, Any]:
+    """The paper's run of ``method`` on ``dataset`` (clear, batch 100, 10 classes a task; VTAB
+    5), the method's own defaults for the rest."""
+    increment = 5 if dataset == "vtab" else 10
+    return {
+        "model_name": method,
+        "dataset": dataset,
+        "stream": "clear",
+        "batch_size": 100,
+        "init_cls": increment,
+        "increment": increment,
+        **overrides,
+    }
+
+
+def predicted_time_table(
+    configs: Iterable[Mapping[str, Any]] | None = None,
+    sustained_tflops: float = DEFAULT_SUSTAINED_TFLOPS,
+    dataset: str = "cub",
+) -> list[dict[str, Any]]:
+    """One row per run: ``method``, ``dataset``, ``train_tflop``, ``eval_tflop``, ``seconds``.
+
+    ``configs`` default to the paper's run (:func:`paper_run_config`) of every method the FLOP
+    table counts, on ``dataset``.
+    """
+    if configs is None:
+        configs = [paper_run_config(m, dataset) for m in sorted(load_flops()["methods"])]
+    rows = []
+    for cfg in configs:
+        flops = run_flops(cfg)
+        rows.append(
+            {
+                "method": str(cfg["model_name"]),
+                "dataset": str(cfg.get("dataset")),
+                "train_tflop": flops["train"] / 1e12,
+                "eval_tflop": flops["eval"] / 1e12,
+                "seconds": flops["total"] / (sustained_tflops * 1e12),
+            }
+        )
+    return rows

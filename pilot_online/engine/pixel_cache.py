@@ -1,0 +1,176 @@
+"""Test pixels decoded once per run, and the end of the transforms that runs on the device.
+
+Why: decoding a JPEG and running PILOT's test transform (resize 256, crop 224) costs several
+milliseconds of CPU per image, and a class-incremental run evaluates the same test images again
+and again: on a GPU, evaluation was bound by the data path, not by the model.
+
+- :class:`DeviceEnd` turns the uint8 images the DataLoader workers produce into the float inputs
+  ``ToTensor`` (and any ``Normalize`` after it) would have produced, on the model's device. The
+  numbers are those of the CPU path bit for bit: on the CPU it runs the same operations as
+  torchvision; on another device it looks every value up in a table computed on the CPU by those
+  same operations (a GPU divides by a scalar through its reciprocal, which can differ by an ulp).
+- :class:`PixelCache` keeps each test image, once transformed, as the worker produced it (uint8
+  when the transforms end with ``ToTensor`` and ``Normalize``), by test-sample index. Only valid
+  when the test transforms are deterministic (the data source decides). Where it lives
+  (``eval_pixel_cache``): ``auto`` on the evaluation device when it takes at most
+  :data:`~pilot_online.engine.eval_cache.DEVICE_FRACTION` of the device's free memory (the query
+  cache's rule), else in pinned host memory (plain host memory on a CPU run); ``device`` and
+  ``cpu`` force a place; ``off`` disables it.
+
+It is not checkpointed: the pixels are a deterministic function of the files and the transforms,
+and the float conversion is exact, so a resumed run that refills it evaluates on the same inputs.
+
+Needs no PILOT.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .eval_cache import cache_placement
+
+logger = logging.getLogger(__name__)
+
+#: ``eval_pixel_cache`` values.
+PIXEL_CACHE_MODES = ("auto", "device", "cpu", "off")
+
+#: A ``Normalize``'s (mean, std), per channel.
+Normalization = tuple[Sequence[float], Sequence[float]]
+
+
+def _normalize(values: torch.Tensor, normalizations: Sequence[Normalization]) -> torch.Tensor:
+    """torchvision's ``Normalize`` arithmetic on ``(..., C, H, W)``: subtract, then divide."""
+    for mean, std in normalizations:
+        mean_t = torch.as_tensor(mean, dtype=values.dtype, device=values.device)
+        std_t = torch.as_tensor(std, dtype=values.dtype, device=values.device)
+        if (std_t == 0).any():
+            raise ValueError(f"Normalize with std {list(std)} divides by zero")
+        values = values.sub_(mean_t.view(-1, 1, 1)).div_(std_t.view(-1, 1, 1))
+    return values
+
+
+class DeviceEnd:
+    """uint8 images (N, C, H, W) -> the float inputs of ``ToTensor`` + ``Normalize``s, on a device.
+
+    Other dtypes (a data source whose transforms could not be split) pass through unchanged,
+    only moved to the device.
+    """
+
+    def __init__(self, normalizations: Sequence[Normalization] = ()) -> None:
+        self.normalizations = [(tuple(m), tuple(s)) for m, s in normalizations]
+        self._tables: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, batch: torch.Tensor, device: torch.device | str, lookup: bool | None = None):
+        """``batch`` on ``device`` as model inputs. ``lookup``: use the table (default: off the
+        CPU only; the tests force it on the CPU to compare both ways)."""
+        device = torch.device(device)
+        batch = batch.to(device, non_blocking=True)
+        if batch.dtype != torch.uint8:
+            return batch
+        if lookup is None:
+            lookup = device.type != "cpu"
+        if not lookup:  # ToTensor's operations (in one pass: the division casts each byte to
+            # the default float type before dividing, as ToTensor's cast then division do), then
+            # Normalize's: the CPU path as it was
+            return _normalize(batch.div(255), self.normalizations)
+        table, offsets = self._table(batch.shape[1], device)
+        return table[batch.int() + offsets]
+
+    def _table(self, channels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each channel's 256 output values (computed on the CPU like the plain path), flat, and
+        each channel's offset into it."""
+        key = (str(device), channels)
+        if key not in self._tables:
+            levels = torch.arange(256, dtype=torch.uint8).to(torch.get_default_dtype()).div(255)
+            values = _normalize(levels.repeat(channels, 1, 1), self.normalizations)  # (C, 1, 256)
+            offsets = (torch.arange(values.shape[0], dtype=torch.int32) * 256).view(1, -1, 1, 1)
+            self._tables[key] = (values.reshape(-1).to(device), offsets.to(device))
+        return self._tables[key]
+
+
+class PixelCache:
+    """Transformed test images by test-sample index, filled once and read at every evaluation."""
+
+    def __init__(self, size: int, mode: str, device: torch.device | str) -> None:
+        if mode not in PIXEL_CACHE_MODES:
+            raise ValueError(
+                f"eval_pixel_cache={mode!r} is not one of {', '.join(PIXEL_CACHE_MODES)}"
+            )
+        self.size, self.mode, self.device = int(size), mode, torch.device(device)
+        self.store: torch.Tensor | None = None
+        self.filled = np.zeros(self.size, dtype=bool)
+        self.hits = self.misses = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.filled.all())
+
+    def missing(self, indices: np.ndarray) -> np.ndarray:
+        """The indices among ``indices`` not stored yet, in their order."""
+        indices = np.asarray(indices, dtype=np.int64)
+        return indices[~self.filled[indices]]
+
+    def _allocate(self, like: torch.Tensor) -> None:
+        shape = (self.size, *like.shape[1:])
+        nbytes = int(np.prod(shape)) * like.element_size()
+        place = cache_placement(self.mode, nbytes, self.device, "eval_pixel_cache")
+        pinned = place.type == "cpu" and self.device.type == "cuda"
+        self.store = torch.empty(shape, dtype=like.dtype, device=place, pin_memory=pinned)
+        logger.info(
+            "eval_pixel_cache: %d test images, %d MiB of %s on %s%s",
+            self.size,
+            nbytes >> 20,
+            like.dtype,
+            place,
+            " (pinned)" if pinned else "",
+        )
+
+    def put(self, indices: np.ndarray, batch: torch.Tensor) -> None:
+        """Store ``batch``, the transformed images of ``indices`` in order."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if len(indices) != len(batch):
+            raise ValueError(f"{len(indices)} indices for a batch of {len(batch)} images")
+        if self.store is None:
+            self._allocate(batch)
+        if batch.shape[1:] != self.store.shape[1:] or batch.dtype != self.store.dtype:
+            raise ValueError(
+                f"test images of shape {tuple(batch.shape[1:])} ({batch.dtype}) after "
+                f"{tuple(self.store.shape[1:])} ({self.store.dtype}): the test transforms must "
+                "give every image the same size for the pixel cache; set eval_pixel_cache to off"
+            )
+        index = torch.from_numpy(indices).to(self.store.device)
+        self.store.index_copy_(0, index, batch.to(self.store.device))
+        self.filled[indices] = True
+        self.misses += len(indices)
+
+    def get(self, indices: np.ndarray) -> torch.Tensor:
+        """The stored images of ``indices``, in order (on the store's device; pinned if it is)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if self.store is None or not self.filled[indices].all():
+            raise KeyError("eval_pixel_cache: some of these test images are not stored yet")
+        self.hits += len(indices)
+        index = torch.from_numpy(indices).to(self.store.device)
+        if self.store.is_pinned():  # gather into pinned memory: the copy to the GPU stays async
+            out = torch.empty(
+                (len(indices), *self.store.shape[1:]), dtype=self.store.dtype, pin_memory=True
+            )
+            return torch.index_select(self.store, 0, index, out=out)
+        return self.store.index_select(0, index)
+
+    def report(self) -> dict[str, object]:
+        """Entries for the results' diagnostics."""
+        return {
+            "mode": self.mode,
+            "place": None if self.store is None else str(self.store.device),
+            "stored": int(self.filled.sum()),
+            "hits": self.hits,
+            "misses": self.misses,
+        }

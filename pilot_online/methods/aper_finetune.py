@@ -1,0 +1,73 @@
+"""APER with full fine-tuning online (``aper_finetune_online``), and the base of the APER family
+(``aper_ssf.py``, ``aper_vpt.py``, ``aper_adapter.py`` subclass it and change what trains).
+
+Upstream (PILOT's ``models/aper_*.py``): on the first task only, the adapted model (PILOT's
+``SimpleVitNet``: the pre-trained ViT with a PEFT module, here fully fine-tuned) trains with a
+cosine head for ``tuned_epoch`` epochs. At the end of that first task it is frozen and joined to
+the untouched pre-trained model in PILOT's ``MultiBranchCosineIncrementalNet``: features are the
+two ViTs' outputs concatenated, and the head is a ``CosineLinear`` whose rows are replaced by each
+class's mean feature (``replace_fc``), task after task, with no further training.
+
+Online there is no first task boundary at which to stop adapting and switch heads, so the port
+builds the two-branch network from the start: the frozen pre-trained branch and the adapted
+branch, features concatenated, and one ``nn.Linear`` head over all classes (``online_head``). The
+adapted branch's tunable part and the head train through the whole stream. The head is the FC
+layer P and FGH act on, and P's prototypes are the running class means of the concatenated
+features: the class means APER's prototype classifier is made of, replayed through the head.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from ..engine.adapter import StepOutput
+from ..engine.registry import register_method
+from .finetune import PLAIN_VIT_BACKBONES, FinetuneOnline
+
+
+@register_method("aper_finetune_online")
+class AperFinetuneOnline(FinetuneOnline):
+    paper_name: ClassVar[str] = ""
+    base_model_name: ClassVar[str] = "aper_finetune"
+    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT_BACKBONES
+    #: Substrings of the adapted branch's parameter names that train (PILOT's freezing rule for
+    #: the method); empty: every parameter of the adapted branch trains.
+    tuned_parameters: ClassVar[tuple[str, ...]] = ()
+
+    def build_network(self, args: dict) -> nn.Module:
+        from utils.inc_net import MultiBranchCosineIncrementalNet, SimpleVitNet
+
+        pilot_args = self.pilot_args(args)
+        adapted = SimpleVitNet(pilot_args, True)
+        network = MultiBranchCosineIncrementalNet(pilot_args, True)
+        network.construct_dual_branch_network(adapted)  # [pre-trained ViT, adapted ViT]
+        network.requires_grad_(False)
+        for name, param in network.backbones[1].named_parameters():
+            tuned = not self.tuned_parameters or any(k in name for k in self.tuned_parameters)
+            param.requires_grad_(tuned)
+        self.online_head(network, args, in_features=network._feature_dim)
+        return network
+
+    def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
+        return self.forward_from_query(network, x, self.query_features(network, x), train)
+
+    def query_parameters(self, network: nn.Module) -> list[nn.Parameter]:
+        return list(network.backbones[0].parameters())
+
+    @torch.no_grad()
+    def query_features(self, network: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The frozen pre-trained branch's features (a function of the image alone)."""
+        return network.backbones[0](x)
+
+    def forward_from_query(
+        self, network: nn.Module, x: torch.Tensor, query: torch.Tensor, train: bool
+    ) -> StepOutput:
+        features = torch.cat([query, network.backbones[1](x)], dim=1)
+        return StepOutput(network.fc(features), features)
+
+    def train_mode(self, network: nn.Module) -> None:
+        network.train()
+        network.backbones[0].eval()

@@ -1,0 +1,20 @@
+"""APER with SSF online (``aper_ssf_online``): the APER network of ``aper_finetune.py`` whose
+adapted branch is PILOT's SSF ViT (``backbone/vit_ssf.py``), training only its scale and shift
+parameters, as upstream's ``models/aper_ssf.py`` does on its first task. What upstream does at
+the first task boundary and what the port does instead: see ``aper_finetune.py``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from ..engine.registry import register_method
+from ..pilot.backbone_names import pilot_backbones
+from .aper_finetune import AperFinetuneOnline
+
+
+@register_method("aper_ssf_online")
+class AperSSFOnline(AperFinetuneOnline):
+    base_model_name: ClassVar[str] = "aper_ssf"
+    backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("aper_ssf")
+    tuned_parameters: ClassVar[tuple[str, ...]] = ("ssf_scale", "ssf_shift_")

@@ -1,0 +1,77 @@
+"""SimpleCIL online (``simplecil_online``): the no-training baseline, a nearest-class-mean
+classifier on the frozen pre-trained ViT's features.
+
+Upstream (PILOT's ``models/simplecil.py``) never trains: at the end of each task it passes the
+task's training data (with test transforms) through the frozen ViT once and replaces the rows of
+its ``CosineLinear`` head by the class means (``replace_fc``); prediction is the cosine between
+a sample's feature and each class mean. There is no training at the first task boundary either.
+
+Online, the class means are running means updated with every stream batch, by the same
+:class:`~pilot_online.core.prototypes.PrototypeBank` (Eq. 1) whose means P replays, and the head
+is rebuilt from them before each use: an ``nn.Linear`` without bias whose rows are the
+L2-normalised means, applied to the L2-normalised feature (upstream's cosine head with its scale
+``sigma`` at 1, which changes no prediction). Nothing takes a gradient step (``trains = False``),
+so P and FGH, which act on gradients, have nothing to act on and are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core.prototypes import PrototypeBank
+from ..engine.adapter import StepOutput
+from ..engine.registry import register_method
+from .linear_probe import LinearProbeOnline
+
+
+@register_method("simplecil_online")
+class SimpleCILOnline(LinearProbeOnline):
+    paper_name: ClassVar[str] = ""
+    base_model_name: ClassVar[str] = "simplecil"
+    trains: ClassVar[bool] = False
+    variants: ClassVar[tuple[str, ...]] = ("base",)  # P and FGH act on gradients: none here
+
+    @classmethod
+    def check_config(cls, cfg: Mapping[str, Any]) -> None:
+        if cfg.get("online_prototypes") or cfg.get("fgh") is not None:
+            raise ValueError(
+                "SimpleCIL trains no parameter, so P's loss and FGH (which act on gradients) have "
+                "nothing to act on; its classifier already is the class means P keeps. Set "
+                '"online_prototypes": false and "fgh": null'
+            )
+
+    def build_network(self, args: dict) -> nn.Module:
+        network = super().build_network(args)
+        network.fc = nn.Linear(network.feature_dim, int(args["nb_classes"]), bias=False)
+        network.requires_grad_(False)
+        # A submodule, so its buffers (the means and counts) are checkpointed with the network's.
+        network.class_means = PrototypeBank(int(args["nb_classes"]), network.feature_dim)
+        return network
+
+    @torch.no_grad()
+    def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
+        features = network.backbone(x)
+        return StepOutput(network.fc(F.normalize(features, dim=1)), features)
+
+    @torch.no_grad()
+    def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
+        network.class_means.update(out.features, labels, validate=False)
+        self.refresh_head(network)
+
+    @torch.no_grad()
+    def refresh_head(self, network: nn.Module) -> None:
+        """Head rows = the L2-normalised class means (zero rows for classes not seen yet)."""
+        network.fc.weight.copy_(F.normalize(network.class_means.means, dim=1))
+
+    def train_mode(self, network: nn.Module) -> None:
+        network.eval()  # a fixed feature extractor
+        self.refresh_head(network)  # e.g. after a checkpoint restored the means
+
+    def eval_mode(self, network: nn.Module) -> None:
+        network.eval()
+        self.refresh_head(network)

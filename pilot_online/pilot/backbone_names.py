@@ -1,0 +1,64 @@
+"""The ``backbone_type`` names PILOT's ``get_backbone`` (``utils/inc_net.py``, commit 5240714)
+builds, per upstream model: data only, no PILOT import, so ``check-config`` can refuse a name
+before a run instead of PILOT failing after setup.
+
+Why a table: ``get_backbone`` dispatches on substrings (``"_ssf" in name``) and then on exact
+names, so a name with the right substring can still build nothing. For the APER family
+``vit_base_patch16_224_ssf`` passes the substring test, matches no exact name, and PILOT crashes
+with ``UnboundLocalError``. The branches, read from upstream:
+
+- any model: ``vit_base_patch16_224`` / ``pretrained_vit_b16_224`` and their ``_in21k`` twins
+  build timm's plain ViT-B/16, with ``pretrained=True`` hard-coded (adapters force the config's
+  ``pretrained`` through ``backbone_kwargs``);
+- ``_ssf``, ``_vpt``, ``_adapter`` (models ``aper_ssf``/``aper_vpt``/``aper_adapter``, also
+  ``ranpac`` and ``fecam``): only ``pretrained_vit_b16_224_<kind>`` and
+  ``pretrained_vit_b16_224_in21k_<kind>``;
+- ``_l2p``, ``_dualprompt``, ``_coda_prompt`` (models ``l2p``, ``dualprompt``, ``coda_prompt``):
+  any name the matching ``backbone/vit_*.py`` registers with timm. The table keeps the ViT-B/16
+  ones, the backbone the online ports are tested on (CODA's network hard-codes width 768, and
+  the prompt layer indices assume 12 blocks); ``tests/test_contract.py`` checks that PILOT
+  registers each.
+"""
+
+from __future__ import annotations
+
+#: timm's plain ViT-B/16, built by the first branch of ``get_backbone`` whatever the model.
+PLAIN_VIT: tuple[str, ...] = (
+    "vit_base_patch16_224",
+    "vit_base_patch16_224_in21k",
+    "pretrained_vit_b16_224",
+    "pretrained_vit_b16_224_in21k",
+)
+
+
+def _exact(kind: str) -> tuple[str, ...]:
+    """The two names the APER branches (``_ssf``, ``_vpt``, ``_adapter``) compare against."""
+    return (f"pretrained_vit_b16_224_{kind}", f"pretrained_vit_b16_224_in21k_{kind}")
+
+
+def _registered(marker: str) -> tuple[str, ...]:
+    """The ViT-B/16 names a prompt family's ``backbone/vit_*.py`` registers with timm."""
+    return (f"vit_base_patch16_224{marker}", f"vit_base_patch16_224_in21k{marker}")
+
+
+#: Upstream model name -> the ``backbone_type`` names ``get_backbone`` builds for it (beyond
+#: :data:`PLAIN_VIT`, which every model gets).
+PILOT_BACKBONES: dict[str, tuple[str, ...]] = {
+    "aper_ssf": _exact("ssf"),
+    "aper_vpt": _exact("vpt"),
+    "aper_adapter": _exact("adapter"),
+    "l2p": _registered("_l2p"),
+    "dualprompt": _registered("_dualprompt"),
+    "coda_prompt": _registered("_coda_prompt"),
+}
+
+
+def pilot_backbones(base_model_name: str) -> tuple[str, ...]:
+    """The family names ``get_backbone`` builds for ``base_model_name`` (not the plain ViTs)."""
+    try:
+        return PILOT_BACKBONES[base_model_name]
+    except KeyError:
+        raise ValueError(
+            f"no backbone table for PILOT model {base_model_name!r}; known: "
+            f"{', '.join(PILOT_BACKBONES)}. Declare the adapter's backbone_types yourself"
+        ) from None

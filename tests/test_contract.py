@@ -1,0 +1,360 @@
+"""The method contract: what every registered method must do, checked for each one the registry
+holds, so a new adapter file (plus its import line) gets these tests with no other edit.
+
+Per method, on its smoke config (32 px, random weights, PILOT's network from the patched copy):
+
+- its ``backbone_type`` names are ones PILOT's ``get_backbone`` builds for its upstream model;
+- its smoke config passes ``pilot-online check-config``;
+- it builds, with a linear online head over every class that reads the features it returns;
+- evaluation does not depend on batching: each sample's logits are the same alone, in batches of
+  7 and 256 and in a permuted order, to 1e-5 absolute (CPU matmuls round per batch shape, ~1e-6),
+  with equal top-3 predictions; in training mode too, without the prompt vote or dropout;
+- one step of the base row and of + P + FGH learns something (the classifier, or the buffers
+  of a method that trains nothing), with a finite loss; + P + FGH reports its prototypes and FGH
+  coefficients;
+- a checkpoint round trip (``engine/checkpoint.py``) after the + P + FGH step: a loop rebuilt from
+  the file on a freshly built network takes the same next step, bit for bit, as the loop that
+  wrote it;
+- two runs through PILOT's ``main.py`` on the tiny stream, (clear, base) and (Si-Blurry,
+  + P + FGH), with test_pilot_integration.py's end-to-end checks.
+
+``test_a_new_method_is_one_file_and_one_import`` proves the promise behind all this: it copies the
+package, adds one adapter file and one import line, and runs this suite on the new method alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import (
+    build_network,
+    raw_smoke_config,
+    requires_pilot,
+    smoke_config,
+)
+from test_batch_invariance import NUM_CLASSES, NUM_TEST_IMAGES, evaluate
+from test_pilot_integration import check_online_run
+
+from pilot_online import get_method, list_methods
+from pilot_online.engine.checkpoint import load_checkpoint, save_checkpoint
+from pilot_online.engine.config import VARIANTS
+from pilot_online.engine.loop import build_loop
+from pilot_online.engine.session import ArrayDataSource
+
+METHODS = list_methods()
+#: Each method's runs through ``main.py``: without and with P + FGH, one per stream (a method
+#: that cannot run + P + FGH, SimpleCIL, runs its base row on both streams).
+MAIN_RUNS = [
+    pytest.param(name, variant, stream, id=f"{name}-{variant}-{stream}")
+    for name in METHODS
+    for variant, stream in (
+        ("base", "clear"),
+        ("p_fgh" if "fgh" in get_method(name).variants else "base", "si_blurry"),
+    )
+]
+#: Absolute tolerance of batch invariance (fp32 on the CPU: different batch shapes round apart).
+ATOL = 1e-5
+
+
+# -- without a network ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name", METHODS)
+def test_smoke_config_passes_check_config(name, tmp_path, capsys):
+    from pilot_online.cli.main import main
+
+    path = tmp_path / f"smoke_{name}.json"
+    path.write_text(json.dumps(raw_smoke_config(name)))
+    assert main(["check-config", str(path)]) == 0, capsys.readouterr().out
+    assert capsys.readouterr().out == f"ok      {path}\n"
+
+
+@requires_pilot
+@pytest.mark.parametrize("name", METHODS)
+def test_backbone_types_are_names_pilot_builds(pilot_on_path, name):
+    """Each ``backbone_types`` name is one ``get_backbone`` compares against (the plain ViTs and
+    the APER family's exact names), or a ViT that PILOT's prompt backbones register with timm."""
+    import timm
+    from backbone import vit_coda_promtpt, vit_dualprompt, vit_l2p  # noqa: F401 (registration)
+
+    source = (pilot_on_path / "utils" / "inc_net.py").read_text()
+    body = source[source.index("def get_backbone(") :]
+    body = body[: re.search(r"\n(?=\S)", body).start()]  # to the next top-level statement
+    registered = set(timm.list_models())
+    names = get_method(name).backbone_types
+    assert names, f"{name} declares no backbone_types"
+    unbuilt = [n for n in names if f'"{n}"' not in body and n not in registered]
+    assert not unbuilt, f"{name}: PILOT's get_backbone builds none of {unbuilt}"
+
+
+# -- on the method's network, built once per method --------------------------------------------
+Built = tuple  # (adapter, network, config)
+
+
+@pytest.fixture(scope="module", params=METHODS)
+def built(request, pilot_on_path) -> Built:
+    """The method's adapter, network and resolved smoke config (tests run grouped by method,
+    so one network is alive at a time)."""
+    config = smoke_config(request.param, num_classes=NUM_CLASSES)
+    adapter = get_method(request.param)(args=config)
+    return adapter, build_network(adapter, config), config
+
+
+@pytest.fixture(scope="module")
+def sample_images() -> np.ndarray:
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 256, size=(NUM_TEST_IMAGES, 32, 32, 3), dtype=np.uint8)
+
+
+def test_builds_with_an_online_head(built, sample_images):
+    adapter, network, config = built
+    assert config["backbone_type"] in adapter.backbone_types
+    head = adapter.classifier(network)
+    assert isinstance(head, torch.nn.Linear) and head.out_features == NUM_CLASSES
+    trainable = dict(adapter.trainable_parameters(network))
+    assert bool(trainable) == adapter.trains
+    adapter.eval_mode(network)
+    with torch.no_grad():
+        out = adapter.forward(network, ArrayDataSource._to_tensor(sample_images[:3]), train=False)
+    assert out.logits.shape == (3, NUM_CLASSES)
+    assert out.features.shape == (3, head.in_features)
+    assert torch.isfinite(out.logits).all()
+
+
+def test_eval_predictions_do_not_depend_on_batching(built, sample_images):
+    adapter, network, config = built
+    identity = np.arange(NUM_TEST_IMAGES)
+    reference, reference_logits = evaluate(adapter, network, config, sample_images, 1, identity)
+    spread = (reference_logits - reference_logits[:1]).abs().max()
+    assert spread > 100 * ATOL, "degenerate test: every sample has the same logits"
+    for batch_size in (7, 256):
+        preds, logits = evaluate(adapter, network, config, sample_images, batch_size, identity)
+        np.testing.assert_array_equal(preds, reference, err_msg=f"eval_batch_size {batch_size}")
+        torch.testing.assert_close(logits, reference_logits, rtol=0, atol=ATOL)
+    order = np.random.default_rng(1).permutation(NUM_TEST_IMAGES)
+    for batch_size in (7, 256):
+        preds, logits = evaluate(adapter, network, config, sample_images, batch_size, order)
+        np.testing.assert_array_equal(preds, reference[order], err_msg="permuted test order")
+        torch.testing.assert_close(logits, reference_logits[order], rtol=0, atol=ATOL)
+
+
+def test_train_mode_logits_do_not_depend_on_batching(built, sample_images):
+    """The batch-independent training path: no prompt vote, no dropout."""
+    _, network, config = built
+    assert config["drop"] == 0 and config["drop_path"] == 0, "dropout would differ per call"
+    adapter = get_method(config["model_name"])(args={**config, "batchwise_prompt": False})
+    adapter.train_mode(network)
+    x = ArrayDataSource._to_tensor(sample_images)
+    order = torch.from_numpy(np.random.default_rng(2).permutation(NUM_TEST_IMAGES))
+    # A training forward may update method state by design (MVP counts key use): every call
+    # starts from the same state, so only batch composition differs between the calls.
+    state = {name: value.clone() for name, value in network.state_dict().items()}
+
+    def forward(inputs: torch.Tensor):
+        network.load_state_dict(state)
+        return adapter.forward(network, inputs, train=True)
+
+    with torch.no_grad():
+        whole = forward(x)
+        permuted = forward(x[order])
+        split = [forward(chunk) for chunk in x[order].split([3, 6])]
+    network.load_state_dict(state)
+    for name in ("logits", "features"):
+        reference = getattr(whole, name)[order]
+        torch.testing.assert_close(getattr(permuted, name), reference, rtol=0, atol=ATOL)
+        in_chunks = torch.cat([getattr(out, name) for out in split])
+        torch.testing.assert_close(in_chunks, reference, rtol=0, atol=ATOL)
+
+
+# The training batches: 4 images of classes 0-3, then 4 of classes 2-5 (replay replays them).
+STEP_IMAGES = ArrayDataSource._to_tensor(
+    np.random.default_rng(3).integers(0, 256, size=(8, 32, 32, 3), dtype=np.uint8)
+)
+STEP_LABELS = torch.tensor([0, 1, 2, 3, 2, 3, 4, 5])
+
+
+def make_loop(adapter, network, config: dict, variant: str):
+    """A loop for ``variant`` (a VARIANTS row) with a sample loader over the step images."""
+    loop = build_loop(adapter, network, {**config, **VARIANTS[variant]}, NUM_CLASSES)
+    loop.attach_samples(lambda indices: (STEP_IMAGES[indices], STEP_LABELS[indices]))
+    return loop
+
+
+def take_step(loop, step: int):
+    indices = np.arange(4 * step, 4 * step + 4)
+    return loop.train_step(STEP_IMAGES[indices], STEP_LABELS[indices], indices)
+
+
+def test_one_step_of_the_base_row(built):
+    adapter, network, config = built
+    loop = make_loop(adapter, network, config, "base")
+    before = {k: v.clone() for k, v in network.state_dict().items()}
+    stats = take_step(loop, 0)
+    assert not stats.skipped and torch.isfinite(stats.loss), stats
+    assert_learned(adapter, network, before)
+    report = loop.report()
+    assert "fgh" not in report and "prototypes" not in report
+
+
+def test_p_fgh_steps_and_a_checkpoint_round_trip(built, tmp_path):
+    """+ P + FGH (or the method's own row where it cannot run it): a step, a checkpoint, and the
+    second step taken twice, by the loop that wrote the checkpoint and by a loop rebuilt from it
+    on a freshly built network: loss, parameters, buffers and logits agree bit for bit."""
+    adapter, network, config = built
+    variant = "fgh" if "fgh" in adapter.variants else "base"
+    resolved = {**config, **VARIANTS[variant]}
+    loop = make_loop(adapter, network, config, variant)
+    before = {k: v.clone() for k, v in network.state_dict().items()}
+    stats = take_step(loop, 0)
+    assert not stats.skipped and torch.isfinite(stats.loss), stats
+    assert_learned(adapter, network, before)
+    path = tmp_path / "method.ckpt.pt"
+    save_checkpoint(path, loop.state_dict(), resolved)
+
+    fresh_adapter = get_method(config["model_name"])(args=config)
+    fresh = make_loop(fresh_adapter, build_network(fresh_adapter, config), config, variant)
+    fresh.load_state_dict(load_checkpoint(path, resolved))
+    first, second = take_step(loop, 1), take_step(fresh, 1)  # replay (if any) replays step 0
+    assert not first.skipped and torch.equal(first.loss, second.loss)
+    ours, theirs = fresh.network.state_dict(), network.state_dict()
+    different = [k for k in theirs if not torch.equal(theirs[k], ours[k])]
+    assert not different, f"after the same step, these differ: {different[:5]}"
+    x = STEP_IMAGES[:3]
+    adapter.eval_mode(network), fresh_adapter.eval_mode(fresh.network)
+    with torch.no_grad():
+        expected = adapter.forward(network, x, train=False).logits
+        assert torch.equal(fresh_adapter.forward(fresh.network, x, train=False).logits, expected)
+    report = loop.report()
+    if variant == "fgh":
+        assert report["prototypes"]["samples"] == 8 and report["fgh"]["steps"] == 2
+        assert report == fresh.report()
+
+
+def assert_learned(adapter, network, before: dict) -> None:
+    """The step changed the network: the classifier's trainable parameters, or (a method that
+    trains nothing) its buffers."""
+    after = network.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed, "the step changed nothing in the network"
+    if adapter.trains:
+        names = {id(p): n for n, p in network.named_parameters()}
+        head = adapter.classifier(network)
+        assert {names[id(p)] for p in head.parameters() if p.requires_grad} <= changed
+
+
+# -- through PILOT's main.py ---------------------------------------------------------------------
+@requires_pilot
+@pytest.mark.parametrize(("name", "variant", "stream"), MAIN_RUNS)
+def test_runs_through_pilot_main(pilot_main_run, name, variant, stream):
+    report, results = pilot_main_run(name, variant, stream)
+    assert results["config"]["model_name"] == name
+    check_online_run(report, results, name, variant, stream)
+
+
+# -- the promise: one file and one import line -------------------------------------------------
+THROWAWAY = '''"""A throwaway method for the contract test: PILOT's plain ViT, frozen, read
+through a trainable LayerNorm by a linear online head (docs/porting.md's steps)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..engine.adapter import MethodAdapter, StepOutput
+from ..engine.registry import register_method
+from ..pilot.backbone_names import PLAIN_VIT
+
+
+@register_method("throwaway_online")
+class ThrowawayOnline(MethodAdapter):
+    base_model_name: ClassVar[str] = "simplecil"  # PILOT's transforms for a plain ViT
+    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
+
+    def backbone_kwargs(self, args: dict) -> dict[str, Any]:
+        # PILOT's plain-ViT factory hard-codes pretrained=True: pass the config's on.
+        return {"pretrained": bool(args["pretrained"]), **super().backbone_kwargs(args)}
+
+    def build_network(self, args: dict) -> nn.Module:
+        from utils.inc_net import SimpleVitNet
+
+        network = SimpleVitNet(self.pilot_args(args), True)
+        network.requires_grad_(False)
+        network.norm = nn.LayerNorm(network.feature_dim)
+        self.online_head(network, args)  # SimpleVitNet.fc is None online: no update_fc
+        return network
+
+    def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
+        with torch.no_grad():
+            tokens = network.backbone(x)
+        features = network.norm(tokens)
+        return StepOutput(network.fc(features), features)
+
+    def classifier(self, network: nn.Module) -> nn.Linear:
+        return network.fc
+
+    def train_mode(self, network: nn.Module) -> None:
+        network.eval()  # the frozen ViT: no dropout
+        network.norm.train()
+        network.fc.train()
+'''
+
+
+@requires_pilot
+def test_a_new_method_is_one_file_and_one_import(tmp_path):
+    """Copy the package, add ``methods/throwaway.py`` and one import line to
+    ``methods/__init__.py`` (nothing else), and run this suite on the new method alone: it must
+    be collected for every contract test and pass them all."""
+    import pilot_online
+
+    copy = tmp_path / "site"
+    package = copy / "pilot_online"
+    shutil.copytree(
+        Path(pilot_online.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (package / "methods" / "throwaway.py").write_text(THROWAWAY)
+    init = package / "methods" / "__init__.py"
+    init.write_text(init.read_text() + "from . import throwaway  # noqa: E402, F401\n")
+
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(copy), os.environ.get("PYTHONPATH")])),
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--basetemp={tmp_path / 'pytest'}",
+            str(Path(__file__)),
+            "-k",
+            "throwaway_online",
+        ],
+        cwd=tmp_path,  # not the checkout: ``python -m`` puts the working directory first
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-5000:]
+    contract = [
+        name
+        for name, value in globals().items()
+        if name.startswith("test_") and inspect.isfunction(value) and "new_method" not in name
+    ]
+    expected = len(contract) + 1  # test_runs_through_pilot_main runs twice: both streams
+    assert re.search(rf"\b{expected} passed\b", output), output[-3000:]
+    assert "skipped" not in output, output[-3000:]

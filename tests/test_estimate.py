@@ -1,0 +1,101 @@
+"""The FLOP model's run estimate (``pilot_online/cli/estimate.py``) against hand-worked runs.
+
+A made-up FLOP table (3 GFLOP a training image, 2 of them the forward; 2 a test image, 1 of them
+the query pass) and CUB's 9,430 training and 2,358 test images over 20 tasks of 10 classes: the
+evaluations see 2,358 x (1 + 2 + ... + 20) / 20 = 24,759 test images.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pilot_online.cli import estimate
+
+TABLE = {
+    "methods": {
+        name: {
+            "train_flops_per_image": 3e9,
+            "train_forward_flops_per_image": 2e9,
+            "query_flops_per_image": 1e9 if name == "coda_online" else 0.0,
+            "test_flops_per_image": 2e9,
+        }
+        for name in ("coda_online", "er_online", "olora_online")
+    }
+}
+
+
+@pytest.fixture
+def table(monkeypatch):
+    monkeypatch.setattr(estimate, "load_flops", lambda: TABLE)
+
+
+def cub(method: str, **overrides) -> dict:
+    return estimate.paper_run_config(method, "cub", **overrides)
+
+
+def test_seen_fractions_of_a_clear_stream():
+    assert estimate.seen_fractions(200, 10, 10) == [t / 20 for t in range(1, 21)]
+    assert estimate.seen_fractions(50, 10, 20) == [0.2, 0.6, 1.0]  # the last task is short
+    with pytest.raises(ValueError, match="increment"):
+        estimate.seen_fractions(100, 10, 0)
+
+
+def test_a_cub_run_with_the_query_cache(table):
+    flops = estimate.run_flops(cub("coda_online"))
+    assert flops["train"] == pytest.approx(9430 * 3e9)  # 2.829e13
+    # 24,759 evaluated images x the prompted pass (1 GFLOP) + 2,358 query passes (1 GFLOP).
+    assert flops["eval"] == pytest.approx(24759 * 1e9 + 2358 * 1e9)  # 2.7117e13
+    assert estimate.estimate_run_seconds(cub("coda_online"), sustained_tflops=1.0) == (
+        pytest.approx(55.407)
+    )
+
+
+def test_without_the_query_cache_every_evaluation_runs_the_query_pass(table):
+    flops = estimate.run_flops(cub("coda_online", eval_query_cache="off"))
+    assert flops["eval"] == pytest.approx(24759 * 2e9)
+    assert estimate.estimate_run_seconds(
+        cub("coda_online", eval_query_cache="off"), sustained_tflops=2.0
+    ) == pytest.approx((9430 * 3e9 + 24759 * 2e9) / 2e12)  # 38.904 s
+
+
+def test_replay_and_the_hard_buffer_add_passes(table):
+    # ER: 100 replayed beside each stream batch of 100: twice the step's FLOPs per image.
+    er = estimate.run_flops(cub("er_online", er_memory_size=1000, er_batch_size=100))
+    assert er["train"] == pytest.approx(9430 * 2 * 3e9)
+    # oLoRA: 4 buffered batches, forward and backward with hard_loss, forward only without.
+    assert estimate.run_flops(cub("olora_online", hard_buffer_size=4))["train"] == (
+        pytest.approx(9430 * 5 * 3e9)
+    )
+    no_loss = estimate.run_flops(cub("olora_online", hard_buffer_size=4, hard_loss=False))
+    assert no_loss["train"] == pytest.approx(9430 * (3e9 + 4 * 2e9))
+
+
+def test_image_size_scales_by_tokens_and_unknowns_are_refused(table):
+    small = estimate.run_flops(cub("coda_online", backbone_kwargs={"img_size": 32}))
+    full = estimate.run_flops(cub("coda_online"))
+    assert small["total"] == pytest.approx(full["total"] * 5 / 197)  # 1 + 2 x 2 of 1 + 14 x 14
+    with pytest.raises(ValueError, match=r"no counts for 'l2p_online'.*benchmarks/flops\.py"):
+        estimate.run_flops(cub("l2p_online"))
+    with pytest.raises(ValueError, match="no image counts for dataset 'mnist'"):
+        estimate.run_flops({**cub("coda_online"), "dataset": "mnist"})
+    with pytest.raises(ValueError, match="sustained_tflops"):
+        estimate.estimate_run_seconds(cub("coda_online"), sustained_tflops=0)
+
+
+def test_synthetic_datasets_use_their_spec(table):
+    # synthetic_small: 20 classes x 40 training, x 10 test; tasks of 4 classes: 5 evaluations
+    # over 0.2 + 0.4 + ... + 1.0 = 3 test sets of 200 images.
+    flops = estimate.run_flops(
+        {"model_name": "coda_online", "dataset": "synthetic_small", "init_cls": 4, "increment": 4}
+    )
+    assert flops["train"] == pytest.approx(800 * 3e9)
+    assert flops["eval"] == pytest.approx(600 * 1e9 + 200 * 1e9)
+
+
+def test_the_shipped_table_meets_the_h100_target():
+    """The package data: a CODA CUB run within 20 s on an H100 at 40% of its bf16 peak."""
+    rows = {r["method"]: r for r in estimate.predicted_time_table(dataset="cub")}
+    assert rows["coda_online"]["seconds"] <= 20
+    assert estimate.DEFAULT_SUSTAINED_TFLOPS == pytest.approx(395.76)
+    table = estimate.load_flops()
+    assert table["img_size"] == 224 and table["torch"] and table["timm"]

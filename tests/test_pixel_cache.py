@@ -1,0 +1,418 @@
+"""The run's data path (issue 15): uint8 batches made float on the device, persistent loaders,
+the test-pixel cache and replay draws prefetched by a worker.
+
+References are computed the way the data path worked before: every transform of the list, on
+the CPU, per image (``Compose`` of PILOT's transforms, ``ToTensor`` and ``Normalize`` included),
+with the stream samples' generators seeded by ``(seed, index)``. The new path must give the very
+same floats (``torch.equal``), on every device the ``device`` fixture gives.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from conftest import TinyAdapter
+from torch import nn
+from torchvision import transforms as T
+
+from pilot_online.core.rng import seeded
+from pilot_online.engine.adapter import StepOutput
+from pilot_online.engine.eval_cache import DEVICE_FRACTION
+from pilot_online.engine.loop import build_loop
+from pilot_online.engine.pixel_cache import DeviceEnd, PixelCache
+from pilot_online.pilot import data as data_module
+from pilot_online.pilot.data import PilotDataSource, split_transforms
+
+CIFAR100_NORM = T.Normalize((0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761))
+SIDE = 16
+
+
+class Resize(T.Resize):
+    """torchvision's Resize (so the test transforms count as deterministic, by name), counting
+    its calls in this process."""
+
+    calls = 0
+
+    def forward(self, image):
+        Resize.calls += 1
+        return super().forward(image)
+
+
+def images(count: int, side: int = 20, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (count, side, side, 3), dtype=np.uint8)
+
+
+def manager(train: np.ndarray, test: np.ndarray, use_path: bool = False, normalize: bool = True):
+    """A DataManager's fields, CIFAR-100-like: random training augmentations, deterministic test
+    ones, a Normalize common to both."""
+    return SimpleNamespace(
+        _train_data=train,
+        _train_targets=np.arange(len(train)) % 4,
+        _test_data=test,
+        _test_targets=np.arange(len(test)) % 4,
+        _train_trsf=[
+            T.RandomResizedCrop(SIDE, scale=(0.3, 1.0)),
+            T.RandomHorizontalFlip(),
+            T.ColorJitter(brightness=63 / 255),
+            T.ToTensor(),
+        ],
+        _test_trsf=[Resize(SIDE + 2), T.CenterCrop(SIDE), T.ToTensor()],
+        _common_trsf=[CIFAR100_NORM] if normalize else [],
+        use_path=use_path,
+    )
+
+
+def as_picture(image):
+    """An array as PILOT's DummyDataset makes it a picture, or a file as its pil_loader reads it."""
+    from PIL import Image
+
+    if isinstance(image, str | np.str_):
+        with open(image, "rb") as handle:
+            return Image.open(handle).convert("RGB")
+    return Image.fromarray(image)
+
+
+def reference_train(dm, seed: int, indices) -> torch.Tensor:
+    """Before issue 15: the whole list on the CPU, per sample seeded by (seed, index)."""
+    compose = T.Compose([*dm._train_trsf, *dm._common_trsf])
+    out = []
+    for i in indices:
+        with seeded(seed, int(i)):
+            out.append(compose(as_picture(dm._train_data[i])))
+    return torch.stack(out)
+
+
+def reference_test(dm, indices) -> torch.Tensor:
+    compose = T.Compose([*dm._test_trsf, *dm._common_trsf])
+    return torch.stack([compose(as_picture(dm._test_data[i])) for i in indices])
+
+
+def source(dm, workers: int = 0, device="cpu", **config) -> PilotDataSource:
+    config = {"num_workers": workers, "eval_batch_size": 4, **config}
+    data = PilotDataSource(dm, config, seed=11)
+    data.attach_device(device)
+    return data
+
+
+class PixelNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(3 * SIDE * SIDE, 4)
+
+
+class PixelAdapter(TinyAdapter):
+    """A linear classifier over the flattened image."""
+
+    def build_network(self, args: dict) -> nn.Module:
+        return PixelNet()
+
+    def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
+        features = x.flatten(1)
+        return StepOutput(network.fc(features), features)
+
+
+# -- uint8 across, float on the device ------------------------------------------------------------
+def test_every_byte_becomes_the_float_totensor_and_normalize_give():
+    """All 256 values in each channel, both device-side ways (the CPU's operations and the lookup
+    table other devices use), against torchvision on one image."""
+    values = torch.arange(256, dtype=torch.uint8).view(16, 16)
+    batch = torch.stack([values, values.flip(0), values.t()])[None]  # 1 x 3 x 16 x 16
+    expected = CIFAR100_NORM(T.ToTensor()(batch[0].permute(1, 2, 0).numpy()))
+    end = DeviceEnd([(CIFAR100_NORM.mean, CIFAR100_NORM.std)])
+    assert torch.equal(end(batch, "cpu")[0], expected)
+    assert torch.equal(end(batch, "cpu", lookup=True)[0], expected)
+    plain = T.ToTensor()(batch[0].permute(1, 2, 0).numpy())
+    assert torch.equal(DeviceEnd()(batch, "cpu", lookup=True)[0], plain)
+    # A value off by one level would be off by 1/255/std: the test can tell.
+    assert not torch.equal(end(batch.clamp(max=254) + 1, "cpu")[0], expected)
+
+
+def test_transforms_split_only_where_the_numbers_stay_the_same():
+    host, end = split_transforms([T.CenterCrop(4), T.ToTensor(), CIFAR100_NORM])
+    assert type(host.transforms[-1]).__name__ == "ToUInt8"
+    assert end.normalizations == [(tuple(CIFAR100_NORM.mean), tuple(CIFAR100_NORM.std))]
+    # A tensor transform after ToTensor: the list stays whole on the workers (float batches).
+    whole = [T.ToTensor(), T.Resize((4, 4), antialias=True)]
+    host, end = split_transforms(whole)
+    assert host.transforms == whole and end.normalizations == []
+
+
+def test_stream_batches_cross_as_uint8_and_equal_the_float_path(device, monkeypatch):
+    dm = manager(images(12), images(6, seed=1))
+    crossed = []
+    original = DeviceEnd.__call__
+
+    def spy(self, batch, device, lookup=None):
+        crossed.append(batch.dtype)
+        return original(self, batch, device, lookup)
+
+    monkeypatch.setattr(DeviceEnd, "__call__", spy)
+    data = source(dm, device=device)
+    batches = [np.array([4, 0, 9]), np.array([11, 2, 7, 5])]
+    got = torch.cat([x for x, _ in data.train_batches(batches)])
+    assert got.device.type == device.type and got.dtype == torch.float32
+    assert crossed == [torch.uint8, torch.uint8]
+    assert torch.equal(got.cpu(), reference_train(dm, 11, [4, 0, 9, 11, 2, 7, 5]))
+    test = torch.cat([x for x, _ in data.eval_batches(np.arange(6))])
+    assert torch.equal(test.cpu(), reference_test(dm, range(6)))
+
+
+# -- persistent loaders ----------------------------------------------------------------------------
+def worker_pids(loader) -> list[int]:
+    return [process.pid for process in loader.loader._iterator._workers]
+
+
+def test_one_persistent_loader_serves_every_task_and_evaluation():
+    dm = manager(images(12), images(6, seed=1))
+    data = source(dm, workers=1, eval_pixel_cache="off")
+    try:
+        first = [x for x, _ in data.train_batches([np.array([0, 1]), np.array([2, 3])])]
+        loader, pids = data._stream.loader, worker_pids(data._stream)
+        second = [x for x, _ in data.train_batches([np.array([4, 5, 6])])]  # the next task
+        assert data._stream.loader is loader and worker_pids(data._stream) == pids
+        assert torch.equal(torch.cat(first + second), reference_train(dm, 11, range(7)))
+        for _ in range(2):
+            list(data.eval_batches(np.arange(6)))
+        eval_loader, eval_pids = data._eval.loader, worker_pids(data._eval)
+        list(data.eval_batches(np.arange(3)))
+        assert data._eval.loader is eval_loader and worker_pids(data._eval) == eval_pids
+        assert eval_loader is not loader and all(
+            p.is_alive() for p in eval_loader._iterator._workers
+        )
+    finally:
+        data.close()
+    assert data._stream.loader is None and data._eval.loader is None  # workers stopped
+
+
+def test_evaluation_workers_stop_once_every_test_image_is_cached():
+    data = source(manager(images(4), images(6, seed=1)), workers=1)
+    first = torch.cat([x for x, _ in data.eval_batches(np.arange(3))])
+    assert data.pixel_cache.complete and data._eval.loader is None  # no idle workers left
+    again = torch.cat([x for x, _ in data.eval_batches(np.arange(3))])
+    assert data._eval.loader is None and torch.equal(first, again)
+
+
+def test_worker_count_and_pinned_memory_are_automatic_by_default(monkeypatch):
+    monkeypatch.setattr(data_module.os, "sched_getaffinity", lambda _: set(range(6)))
+    dm = manager(images(4), images(2))
+    data = PilotDataSource(dm, {"num_workers": None, "eval_batch_size": 4}, seed=0)
+    assert data.num_workers == 5 and data.pin_memory is False  # CPU: nothing to pin for
+    monkeypatch.setattr(data_module.os, "sched_getaffinity", lambda _: {0})
+    assert data_module.auto_workers() == 0  # one CPU: load in the training process
+    monkeypatch.setattr(data_module.os, "sched_getaffinity", lambda _: set(range(64)))
+    assert data_module.auto_workers() == 16
+
+
+# -- the test-pixel cache ------------------------------------------------------------------------
+def write_jpegs(folder, pixels: np.ndarray) -> list[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, image in enumerate(pixels):
+        path = folder / f"{i}.jpg"
+        as_picture(image).save(path)
+        paths.append(str(path))
+    return paths
+
+
+def test_second_evaluation_reads_no_file_and_runs_no_transform(device, tmp_path, monkeypatch):
+    """A CUB-like folder dataset; the first evaluation asks for 5 of 9 test images, and stores
+    all 9; the next ones (other and more images) open no file and call no transform, and every
+    batch equals the uncached path's, and so do the logits."""
+    train = write_jpegs(tmp_path / "train", images(6))
+    test = write_jpegs(tmp_path / "test", images(9, seed=2))
+    dm = manager(np.array(train), np.array(test), use_path=True)
+    opened = []
+    open_image = data_module.open_image
+    monkeypatch.setattr(data_module, "open_image", lambda p: opened.append(p) or open_image(p))
+    cached, plain = source(dm, device=device), source(dm, device=device, eval_pixel_cache="off")
+    assert cached.deterministic_eval and cached.pixel_cache.enabled
+    loop = build_loop(PixelAdapter(), PixelNet(), {"grad_trace": False}, 4, device)
+    allowed = torch.ones(4, dtype=torch.bool)
+
+    Resize.calls = 0
+    first = list(cached.eval_batches(np.array([0, 2, 3, 5, 8])))
+    assert Resize.calls == len(opened) == 9  # the 5 asked for, then the other 4
+    assert cached.pixel_cache.complete
+    expected = reference_test(dm, [0, 2, 3, 5, 8])
+    assert torch.equal(torch.cat([x for x, _ in first]).cpu(), expected)
+
+    for asked in (np.arange(9), np.array([7, 1, 4])):
+        Resize.calls, opened[:] = 0, []
+        got = list(cached.eval_batches(asked))
+        assert Resize.calls == 0 and opened == []  # nothing read, nothing transformed
+        uncached = list(plain.eval_batches(asked))
+        assert Resize.calls == len(asked)  # the counter does count the uncached path
+        for (x, y), (x_ref, y_ref) in zip(got, uncached, strict=True):
+            assert x.device.type == device.type and torch.equal(x, x_ref)
+            assert torch.equal(y, y_ref)
+        logits = [loop.adapter.forward(loop.network, x, train=False).logits for x, _ in got]
+        reference = [loop.adapter.forward(loop.network, x, train=False).logits for x, _ in uncached]
+        assert all(torch.equal(a, b) for a, b in zip(logits, reference))
+        assert np.array_equal(
+            loop.predict(iter(got), allowed, 2)[0], loop.predict(iter(uncached), allowed, 2)[0]
+        )
+    place = cached.pixel_cache.store
+    assert place.dtype == torch.uint8 and place.device.type == device.type  # fits: on the device
+
+
+def test_random_test_transforms_get_no_pixel_cache():
+    dm = manager(images(4), images(4))
+    dm._test_trsf = [T.RandomCrop(SIDE), T.ToTensor()]
+    data = source(dm)
+    assert not data.deterministic_eval and not data.pixel_cache.enabled
+    list(data.eval_batches(np.arange(4)))
+    assert data.pixel_cache.store is None
+
+
+def test_pixel_cache_follows_the_query_cache_placement_rule(monkeypatch):
+    """auto: on the GPU when it takes at most DEVICE_FRACTION of the free memory, else pinned
+    host memory (faked CUDA: the placement is decided before any allocation on the device)."""
+    batch = torch.zeros(2, 3, 4, 4, dtype=torch.uint8)
+    nbytes = 10 * batch[0].numel()
+    allocations = []
+
+    def fake_empty(shape, dtype, device, pin_memory):
+        allocations.append((torch.device(device).type, pin_memory))
+        return torch.zeros(shape, dtype=dtype)
+
+    monkeypatch.setattr(torch, "empty", fake_empty)
+    for free, expected in ((nbytes / DEVICE_FRACTION, ("cuda", False)), (nbytes, ("cpu", True))):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 2 * free))
+        cache = PixelCache(10, "auto", torch.device("cuda"))
+        cache._allocate(batch)
+        assert allocations[-1] == expected
+    with pytest.raises(ValueError, match="eval_pixel_cache='gpu' is not one of"):
+        PixelCache(10, "gpu", "cpu")
+
+
+# -- replay draws prefetched by a worker -----------------------------------------------------------
+def test_replay_draws_do_not_depend_on_workers_or_prefetching():
+    dm = manager(images(12), images(2))
+    draws = [(np.array([3, 1, 4]), 7), (np.array([1, 5]), 9), (np.array([3, 1, 4]), 11)]
+
+    def load(workers: int, prefetch: bool) -> list[torch.Tensor]:
+        data = source(dm, workers=workers)
+        out = []
+        try:
+            for i, (indices, step) in enumerate(draws):
+                out.append(data.train_samples(indices, step)[0])
+                if prefetch and i + 1 < len(draws):
+                    data.train_samples.prefetch(*draws[i + 1])
+            assert data.train_samples.prefetched == (len(draws) - 1 if prefetch and workers else 0)
+        finally:
+            data.close()
+        return out
+
+    single = load(0, prefetch=False)
+    for workers, prefetch in ((0, True), (2, True), (2, False)):
+        got = load(workers, prefetch)
+        assert all(torch.equal(a, b) for a, b in zip(got, single)), (workers, prefetch)
+    # The same samples drawn at another step get other augmentations, and the keys are not the
+    # stream's: a replayed image is not augmented as it was in the stream.
+    assert not torch.equal(single[0], single[2])
+    stream = reference_train(dm, 11, [3, 1, 4])
+    assert not torch.equal(single[0], stream)
+
+
+def test_replay_loop_prefetches_the_next_draw_and_matches_loading_in_process():
+    """Experience replay through the loop: with 1 worker, every draw after the first was
+    prefetched, and the run's parameters equal those of a run loading in the training process."""
+    dm = manager(images(24, side=SIDE), images(2, side=SIDE), normalize=False)
+    stream = [np.arange(i, i + 4) for i in range(0, 24, 4)]
+    config = {"er_memory_size": 8, "er_batch_size": 3, "seed": 5, "grad_trace": False}
+
+    def run(workers: int):
+        data = source(dm, workers=workers)
+        loop = build_loop(PixelAdapter(), PixelNet(), config, 4)
+        loop.attach_samples(data.train_samples)
+        try:
+            for (x, y), indices in zip(data.train_batches(stream), stream):
+                loop.train_step(x, y, indices)
+        finally:
+            data.close()
+        return loop, data.train_samples
+
+    in_process, _ = run(0)
+    prefetched, loader = run(1)
+    # The first step replays nothing (empty memory); each later draw was made and handed to a
+    # worker one step ahead.
+    assert loader.loaded == loader.prefetched == len(stream) - 1
+    assert torch.equal(in_process.network.fc.weight, prefetched.network.fc.weight)
+    assert np.array_equal(in_process.memory.indices, prefetched.memory.indices)
+
+
+# -- resume: the replay prefetch is checkpointed, the pixel cache is refilled ----------------------
+class Killed(RuntimeError):
+    pass
+
+
+class KillableSource(PilotDataSource):
+    """Raises :class:`Killed` instead of yielding stream batch ``kill_after + 1`` (counted over
+    the session)."""
+
+    kill_after: int | None = None
+    yielded = 0
+
+    def train_batches(self, batches):
+        for batch in super().train_batches(batches):
+            if self.yielded == self.kill_after:
+                raise Killed
+            self.yielded += 1
+            yield batch
+
+
+def test_replay_run_resumes_bit_identical_whatever_the_workers(tmp_path):
+    """An ER run over images, evaluated through the pixel cache, killed mid-task (after the
+    checkpoint after batch 4, whose next replay draw was already made and prefetched) and resumed
+    with another number of workers: the same results and parameters as the straight run."""
+    import copy
+    import json
+
+    from pilot_online.core.streams import clear_stream
+    from pilot_online.engine.config import ONLINE_KEYS
+    from pilot_online.engine.session import OnlineSession
+
+    dm = manager(images(24, side=SIDE), images(8, side=SIDE, seed=3), normalize=False)
+    stream = clear_stream(dm._train_targets, init_cls=2, increment=2, batch_size=4, seed=1)
+    config = {key: spec.default for key, spec in ONLINE_KEYS.items()}
+    config.update(
+        model_name="pixel", seed=5, init_lr=0.05, er_memory_size=6, er_batch_size=3,
+        allow_memory=True, checkpoint_every=2, eval_batch_size=4,
+    )  # fmt: skip
+
+    def session(folder, workers: int, kill_after: int | None = None) -> OnlineSession:
+        torch.manual_seed(0)
+        loop = build_loop(PixelAdapter(), PixelNet(), config, 4)
+        data = KillableSource(dm, {**config, "num_workers": workers}, seed=11)
+        data.kill_after = kill_after
+        folder.mkdir(parents=True, exist_ok=True)
+        return OnlineSession(
+            loop, stream, data, config, folder / "run.results.json", progress=False
+        )
+
+    straight = session(tmp_path / "straight", workers=0)
+    straight_results = straight.run()
+    killed = session(tmp_path / "resumed", workers=1, kill_after=5)  # task 1, after batch 2
+    with pytest.raises(Killed):
+        killed.run()
+    killed.data.close()
+    assert killed.loop.next_draw is not None and len(killed.loop.next_draw)  # was checkpointed
+    resumed = session(tmp_path / "resumed", workers=1)
+    assert resumed.resume_position == (1, 1)  # the checkpoint after 4 batches
+    resumed_results = resumed.run()
+
+    def comparable(results: dict) -> dict:
+        results = copy.deepcopy(results)
+        results.pop("timing"), results.pop("created_utc"), results["extra"].pop("resumed_from")
+        return results
+
+    assert json.dumps(comparable(resumed_results), sort_keys=True) == json.dumps(
+        comparable({**straight_results, "extra": {**straight_results["extra"], "resumed_from": 0}}),
+        sort_keys=True,
+    )
+    assert torch.equal(straight.loop.network.fc.weight, resumed.loop.network.fc.weight)
+    assert resumed.data.train_samples.prefetched > 0 and resumed.data.pixel_cache.complete
