@@ -37,6 +37,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import (
+    REPO,
+    TinyAdapter,
+    TinyNet,
     build_network,
     raw_smoke_config,
     requires_pilot,
@@ -93,6 +96,42 @@ def test_backbone_types_are_names_pilot_builds(pilot_on_path, name):
     assert names, f"{name} declares no backbone_types"
     unbuilt = [n for n in names if f'"{n}"' not in body and n not in registered]
     assert not unbuilt, f"{name}: PILOT's get_backbone builds none of {unbuilt}"
+
+
+# -- errors that name the fix -----------------------------------------------------------------
+def test_a_head_pilot_never_builds_is_refused_before_training():
+    """PILOT builds heads in update_fc, never called online: ``SimpleVitNet.fc`` stays None. A
+    port that returns it fails when the loop is built, with the helper that fixes it named."""
+
+    class Headless(TinyAdapter):
+        def classifier(self, network):
+            return None
+
+    with pytest.raises(ValueError, match=r"classifier\(\) returned None.*self\.online_head"):
+        build_loop(Headless(), TinyNet(), {}, 6)
+    adapter = TinyAdapter()
+    network = TinyNet()
+    network.fc = None
+    head = adapter.online_head(network, {"nb_classes": 6}, in_features=8)
+    assert network.fc is head and (head.in_features, head.out_features) == (8, 6)
+    build_loop(adapter, network, {}, 6)  # the fixed port builds
+
+
+def test_hard_coded_pretrained_weights_name_the_adapter_fix(monkeypatch, tmp_path):
+    """PILOT's plain-ViT factory asks for weights whatever the config says: offline, the error
+    says so and names ``backbone_kwargs``, not the ``"pretrained": false`` already set."""
+    import timm
+
+    from pilot_online.pilot.backbones import WeightsUnavailableError, timm_overrides
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    for key in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(key, "http://127.0.0.1:9")  # closed loopback port: no network
+    with pytest.raises(WeightsUnavailableError) as caught, timm_overrides(config_pretrained=False):
+        timm.create_model("vit_tiny_patch16_224", pretrained=True)  # as PILOT hard-codes it
+    message = str(caught.value)
+    assert 'The config sets "pretrained": false' in message
+    assert "backbone_kwargs()" in message and 'set "pretrained": false' not in message
 
 
 # -- on the method's network, built once per method --------------------------------------------
@@ -324,6 +363,8 @@ def test_a_new_method_is_one_file_and_one_import(tmp_path):
     (package / "methods" / "throwaway.py").write_text(THROWAWAY)
     init = package / "methods" / "__init__.py"
     init.write_text(init.read_text() + "from . import throwaway  # noqa: E402, F401\n")
+    for folder in ("exps", "patches"):  # what `setup` links into PILOT, beside the package
+        (copy / folder).symlink_to(REPO / folder, target_is_directory=True)
 
     env = dict(
         os.environ,
@@ -350,11 +391,13 @@ def test_a_new_method_is_one_file_and_one_import(tmp_path):
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-5000:]
-    contract = [
+    per_method = [  # this module's tests that take a method (``name`` or ``built``)
         name
         for name, value in globals().items()
-        if name.startswith("test_") and inspect.isfunction(value) and "new_method" not in name
+        if name.startswith("test_")
+        and inspect.isfunction(value)
+        and {"name", "built"} & set(inspect.signature(value).parameters)
     ]
-    expected = len(contract) + 1  # test_runs_through_pilot_main runs twice: both streams
+    expected = len(per_method) + 1  # test_runs_through_pilot_main runs twice: both streams
     assert re.search(rf"\b{expected} passed\b", output), output[-3000:]
     assert "skipped" not in output, output[-3000:]

@@ -20,7 +20,7 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 if (REPO / "benchmarks" / "README.md").is_file():
     PAGES.append(REPO / "benchmarks" / "README.md")
 
-LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*$", re.MULTILINE)
 CODE_BLOCK = re.compile(r"^```[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 JSON_KEY = re.compile(r'"([a-z][a-z0-9_]*)"\s*:')
@@ -36,9 +36,9 @@ def all_keys() -> set[str]:
 
 
 def slug(heading: str) -> str:
-    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
-    text = re.sub(r"[`*_]", "", heading).strip().lower()
-    text = re.sub(r"[^\w\- ]", "", text)
+    """GitHub's anchor for a heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces
+    to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
     return text.replace(" ", "-")
 
 
@@ -169,4 +169,5 @@ def test_the_checker_catches_a_wrong_flag_and_a_wrong_key(tmp_path: Path):
     ]
     assert words[1] == "sweep"
     assert slug("Checkpoints and resume") == "checkpoints-and-resume"
+    assert slug("`pretrained_path`") == "pretrained_path"
     assert slug("Sweep engines: GPUs, clusters, restarts") == "sweep-engines-gpus-clusters-restarts"

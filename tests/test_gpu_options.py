@@ -35,8 +35,13 @@ METHODS = list_methods()
 
 def attention_modules(network: nn.Module) -> list[nn.Module]:
     """The attention modules of a PILOT ViT, found independently of ``use_sdpa``'s own rule:
-    every module with a ``qkv`` projection (timm's ``Attention``, ``PreT_Attention``, CODA's)."""
-    return [m for m in network.modules() if isinstance(getattr(m, "qkv", None), nn.Linear)]
+    every module with heads and a fused ``qkv`` projection (timm's ``Attention``,
+    ``PreT_Attention``, CODA's, SSF's; oLoRA's ``qkv`` is a module around the projection)."""
+    return [
+        m
+        for m in network.modules()
+        if hasattr(m, "num_heads") and isinstance(getattr(m, "qkv", None), nn.Module)
+    ]
 
 
 def count_attention_calls(network: nn.Module, run) -> int:
@@ -67,13 +72,22 @@ class SDPASpy:
         return self.original(*args, **kwargs)
 
 
-def assert_every_attention_swapped(network: nn.Module) -> None:
+def uses_our_forward(module: nn.Module) -> bool:
+    """Whether ``module`` runs one of ``pilot/attention.py``'s forwards: bound to it, as a
+    partial of it, or through its class."""
     from pilot_online.pilot import attention
 
     ours = {attention.plain_forward, attention.prefix_forward, attention.coda_forward}
+    forward = module.forward
+    found = {getattr(forward, "__func__", None), getattr(forward, "func", None)}
+    found.add(getattr(type(module), "forward", None))
+    return bool(found & ours)
+
+
+def assert_every_attention_swapped(network: nn.Module) -> None:
     modules = attention_modules(network)
     assert modules, "the network has no attention module"
-    kept = [type(m).__name__ for m in modules if getattr(m.forward, "__func__", None) not in ours]
+    kept = [type(m).__name__ for m in modules if not uses_our_forward(m)]
     assert not kept, f"{len(kept)} of {len(modules)} attention modules keep their forward: {kept}"
 
 
@@ -122,7 +136,7 @@ def test_sdpa_config_key_reaches_the_learners_network(pilot_on_path, tmp_path, s
     if sdpa:
         assert_every_attention_swapped(learner._network)
     else:
-        assert not any("forward" in vars(m) for m in attention_modules(learner._network))
+        assert not any(uses_our_forward(m) for m in attention_modules(learner._network))
 
 
 @requires_pilot

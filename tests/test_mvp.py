@@ -325,8 +325,9 @@ def test_p_and_fgh_compose_with_mvp(variant):
     report = loop.report()
     assert ("prototypes" in report) == bool(config["online_prototypes"])
     assert ("fgh" in report) == (config["fgh"] is not None)
-    if config["fgh"] is not None:
-        assert "class_masks" in report["fgh"]["alpha"]
+    if config["fgh"] is not None:  # the paper's FGH: class-wise, on the classifier's rows
+        assert config["fgh"]["granularity"] == "class"
+        assert set(report["fgh"]["alpha"]) == {"backbone.head.weight", "backbone.head.bias"}
 
 
 # -- registration, configs, report ----------------------------------------------------------------

@@ -17,6 +17,7 @@ from ..core.checks import (
     boolean,
     check_choice,
     closest,
+    description_of,
     integer,
     json_object,
     optional,
@@ -119,6 +120,12 @@ def _logger(name: str, value: Any) -> Any:
 
 def _percentage(name: str, value: Any) -> int:
     return integer(0, 100)(f"{name} (a percentage)", value)
+
+
+_seeds.description = "a list of integers"  # type: ignore[attr-defined]
+_devices.description = "a list of -1 (the CPU) or CUDA indices"  # type: ignore[attr-defined]
+_percentage.description = "an integer in [0, 100]"  # type: ignore[attr-defined]
+_fgh.description = "null or an object of FGH options"  # type: ignore[attr-defined]
 
 
 #: Keys PILOT's ``main.py``/``trainer.py``/``BaseLearner`` read, with the online defaults.
@@ -476,14 +483,22 @@ def key_reference() -> str:
     from .registry import get_method, list_methods
 
     lines = []
-    sections = [("PILOT run keys", PILOT_KEYS), ("online keys", ONLINE_KEYS)]
-    sections += [(f"{m} keys", get_method(m).config_keys) for m in list_methods()]
-    for title, keys in sections:
+    sections = [("PILOT run keys", PILOT_KEYS, ()), ("online keys", ONLINE_KEYS, ())]
+    sections += [
+        (f"{m} keys", get_method(m).config_keys, get_method(m).backbone_types)
+        for m in list_methods()
+    ]
+    for title, keys, backbones in sections:
         lines.append(f"# {title}")
+        if backbones:
+            lines.append(f"  {'backbone_type':<24} one of {', '.join(backbones)}")
         for key, spec in keys.items():
             forced = " (fixed online)" if spec.forced else ""
             choices = f": {' | '.join(map(str, spec.choices))}" if spec.choices else ""
+            described = spec.check is not None and hasattr(spec.check, "description")
+            valid = f" [{description_of(spec.check)}]" if described else ""
             lines.append(
-                f"  {key:<24} default {json.dumps(spec.default):<18} {spec.doc}{choices}{forced}"
+                f"  {key:<24} default {json.dumps(spec.default):<18} "
+                f"{spec.doc}{choices}{valid}{forced}"
             )
     return "\n".join(lines)

@@ -6,7 +6,8 @@ attention on CUDA). :func:`use_sdpa` swaps, on one network only, the ``forward``
 attention module it recognises for a function of ours computing the same thing, prefixes
 included; PILOT's files are not touched. Recognised (by class name and attributes):
 
-- ``Attention`` of timm and of PILOT's ``vit_l2p``/``vit_dualprompt`` (``forward(x, *args)``);
+- ``Attention`` of timm and of PILOT's ``vit_l2p``/``vit_dualprompt`` (``forward(x, *args)``),
+  and of ``vit_ssf`` (APER's SSF: a feature-wise scale and shift after ``qkv`` and ``proj``);
 - ``PreT_Attention`` (``vit_dualprompt``: key/value prefixes ``[B, 2, length, heads, head_dim]``);
 - CODA's ``Attention`` (``vit_coda_promtpt``: ``forward(x, register_hook, prompt=(pk, pv))``).
 
@@ -26,18 +27,26 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
+def _ssf(module: nn.Module, which: int, x: torch.Tensor) -> torch.Tensor:
+    """PILOT's SSF attention (``vit_ssf``, ``tuning_mode == "ssf"``) scales and shifts the
+    ``qkv`` output (``which`` 1) and the ``proj`` output (2), feature-wise; others: ``x``."""
+    if getattr(module, "tuning_mode", None) != "ssf":
+        return x
+    return x * getattr(module, f"ssf_scale_{which}") + getattr(module, f"ssf_shift_{which}")
+
+
 def _split_heads(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     batch, tokens, width = x.shape
     heads = module.num_heads
-    qkv = module.qkv(x).reshape(batch, tokens, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
-    return qkv.unbind(0)
+    qkv = _ssf(module, 1, module.qkv(x))
+    return qkv.reshape(batch, tokens, 3, heads, width // heads).permute(2, 0, 3, 1, 4).unbind(0)
 
 
 def _attend(module: nn.Module, q, k, v, shape) -> torch.Tensor:
     dropout = module.attn_drop.p if module.training else 0.0
     out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=module.scale)
     out = out.transpose(1, 2).reshape(shape)
-    return module.proj_drop(module.proj(out))
+    return module.proj_drop(_ssf(module, 2, module.proj(out)))
 
 
 def plain_forward(self: nn.Module, x: torch.Tensor, *args) -> torch.Tensor:
