@@ -97,6 +97,7 @@ def test_backbones_pilot_cannot_build_are_refused(short: str, wrong: str, right:
         ("aper_vpt", "vpt_type", "middle"),
         ("aper_vpt", "prompt_token_num", 0),
         ("aper_adapter", "ffn_num", 2.5),
+        ("aper_adapter", "adapter_dropout", 1.5),
     ],
 )
 def test_method_keys_are_checked(short: str, key: str, value: Any) -> None:
@@ -157,6 +158,8 @@ def test_what_trains_is_the_peft_part_and_the_head(case) -> None:
         every = {f"backbones.1.{n}" for n, _ in adapted.named_parameters()}
         wanted = {n for n in every if any(m in n for m in markers[key])}
         assert tuned == wanted and 0 < len(tuned) < len(every)
+    if key == "adapter":  # PILOT builds its adapters with dropout 0.1; the smoke config sets 0
+        assert {block.adaptmlp.dropout for block in adapted.blocks} == {0.0}
     expected = CASES[key][2]
     if expected is not None:
         assert sum(p.numel() for p in trainable.values()) == expected
