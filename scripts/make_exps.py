@@ -103,7 +103,7 @@ def default_backbone(name: str) -> str:
     if not adapter.backbone_types:
         raise SystemExit(
             f"{name} declares no backbone_types: set the adapter's backbone_types to the names "
-            "PILOT builds for it (pilot_online/pilot/backbone_names.py), the default first"
+            "PILOT builds for it (pilot_online/engine/backbone_names.py), the default first"
         )
     return adapter.backbone_types[0]
 

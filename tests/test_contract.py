@@ -13,8 +13,8 @@ Per method, on its smoke config (32 px, random weights, PILOT's network from the
   of a method that trains nothing), with a finite loss; + P + FGH reports its prototypes and FGH
   coefficients;
 - a checkpoint round trip (``engine/checkpoint.py``) after the + P + FGH step: a loop rebuilt from
-  the file on a freshly built network takes the same next step, bit for bit, as the loop that
-  wrote it;
+  the file on a freshly built network takes the same next step as the loop that wrote it (the
+  same loss bit for bit; the same parameters to rounding);
 - two runs through PILOT's ``main.py`` on the tiny stream, (clear, base) and (Si-Blurry,
   + P + FGH), with test_pilot_integration.py's end-to-end checks.
 
@@ -173,7 +173,10 @@ def test_eval_predictions_do_not_depend_on_batching(built, sample_images):
     identity = np.arange(NUM_TEST_IMAGES)
     reference, reference_logits = evaluate(adapter, network, config, sample_images, 1, identity)
     spread = (reference_logits - reference_logits[:1]).abs().max()
-    assert spread > 100 * ATOL, "degenerate test: every sample has the same logits"
+    # A method that trains nothing starts from an empty head (SimpleCIL: zero class means): its
+    # logits are all zero before it sees data; its features are compared in training mode below.
+    if adapter.trains:
+        assert spread > 100 * ATOL, "degenerate test: every sample has the same logits"
     for batch_size in (7, 256):
         preds, logits = evaluate(adapter, network, config, sample_images, batch_size, identity)
         np.testing.assert_array_equal(preds, reference, err_msg=f"eval_batch_size {batch_size}")
@@ -246,7 +249,8 @@ def test_one_step_of_the_base_row(built):
 def test_p_fgh_steps_and_a_checkpoint_round_trip(built, tmp_path):
     """+ P + FGH (or the method's own row where it cannot run it): a step, a checkpoint, and the
     second step taken twice, by the loop that wrote the checkpoint and by a loop rebuilt from it
-    on a freshly built network: loss, parameters, buffers and logits agree bit for bit."""
+    on a freshly built network: the loss agrees bit for bit; parameters, buffers and logits to
+    rounding (1e-5 relative)."""
     adapter, network, config = built
     variant = "fgh" if "fgh" in adapter.variants else "base"
     resolved = {**config, **VARIANTS[variant]}
@@ -263,14 +267,17 @@ def test_p_fgh_steps_and_a_checkpoint_round_trip(built, tmp_path):
     fresh.load_state_dict(load_checkpoint(path, resolved))
     first, second = take_step(loop, 1), take_step(fresh, 1)  # replay (if any) replays step 0
     assert not first.skipped and torch.equal(first.loss, second.loss)
+    # The update itself may differ in the last bits: PILOT's prompt gathers accumulate their
+    # gradients over duplicate indices in a thread-dependent order on the CPU.
     ours, theirs = fresh.network.state_dict(), network.state_dict()
-    different = [k for k in theirs if not torch.equal(theirs[k], ours[k])]
-    assert not different, f"after the same step, these differ: {different[:5]}"
+    for key in theirs:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-7, msg=key)
     x = STEP_IMAGES[:3]
     adapter.eval_mode(network), fresh_adapter.eval_mode(fresh.network)
     with torch.no_grad():
         expected = adapter.forward(network, x, train=False).logits
-        assert torch.equal(fresh_adapter.forward(fresh.network, x, train=False).logits, expected)
+        logits = fresh_adapter.forward(fresh.network, x, train=False).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=ATOL)
     report = loop.report()
     if variant == "fgh":
         assert report["prototypes"]["samples"] == 8 and report["fgh"]["steps"] == 2
@@ -311,7 +318,7 @@ from torch import nn
 
 from ..engine.adapter import MethodAdapter, StepOutput
 from ..engine.registry import register_method
-from ..pilot.backbone_names import PLAIN_VIT
+from ..engine.backbone_names import PLAIN_VIT
 
 
 @register_method("throwaway_online")

@@ -268,7 +268,7 @@ def test_olora_plateau_merges_without_changing_outputs_and_is_reported():
 
 
 def test_olora_rejects_bad_options():
-    with pytest.raises(ValueError, match="loss_window_length must be (>= 1|a positive integer)"):
+    with pytest.raises(ValueError, match=r"loss_window_length must be (>= 1|a positive integer)"):
         build(olora_config(loss_window_length=0))
     with pytest.raises(ValueError, match="hard_loss must be true or false"):
         build(olora_config(hard_loss="yes"))

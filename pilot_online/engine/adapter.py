@@ -71,7 +71,7 @@ class MethodAdapter:
     #: The method's row name in the paper's tables (``pilot-online report``); "" = registered name.
     paper_name: ClassVar[str] = ""
     #: The exact ``backbone_type`` names the method accepts: those PILOT's ``get_backbone`` builds
-    #: for ``base_model_name`` (``pilot/backbone_names.py``: ``pilot_backbones(...)``,
+    #: for ``base_model_name`` (``engine/backbone_names.py``: ``pilot_backbones(...)``,
     #: ``PLAIN_VIT``). ``check-config`` refuses any other name and suggests only these; the
     #: first is the method's default (scripts/make_exps.py writes it into the configs).
     backbone_types: ClassVar[tuple[str, ...]] = ()

@@ -37,11 +37,28 @@ from .loop import AMP_MODES, MATMUL_PRECISIONS, OPTIMIZERS
 from .pixel_cache import PIXEL_CACHE_MODES
 from .protocol import HP_COLUMNS
 
+#: Suffixes ``pretrained_path`` accepts: the timm 0.6 npz, a torch state dict, a safetensors file.
+NPZ_SUFFIXES = (".npz",)
+TORCH_SUFFIXES = (".pth", ".pt", ".bin")
+SAFETENSORS_SUFFIXES = (".safetensors",)
+WEIGHT_SUFFIXES = NPZ_SUFFIXES + TORCH_SUFFIXES + SAFETENSORS_SUFFIXES
+
+
+def check_weights_suffix(path: str | Path) -> str:
+    """The suffix of a ``pretrained_path`` (lower case) if it is a form we read; else a
+    ValueError listing the forms."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in WEIGHT_SUFFIXES:
+        raise ValueError(
+            f"pretrained_path {str(path)!r} has the suffix {suffix or '(none)'!r}, which is no "
+            f"weights form pilot-online reads: use {', '.join(WEIGHT_SUFFIXES)} (timm 0.6's npz, "
+            "a torch.save'd timm ViT state dict, or the Hugging Face cache's model.safetensors)"
+        )
+    return suffix
+
 
 def check_weights_file(name: str, value: Any) -> str:
     """A ``pretrained_path``: an existing file in a form the backbones read (by its suffix)."""
-    from ..pilot.backbones import check_weights_suffix
-
     if not isinstance(value, str) or not Path(value).is_file():
         raise ValueError(
             f"{name} {value!r} is not a file: point it at the ViT weights, or set it to null "
@@ -380,7 +397,7 @@ def load_json(path: str | Path) -> dict[str, Any]:
 
 def _check_backbone(cfg: dict[str, Any], adapter: Any) -> None:
     """``backbone_type`` must be a name PILOT's ``get_backbone`` builds for the method's upstream
-    model (``adapter.backbone_types``, from ``pilot/backbone_names.py``): PILOT itself fails only
+    model (``adapter.backbone_types``, from ``engine/backbone_names.py``): PILOT itself fails only
     after setup, or with an ``UnboundLocalError`` for a name that matches a branch's substring
     but none of its exact names. Only names in the table are ever suggested."""
     name, model = cfg["backbone_type"], cfg["model_name"]

@@ -15,8 +15,8 @@ from torch import nn
 
 from ..core.checks import integer, real
 from ..engine.adapter import ConfigKey
+from ..engine.backbone_names import pilot_backbones
 from ..engine.registry import register_method
-from ..pilot.backbone_names import pilot_backbones
 from .aper_finetune import AperFinetuneOnline
 
 

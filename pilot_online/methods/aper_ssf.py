@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from ..engine.backbone_names import pilot_backbones
 from ..engine.registry import register_method
-from ..pilot.backbone_names import pilot_backbones
 from .aper_finetune import AperFinetuneOnline
 
 

@@ -12,8 +12,8 @@ from typing import ClassVar
 
 from ..core.checks import integer
 from ..engine.adapter import ConfigKey
+from ..engine.backbone_names import pilot_backbones
 from ..engine.registry import register_method
-from ..pilot.backbone_names import pilot_backbones
 from .aper_finetune import AperFinetuneOnline
 
 #: PILOT's ``vpt_type`` values (``get_backbone``: "shallow", anything else is deep).

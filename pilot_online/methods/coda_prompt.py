@@ -20,8 +20,8 @@ from torch import nn
 
 from ..core.checks import integer, real
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.backbone_names import pilot_backbones
 from ..engine.registry import register_method
-from ..pilot.backbone_names import pilot_backbones
 
 
 def orthogonality_penalty(t: torch.Tensor) -> torch.Tensor:

@@ -35,8 +35,8 @@ from torch import nn
 from ..core.checks import boolean, check_blocks, integer, list_of, text
 from ..core.conv_prompt import ConvPromptGenerator
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.backbone_names import pilot_backbones
 from ..engine.registry import register_method
-from ..pilot.backbone_names import pilot_backbones
 
 
 class ConvPromptNet(nn.Module):

@@ -27,8 +27,8 @@ from torch import nn
 
 from ..core.checks import boolean, check_blocks, integer, list_of
 from ..engine.adapter import ConfigKey
+from ..engine.backbone_names import pilot_backbones
 from ..engine.registry import register_method
-from ..pilot.backbone_names import pilot_backbones
 from .l2p import PROMPT_POOL_KEYS, L2POnline
 
 BLOCKS = "a list of distinct block indices"

@@ -24,8 +24,8 @@ from torch import nn
 
 from ..core.checks import integer
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.backbone_names import PLAIN_VIT
 from ..engine.registry import register_method
-from ..pilot.backbone_names import PLAIN_VIT
 
 #: The ``backbone_type`` names PILOT's ``get_backbone`` maps to a plain (prompt-free) ViT-B/16.
 PLAIN_VIT_BACKBONES = PLAIN_VIT

@@ -20,8 +20,8 @@ from torch import nn
 
 from ..core.checks import boolean, integer, list_of, real, text
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.backbone_names import pilot_backbones
 from ..engine.registry import register_method
-from ..pilot.backbone_names import pilot_backbones
 
 #: The prompt-pool options PILOT's ``backbone/prompt.py`` recognises (others leave the pool
 #: uninitialised or the query undefined).

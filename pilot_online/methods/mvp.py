@@ -66,8 +66,8 @@ from ..core.mvp_losses import (
     key_contrastive_loss,
 )
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.backbone_names import pilot_backbones
 from ..engine.registry import register_method
-from ..pilot.backbone_names import pilot_backbones
 
 #: ``gsf_reduction``: upstream's mean weight times the batch loss, or per-sample weights.
 GSF_REDUCTIONS = ("upstream", "sample")

@@ -40,13 +40,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..engine.config import (
+    NPZ_SUFFIXES,
+    SAFETENSORS_SUFFIXES,
+    TORCH_SUFFIXES,
+    check_weights_suffix,
+)
+
 logger = logging.getLogger(__name__)
 
-#: Suffixes ``pretrained_path`` accepts: the timm 0.6 npz, a torch state dict, a safetensors file.
-NPZ_SUFFIXES = (".npz",)
-TORCH_SUFFIXES = (".pth", ".pt", ".bin")
-SAFETENSORS_SUFFIXES = (".safetensors",)
-WEIGHT_SUFFIXES = NPZ_SUFFIXES + TORCH_SUFFIXES + SAFETENSORS_SUFFIXES
 
 #: The weights of timm's ViT (``VisionTransformer``) that a pretrained file must provide.
 BACKBONE_KEY = re.compile(
@@ -80,19 +82,6 @@ class WeightsUnavailableError(RuntimeError):
 
 class WeightsMismatchError(WeightsUnavailableError):
     """A weights file does not fit the model: keys missing, unexpected or of another shape."""
-
-
-def check_weights_suffix(path: str | Path) -> str:
-    """The suffix of a ``pretrained_path`` (lower case) if it is a form we read; else a
-    ValueError listing the forms."""
-    suffix = Path(path).suffix.lower()
-    if suffix not in WEIGHT_SUFFIXES:
-        raise ValueError(
-            f"pretrained_path {str(path)!r} has the suffix {suffix or '(none)'!r}, which is no "
-            f"weights form pilot-online reads: use {', '.join(WEIGHT_SUFFIXES)} (timm 0.6's npz, "
-            "a torch.save'd timm ViT state dict, or the Hugging Face cache's model.safetensors)"
-        )
-    return suffix
 
 
 def _safetensors_header(data: bytes, path: Path) -> tuple[dict[str, Any], int]:
