@@ -306,70 +306,41 @@ def test_runs_through_pilot_main(pilot_main_run, name, variant, stream):
 
 
 # -- the promise: one file and one import line -------------------------------------------------
-THROWAWAY = '''"""A throwaway method for the contract test: PILOT's plain ViT, frozen, read
-through a trainable LayerNorm by a linear online head (docs/porting.md's steps)."""
-
-from __future__ import annotations
-
-from typing import Any, ClassVar
-
-import torch
-from torch import nn
-
-from ..engine.adapter import MethodAdapter, StepOutput
-from ..engine.registry import register_method
-from ..engine.backbone_names import PLAIN_VIT
+#: The porting page's example adapter: this test runs it, so the walk-through stays true.
+PORTING_PAGE = REPO / "docs" / "porting.md"
+EXAMPLE_MARKER = "<!-- contract-test: methods/"
 
 
-@register_method("throwaway_online")
-class ThrowawayOnline(MethodAdapter):
-    base_model_name: ClassVar[str] = "simplecil"  # PILOT's transforms for a plain ViT
-    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
-
-    def backbone_kwargs(self, args: dict) -> dict[str, Any]:
-        # PILOT's plain-ViT factory hard-codes pretrained=True: pass the config's on.
-        return {"pretrained": bool(args["pretrained"]), **super().backbone_kwargs(args)}
-
-    def build_network(self, args: dict) -> nn.Module:
-        from utils.inc_net import SimpleVitNet
-
-        network = SimpleVitNet(self.pilot_args(args), True)
-        network.requires_grad_(False)
-        network.norm = nn.LayerNorm(network.feature_dim)
-        self.online_head(network, args)  # SimpleVitNet.fc is None online: no update_fc
-        return network
-
-    def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
-        with torch.no_grad():
-            tokens = network.backbone(x)
-        features = network.norm(tokens)
-        return StepOutput(network.fc(features), features)
-
-    def classifier(self, network: nn.Module) -> nn.Linear:
-        return network.fc
-
-    def train_mode(self, network: nn.Module) -> None:
-        network.eval()  # the frozen ViT: no dropout
-        network.norm.train()
-        network.fc.train()
-'''
+def porting_example() -> tuple[str, str, str]:
+    """(file name, method name, source) of the adapter docs/porting.md walks through: the first
+    ``python`` block after its ``contract-test`` marker."""
+    page = PORTING_PAGE.read_text(encoding="utf-8")
+    assert EXAMPLE_MARKER in page, f"{PORTING_PAGE} lost its contract-test example"
+    after = page.split(EXAMPLE_MARKER, 1)[1]
+    file_name = after.split(" ", 1)[0].strip()
+    source = after.split("```python\n", 1)[1].split("```", 1)[0]
+    method = re.search(r'@register_method\("([a-z0-9_]+)"\)', source).group(1)
+    return file_name, method, source
 
 
 @requires_pilot
 def test_a_new_method_is_one_file_and_one_import(tmp_path):
-    """Copy the package, add ``methods/throwaway.py`` and one import line to
-    ``methods/__init__.py`` (nothing else), and run this suite on the new method alone: it must
+    """Copy the package, add the porting page's example as ``methods/<file>`` and one import line
+    to ``methods/__init__.py`` (nothing else), and run this suite on the new method alone: it must
     be collected for every contract test and pass them all."""
     import pilot_online
+
+    file_name, method, source = porting_example()
 
     copy = tmp_path / "site"
     package = copy / "pilot_online"
     shutil.copytree(
         Path(pilot_online.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__")
     )
-    (package / "methods" / "throwaway.py").write_text(THROWAWAY)
+    (package / "methods" / file_name).write_text(source)
     init = package / "methods" / "__init__.py"
-    init.write_text(init.read_text() + "from . import throwaway  # noqa: E402, F401\n")
+    module = file_name.removesuffix(".py")
+    init.write_text(init.read_text() + f"from . import {module}  # noqa: E402, F401\n")
     for folder in ("exps", "patches"):  # what `setup` links into PILOT, beside the package
         (copy / folder).symlink_to(REPO / folder, target_is_directory=True)
 
@@ -388,7 +359,7 @@ def test_a_new_method_is_one_file_and_one_import(tmp_path):
             f"--basetemp={tmp_path / 'pytest'}",
             str(Path(__file__)),
             "-k",
-            "throwaway_online",
+            method,
         ],
         cwd=tmp_path,  # not the checkout: ``python -m`` puts the working directory first
         env=env,
