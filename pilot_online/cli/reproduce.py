@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,9 +42,9 @@ from ..engine.paper import (
     same_column,
 )
 from ..engine.protocol import FIXED_LRS, HP_COLUMNS, HP_ROWS, method_short_name
-from .engines import add_engine_arguments
+from .engines import EngineUnavailable, add_engine_arguments
 from .protocol import parse_sets
-from .sweep import apply_point, build_configs, run_finished
+from .sweep import apply_point, build_configs, run_config_files, run_finished
 
 #: Our row names -> the exps/ variant they run (``engine.config.VARIANTS``).
 ROW_VARIANTS = {**HP_ROWS, "p": "p", "fgh_only": "fgh_only"}
@@ -452,8 +450,6 @@ def dry_run_listing(cells, configs, tflops: float | None) -> tuple[list[str], fl
 
 
 def run_reproduce(args: argparse.Namespace) -> int:
-    from .engines import EngineUnavailable, Job, create_engine, engine_options, run_jobs
-
     def say(line: str) -> None:
         print(line, flush=True)
 
@@ -478,25 +474,10 @@ def run_reproduce(args: argparse.Namespace) -> int:
     failed: list[str] = []
     if todo:
         try:
-            options = engine_options(args)
-            engine = create_engine(options, say)
+            failed = run_config_files(todo, out, args, say)
         except EngineUnavailable as err:
             print(f"pilot-online reproduce: {err}", file=sys.stderr)
             return 2
-        started = time.monotonic()
-        command: tuple[str, ...] = ("-m", "pilot_online.cli", "run")
-        pilot_root = args.pilot_root or os.environ.get("PILOT_ROOT")
-        if pilot_root:
-            command += ("--pilot-root", str(Path(pilot_root).resolve()))
-        jobs = [
-            Job(p.stem, (*command, "--config", str(p)), out, p.with_suffix(".log")) for p in todo
-        ]
-        try:
-            codes = run_jobs(jobs, engine, options.retries, say)
-        finally:
-            engine.close()
-        failed = [job.name for job, code in zip(jobs, codes) if code]
-        say(f"{len(jobs)} run(s) in {time.monotonic() - started:.0f} s on engine {options.engine}")
     report_text = vs_paper_for(cells, out, parse_sets(args.set))
     print(report_text)
     if failed:

@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,14 @@ from ..engine.config import (
     load_json,
     resolve_config,
 )
-from .engines import add_engine_arguments
+from .engines import (
+    EngineUnavailable,
+    Job,
+    add_engine_arguments,
+    create_engine,
+    engine_options,
+    run_jobs,
+)
 
 
 def parse_grid(items: list[str]) -> dict[str, list[Any]]:
@@ -164,7 +172,6 @@ def run_finished(config_path: Path) -> bool:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    from .engines import EngineUnavailable, Job, create_engine, engine_options, run_jobs
     from .protocol import parse_sets, protocol_configs, uses_protocol
     from .report import collect, format_table
 
@@ -189,28 +196,13 @@ def run_sweep(args: argparse.Namespace) -> int:
         print(f"[{i}/{len(paths)}] {path.stem}" + (": skipped (finished)" if finished else ""))
         if not finished:
             todo.append(path)
-    failed = []
-    try:
-        options = engine_options(args)
-        engine = create_engine(options, say) if todo and not args.dry_run else None
-    except EngineUnavailable as err:
-        print(f"pilot-online sweep: {err}", file=sys.stderr)
-        return 2
-    if engine is not None:
-        started = time.monotonic()
-        command = ("-m", "pilot_online.cli", "run")
-        pilot_root = args.pilot_root or os.environ.get("PILOT_ROOT")  # the same on every node
-        if pilot_root:
-            command += ("--pilot-root", str(Path(pilot_root).resolve()))
-        jobs = [
-            Job(p.stem, (*command, "--config", str(p)), out, p.with_suffix(".log")) for p in todo
-        ]
+    failed: list[str] = []
+    if todo and not args.dry_run:
         try:
-            codes = run_jobs(jobs, engine, options.retries, say)
-        finally:
-            engine.close()
-        failed = [job.name for job, code in zip(jobs, codes) if code]
-        say(f"{len(jobs)} run(s) in {time.monotonic() - started:.0f} s on engine {options.engine}")
+            failed = run_config_files(todo, out, args, say)
+        except EngineUnavailable as err:
+            print(f"pilot-online sweep: {err}", file=sys.stderr)
+            return 2
     if not args.dry_run and (out / "results").is_dir():
         rows = collect([out / "results"])
         if rows:
@@ -219,3 +211,25 @@ def run_sweep(args: argparse.Namespace) -> int:
         print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def run_config_files(
+    paths: list[Path], out: Path, args: argparse.Namespace, say: Callable[[str], None]
+) -> list[str]:
+    """Run each config as ``pilot-online run`` (one process each) on the engine the arguments
+    name, with retries; the names of the runs that failed. EngineUnavailable when the engine
+    cannot start."""
+    options = engine_options(args)
+    engine = create_engine(options, say)
+    started = time.monotonic()
+    command: tuple[str, ...] = ("-m", "pilot_online.cli", "run")
+    pilot_root = args.pilot_root or os.environ.get("PILOT_ROOT")  # the same on every node
+    if pilot_root:
+        command += ("--pilot-root", str(Path(pilot_root).resolve()))
+    jobs = [Job(p.stem, (*command, "--config", str(p)), out, p.with_suffix(".log")) for p in paths]
+    try:
+        codes = run_jobs(jobs, engine, options.retries, say)
+    finally:
+        engine.close()
+    say(f"{len(jobs)} run(s) in {time.monotonic() - started:.0f} s on engine {options.engine}")
+    return [job.name for job, code in zip(jobs, codes) if code]
