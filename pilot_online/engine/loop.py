@@ -253,7 +253,7 @@ class OnlineLoop:
         self._record_gradient_norms()
         self.optimizer.step()
         self.optimizer_steps += 1
-        detached = {name: t.detach() for name, t in terms.items()}
+        detached = _detached(terms)
         restarted = list(self.adapter.after_step(self.network, inputs, batch_labels, detached))
         if restarted:
             self.reset_state(restarted)
@@ -289,7 +289,7 @@ class OnlineLoop:
                 f"init_lr (now {self.config.get('init_lr')}) or the FGH gamma, or check the inputs "
                 "for NaNs; raise max_nonfinite_steps to tolerate longer streaks"
             )
-        detached = {name: t.detach() for name, t in terms.items()}
+        detached = _detached(terms)
         return StepStats(loss.detach(), correct, samples, skipped=True, terms=detached)
 
     @torch.no_grad()
