@@ -609,10 +609,12 @@ def _foreach_and_single_tensor_runs(granularity, direction, apply, device="cpu")
 
 @pytest.mark.parametrize("apply", ["grad", "update"])
 def test_foreach_path_runs_where_torch_lacks_foreach_copy_and_clone(monkeypatch, apply):
-    """The torch floor (2.1) may lack torch._foreach_copy_ / _foreach_clone: the foreach path
-    falls back to one copy_/clone per tensor and still equals the single-tensor path."""
-    monkeypatch.delattr(torch, "_foreach_copy_")
-    monkeypatch.delattr(torch, "_foreach_clone")
+    """The torch floor lacks foreach kernels (2.1.2 has _foreach_copy_ but no _foreach_clone): the
+    foreach path falls back to one copy_/clone per tensor and still equals the single-tensor
+    path. The kernels are removed where they exist (raising=False: not all torch versions have
+    both)."""
+    monkeypatch.delattr(torch, "_foreach_copy_", raising=False)
+    monkeypatch.delattr(torch, "_foreach_clone", raising=False)
     assert _foreach_and_single_tensor_runs("element", "adam", apply)
     assert _foreach_and_single_tensor_runs("class", "grad", apply)
 

@@ -131,6 +131,27 @@ def test_every_byte_becomes_the_float_totensor_and_normalize_give():
     assert not torch.equal(end(batch.clamp(max=254) + 1, "cpu")[0], expected)
 
 
+def test_channels_last_and_split_batches_give_the_same_contiguous_floats():
+    """What the workers send: images laid out HWC (``ToUInt8`` makes CHW views of them, and the
+    batch keeps that layout), possibly in several parts. Both device-side ways must give
+    ToTensor + Normalize's numbers in the usual contiguous layout."""
+    rng = np.random.default_rng(3)
+    pictures = rng.integers(0, 256, (5, 7, 6, 3), dtype=np.uint8)  # N, H, W, C
+    expected = torch.stack([CIFAR100_NORM(T.ToTensor()(p)) for p in pictures])
+    images = [data_module.ToUInt8()(as_picture(p)) for p in pictures]
+    assert images[0].shape == (3, 7, 6) and not images[0].is_contiguous()  # a view, no transpose
+    _, batch, _ = data_module.collate_samples([(i, image, 0) for i, image in enumerate(images)])
+    assert batch.shape == (5, 3, 7, 6) and batch.permute(0, 2, 3, 1).is_contiguous()
+    end = DeviceEnd([(CIFAR100_NORM.mean, CIFAR100_NORM.std)])
+    for lookup in (False, True):
+        for given in (batch, [batch[:2], batch[2:3], batch[3:]]):
+            got = end(given, "cpu", lookup=lookup)
+            assert got.is_contiguous() and torch.equal(got, expected)
+    # Images of another layout are stacked as default_collate stacks them.
+    _, plain, _ = data_module.collate_samples([(0, expected[0], 0), (1, expected[1], 1)])
+    assert torch.equal(plain, expected[:2])
+
+
 def test_transforms_split_only_where_the_numbers_stay_the_same():
     host, end = split_transforms([T.CenterCrop(4), T.ToTensor(), CIFAR100_NORM])
     assert type(host.transforms[-1]).__name__ == "ToUInt8"
@@ -147,7 +168,8 @@ def test_stream_batches_cross_as_uint8_and_equal_the_float_path(device, monkeypa
     original = DeviceEnd.__call__
 
     def spy(self, batch, device, lookup=None):
-        crossed.append(batch.dtype)
+        parts = [batch] if isinstance(batch, torch.Tensor) else batch
+        crossed.extend({part.dtype for part in parts})
         return original(self, batch, device, lookup)
 
     monkeypatch.setattr(DeviceEnd, "__call__", spy)
@@ -266,6 +288,51 @@ def test_random_test_transforms_get_no_pixel_cache():
     assert not data.deterministic_eval and not data.pixel_cache.enabled
     list(data.eval_batches(np.arange(4)))
     assert data.pixel_cache.store is None
+
+
+def test_cached_runs_are_views_and_other_stores_are_copies():
+    """A uint8 store hands out its runs of consecutive indices without copying them; a float
+    store (transforms that could not be split) hands out a copy, so a model that changes its
+    inputs in place cannot change the cache."""
+    pixels = torch.arange(6 * 3 * 2 * 2, dtype=torch.uint8).view(6, 3, 2, 2)
+    cache = PixelCache(6, "cpu", "cpu")
+    cache.put(np.arange(6), pixels)
+    parts = cache.get(np.array([1, 2, 3, 5, 0]))
+    assert [len(part) for part in parts] == [3, 1, 1]
+    assert [part.data_ptr() for part in parts] == [
+        cache.store[i].data_ptr() for i in (1, 5, 0)
+    ]  # views of the store, in the order asked
+    assert torch.equal(torch.cat(parts), pixels[[1, 2, 3, 5, 0]])
+    floats = PixelCache(6, "cpu", "cpu")
+    floats.put(np.arange(6), pixels.float())
+    (copy,) = floats.get(np.array([1, 2]))
+    copy.zero_()
+    assert torch.equal(floats.store[1:3], pixels[1:3].float())
+
+
+def test_keyed_draws_are_the_same_in_a_worker_which_keeps_no_state(monkeypatch):
+    """In a DataLoader worker the generators are seeded and not restored (nothing else draws
+    there); the draws equal those in the training process, whose generators are restored."""
+
+    def draws() -> tuple:
+        return (
+            torch.rand(3).tolist(),
+            np.random.rand(2).tolist(),
+            __import__("random").random(),
+        )
+
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    with data_module.keyed_draws(11, 4):
+        in_process = draws()
+    assert torch.equal(torch.get_rng_state(), before)  # restored
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())
+    with data_module.keyed_draws(11, 4):
+        in_worker = draws()
+    assert in_worker == in_process
+    assert not torch.equal(torch.get_rng_state(), before)  # left seeded: nothing restored
+    with data_module.keyed_draws(11, 5):
+        assert draws() != in_process  # another key, other draws
 
 
 def test_pixel_cache_follows_the_query_cache_placement_rule(monkeypatch):

@@ -92,14 +92,22 @@ def seeded(*key: int) -> Iterator[None]:
     Only the CPU generator of torch: ``torch.manual_seed`` would also reseed every CUDA device's
     generator (lazily, even before CUDA starts), and ``fork_rng(devices=[])`` restores the CPU's
     alone. The CPU draws are the same as ``torch.manual_seed`` gave."""
-    seed = key_seed(*key)
     python_state, numpy_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        torch.default_generator.manual_seed(seed)
+        seed_generators(*key)
         try:
             yield
         finally:
             random.setstate(python_state)
             np.random.set_state(numpy_state)
+
+
+def seed_generators(*key: int) -> None:
+    """Seed Python's, numpy's and torch's CPU generators by ``key`` as :func:`seeded` does, and
+    keep nothing to restore: for a process in which every draw is keyed (a DataLoader worker of
+    :class:`~pilot_online.pilot.data.SeededSamples`), where saving and restoring numpy's state
+    would cost five times the seeding."""
+    seed = key_seed(*key)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.default_generator.manual_seed(seed)

@@ -56,29 +56,50 @@ def _normalize(values: torch.Tensor, normalizations: Sequence[Normalization]) ->
 class DeviceEnd:
     """uint8 images (N, C, H, W) -> the float inputs of ``ToTensor`` + ``Normalize``s, on a device.
 
-    Other dtypes (a data source whose transforms could not be split) pass through unchanged,
-    only moved to the device.
+    A batch may come in parts (a replay draw loaded by several workers, a cache's runs of
+    consecutive images): they are joined in order, into the one output tensor. The uint8 images
+    may have any strides (the workers' are channels-last); the output is contiguous N x C x H x W,
+    as ``ToTensor`` makes it. Other dtypes (a data source whose transforms could not be split) are
+    only moved to the device and joined.
     """
 
     def __init__(self, normalizations: Sequence[Normalization] = ()) -> None:
         self.normalizations = [(tuple(m), tuple(s)) for m, s in normalizations]
         self._tables: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, batch: torch.Tensor, device: torch.device | str, lookup: bool | None = None):
+    def __call__(
+        self,
+        batch: torch.Tensor | Sequence[torch.Tensor],
+        device: torch.device | str,
+        lookup: bool | None = None,
+    ) -> torch.Tensor:
         """``batch`` on ``device`` as model inputs. ``lookup``: use the table (default: off the
         CPU only; the tests force it on the CPU to compare both ways)."""
         device = torch.device(device)
-        batch = batch.to(device, non_blocking=True)
-        if batch.dtype != torch.uint8:
-            return batch
+        parts = [batch] if isinstance(batch, torch.Tensor) else list(batch)
+        if any(part.dtype != torch.uint8 for part in parts):
+            moved = [part.to(device, non_blocking=True) for part in parts]
+            return moved[0] if len(moved) == 1 else torch.cat(moved)
         if lookup is None:
             lookup = device.type != "cpu"
-        if not lookup:  # ToTensor's operations (in one pass: the division casts each byte to
-            # the default float type before dividing, as ToTensor's cast then division do), then
-            # Normalize's: the CPU path as it was
-            return _normalize(batch.div(255), self.normalizations)
-        table, offsets = self._table(batch.shape[1], device)
-        return table[batch.int() + offsets]
+        if not lookup:  # ToTensor's cast and division, then Normalize's operations, as the
+            # CPU path was: each part is cast into its rows of one new tensor (no gathered uint8
+            # copy; the cast also transposes a channels-last part, the fastest way measured on a
+            # CPU), then everything is divided in place.
+            out = torch.empty(
+                (sum(len(part) for part in parts), *parts[0].shape[1:]),
+                dtype=torch.get_default_dtype(),
+                device=device,
+            )
+            row = 0
+            for part in parts:
+                out[row : row + len(part)].copy_(part)
+                row += len(part)
+            return _normalize(out.div_(255), self.normalizations)
+        moved = [part.to(device, non_blocking=True) for part in parts]
+        joined = (moved[0] if len(moved) == 1 else torch.cat(moved)).contiguous()
+        table, offsets = self._table(joined.shape[1], device)
+        return table[joined.int() + offsets]
 
     def _table(self, channels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Each channel's 256 output values (computed on the CPU like the plain path), flat, and
@@ -151,19 +172,26 @@ class PixelCache:
         self.filled[indices] = True
         self.misses += len(indices)
 
-    def get(self, indices: np.ndarray) -> torch.Tensor:
-        """The stored images of ``indices``, in order (on the store's device; pinned if it is)."""
+    def get(self, indices: np.ndarray) -> list[torch.Tensor]:
+        """The stored images of ``indices``, in order, as consecutive parts (on the store's
+        device; pinned if it is), for :class:`DeviceEnd`, which joins them. A uint8 store gives
+        views of its runs of consecutive indices: no copy here, and ``DeviceEnd`` writes its
+        output without touching them. Other stores give one gathered copy, which the model may
+        change without changing the cache."""
         indices = np.asarray(indices, dtype=np.int64)
         if self.store is None or not self.filled[indices].all():
             raise KeyError("eval_pixel_cache: some of these test images are not stored yet")
         self.hits += len(indices)
+        if self.store.dtype == torch.uint8 and len(indices):
+            breaks = np.flatnonzero(np.diff(indices) != 1) + 1
+            return [self.store[run[0] : run[-1] + 1] for run in np.split(indices, breaks)]
         index = torch.from_numpy(indices).to(self.store.device)
         if self.store.is_pinned():  # gather into pinned memory: the copy to the GPU stays async
             out = torch.empty(
                 (len(indices), *self.store.shape[1:]), dtype=self.store.dtype, pin_memory=True
             )
-            return torch.index_select(self.store, 0, index, out=out)
-        return self.store.index_select(0, index)
+            return [torch.index_select(self.store, 0, index, out=out)]
+        return [self.store.index_select(0, index)]
 
     def report(self) -> dict[str, object]:
         """Entries for the results' diagnostics."""

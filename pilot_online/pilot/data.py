@@ -14,6 +14,7 @@ images are transformed once per run (:class:`~pilot_online.engine.pixel_cache.Pi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from ..core.datasets import DATASETS, PILOT_DATASETS, dataset_names, dataset_spec, make_synthetic
-from ..core.rng import seeded
+from ..core.rng import seed_generators, seeded
 from ..engine.pixel_cache import DeviceEnd, Normalization, PixelCache
 
 logger = logging.getLogger(__name__)
@@ -235,6 +236,18 @@ def auto_workers() -> int:
     return max(0, min(cpus - 1, 16))
 
 
+def keyed_draws(*key: int) -> contextlib.AbstractContextManager:
+    """The generators seeded by ``key`` for one sample's load, as :func:`seeded` seeds them.
+
+    In a DataLoader worker they are seeded and not restored: every draw there is a keyed sample's,
+    so there is nothing to restore, and restoring numpy's state would cost about 50 us a sample
+    (a sixth of a CIFAR image's whole training transform). The draws are the same either way."""
+    if torch.utils.data.get_worker_info() is None:
+        return seeded(*key)
+    seed_generators(*key)
+    return contextlib.nullcontext()
+
+
 class SeededSamples(torch.utils.data.Dataset):
     """A dataset whose sample ``i`` is loaded with the random generators seeded by ``(seed, i)``.
 
@@ -251,7 +264,7 @@ class SeededSamples(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> Any:
-        with seeded(self.seed, int(index)):
+        with keyed_draws(self.seed, int(index)):
             return self.dataset[index]
 
 
@@ -272,7 +285,7 @@ class ReplaySamples(torch.utils.data.Dataset):
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
         step, index = key
-        with seeded(self.seed, int(step), int(index), REPLAY_KEY):
+        with keyed_draws(self.seed, int(step), int(index), REPLAY_KEY):
             return self.dataset[int(index)]
 
 
@@ -297,7 +310,9 @@ class ToUInt8:
     """``ToTensor`` without its division: a PIL image (or HWC uint8 array) as a CHW uint8 tensor.
 
     The division by 255 (and any ``Normalize``) then runs on the device (``DeviceEnd``), on a
-    quarter of the bytes; for 8-bit images the numbers equal ``ToTensor``'s."""
+    quarter of the bytes; for 8-bit images the numbers equal ``ToTensor``'s. The tensor is a CHW
+    view of the image's HWC bytes (channels-last strides): the transposition, which cost a worker
+    more than the copy itself, happens once per batch on the device (:func:`collate_samples`)."""
 
     def __call__(self, picture: Any) -> torch.Tensor:
         if isinstance(picture, np.ndarray):
@@ -313,10 +328,37 @@ class ToUInt8:
             raise TypeError(f"the uint8 data path needs uint8 images, got {array.dtype}")
         if array.ndim == 2:
             array = array[:, :, None]
-        return torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1)))
+        return torch.from_numpy(np.array(array)).permute(2, 0, 1)  # our own (writable) copy
 
     def __repr__(self) -> str:
         return "ToUInt8()"
+
+
+def channels_last_images(images: Sequence[Any]) -> bool:
+    """Whether every image is a uint8 CHW tensor laid out HWC in memory (as :class:`ToUInt8`
+    makes them)."""
+    return all(
+        isinstance(image, torch.Tensor)
+        and image.dtype == torch.uint8
+        and image.dim() == 3
+        and image.permute(1, 2, 0).is_contiguous()
+        for image in images
+    )
+
+
+def collate_samples(samples: Sequence[tuple[int, Any, Any]]) -> list[Any]:
+    """``default_collate`` of ``(index, image, label)`` samples, except that :class:`ToUInt8`'s
+    images are stacked in their HWC layout: one plain copy each into the (shared-memory) batch,
+    which is an N x C x H x W tensor with channels-last strides. Stacking them into the usual
+    layout would transpose every image on the worker, at several times the cost."""
+    from torch.utils.data import default_collate
+
+    images = [sample[1] for sample in samples]
+    if not channels_last_images(images):
+        return default_collate(samples)
+    hwc = default_collate([image.permute(1, 2, 0) for image in images])
+    indices, labels = default_collate([(sample[0], sample[2]) for sample in samples])
+    return [indices, hwc.permute(0, 3, 1, 2), labels]
 
 
 def split_transforms(transforms: Sequence[Any]) -> tuple[Any, DeviceEnd]:
@@ -399,6 +441,7 @@ class _Loader:
                 self.dataset,
                 batch_sampler=self.feed,
                 num_workers=self.workers,
+                collate_fn=collate_samples,
                 pin_memory=self.pin_memory,
                 generator=self.generator,
                 persistent_workers=self.workers > 0,
@@ -445,10 +488,8 @@ class SampleLoader:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         key = tuple(int(i) for i in indices)
         if step is None:  # an unkeyed draw: in this process, with the global generators
-            samples = [self.source._train[i] for i in key]
-            inputs = torch.stack([image for _, image, _ in samples])
-            labels = torch.as_tensor(np.asarray([label for _, _, label in samples]))
-            return self.source.model_inputs(inputs), labels.long()
+            _, inputs, labels = collate_samples([self.source._train[i] for i in key])
+            return self.source.model_inputs(inputs), torch.as_tensor(labels).long()
         pending, self._pending = self._pending, None
         if pending is not None and pending[:2] == (int(step), key):
             count, iterator = pending[2]
@@ -458,9 +499,9 @@ class SampleLoader:
         self.loaded += 1
         parts = [next(iterator) for _ in range(count)]  # each (indices, inputs, labels)
         # Each part crosses on its own (pinned, asynchronous) and is joined on the device.
-        inputs = [self.source.model_inputs(part[1]) for part in parts]
+        inputs = self.source.model_inputs([part[1] for part in parts])
         labels = torch.cat([part[2] for part in parts])
-        return (torch.cat(inputs) if count > 1 else inputs[0]), labels.long()
+        return inputs, labels.long()
 
 
 class PilotDataSource:
@@ -525,8 +566,11 @@ class PilotDataSource:
             "replay_draws_prefetched": self.train_samples.prefetched,
         }
 
-    def model_inputs(self, inputs: torch.Tensor, end: DeviceEnd | None = None) -> torch.Tensor:
-        """A batch from the workers as the model's inputs, on the device."""
+    def model_inputs(
+        self, inputs: torch.Tensor | Sequence[torch.Tensor], end: DeviceEnd | None = None
+    ) -> torch.Tensor:
+        """A batch from the workers (or its consecutive parts) as the model's inputs, on the
+        device."""
         return (end or self._train_end)(inputs, self.device)
 
     def train_batches(self, batches: Sequence[np.ndarray]) -> Iterator:
