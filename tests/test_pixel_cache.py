@@ -483,3 +483,32 @@ def test_replay_run_resumes_bit_identical_whatever_the_workers(tmp_path):
     )
     assert torch.equal(straight.loop.network.fc.weight, resumed.loop.network.fc.weight)
     assert resumed.data.train_samples.prefetched > 0 and resumed.data.pixel_cache.complete
+
+
+# -- the benchmark ---------------------------------------------------------------------------------
+def test_pipeline_benchmark_prints_its_table_and_speedup_line():
+    """benchmarks/pipeline.py on tiny data, one worker: a row per dataset with every rate, and the
+    speedup line last (its value is the cub row's cache rate over today's)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "pipeline.py"
+    tiny = ["--classes", "2", "--train-per-class", "8", "--test-per-class", "3"]
+    tiny += ["--batch-size", "4", "--eval-batch-size", "4", "--evaluations", "3", "--workers", "1"]
+    done = subprocess.run(
+        [sys.executable, str(script), *tiny], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    rows = {line[:13].strip(): line[13:].split() for line in lines if line[:4] in ("cifa", "cub ")}
+    assert set(rows) == {"cifar arrays", "cub jpegs"}
+    for values in rows.values():
+        assert values[0] == "1" and len(values) == 10  # workers, 8 rates and ratios, speedup
+        assert all(float(v) > 0 for v in values[1:-1])
+        assert float(values[9][:-1]) == pytest.approx(
+            float(values[6]) / float(values[8]), rel=0.01, abs=0.01
+        )  # cache over today
+    speedup = re.fullmatch(r"eval speedup from the 2nd evaluation: (\d+\.\d\d)x", lines[-1])
+    assert speedup and speedup.group(1) + "x" == rows["cub jpegs"][9]
