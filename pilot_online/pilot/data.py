@@ -311,8 +311,9 @@ class ToUInt8:
 
     The division by 255 (and any ``Normalize``) then runs on the device (``DeviceEnd``), on a
     quarter of the bytes; for 8-bit images the numbers equal ``ToTensor``'s. The tensor is a CHW
-    view of the image's HWC bytes (channels-last strides): the transposition, which cost a worker
-    more than the copy itself, happens once per batch on the device (:func:`collate_samples`)."""
+    view of the image's HWC bytes (channels-last strides), and :func:`collate_samples` keeps that
+    layout: the transposition, which cost a worker more than the copy itself, happens once per
+    batch on the device, in ``DeviceEnd``."""
 
     def __call__(self, picture: Any) -> torch.Tensor:
         if isinstance(picture, np.ndarray):
