@@ -53,6 +53,12 @@ def _normalize(values: torch.Tensor, normalizations: Sequence[Normalization]) ->
     return values
 
 
+def _joined_on(parts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The parts, each moved to ``device`` (asynchronously from pinned memory), in one tensor."""
+    moved = [part.to(device, non_blocking=True) for part in parts]
+    return moved[0] if len(moved) == 1 else torch.cat(moved)
+
+
 class DeviceEnd:
     """uint8 images (N, C, H, W) -> the float inputs of ``ToTensor`` + ``Normalize``s, on a device.
 
@@ -78,8 +84,7 @@ class DeviceEnd:
         device = torch.device(device)
         parts = [batch] if isinstance(batch, torch.Tensor) else list(batch)
         if any(part.dtype != torch.uint8 for part in parts):
-            moved = [part.to(device, non_blocking=True) for part in parts]
-            return moved[0] if len(moved) == 1 else torch.cat(moved)
+            return _joined_on(parts, device)
         if lookup is None:
             lookup = device.type != "cpu"
         if not lookup:  # ToTensor's cast and division, then Normalize's operations, as the
@@ -96,8 +101,7 @@ class DeviceEnd:
                 out[row : row + len(part)].copy_(part)
                 row += len(part)
             return _normalize(out.div_(255), self.normalizations)
-        moved = [part.to(device, non_blocking=True) for part in parts]
-        joined = (moved[0] if len(moved) == 1 else torch.cat(moved)).contiguous()
+        joined = _joined_on(parts, device).contiguous()
         table, offsets = self._table(joined.shape[1], device)
         return table[joined.int() + offsets]
 
