@@ -53,7 +53,9 @@ SIDE = 224
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--classes", type=int, default=20)
-    parser.add_argument("--train-per-class", type=int, default=20)
+    parser.add_argument(
+        "--train-per-class", type=int, default=60, help="tasks of 300 images by default, as CUB's"
+    )
     parser.add_argument("--test-per-class", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=20, help="stream batch size")
     parser.add_argument("--eval-batch-size", type=int, default=50)

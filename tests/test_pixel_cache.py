@@ -162,7 +162,8 @@ def test_transforms_split_only_where_the_numbers_stay_the_same():
     assert host.transforms == whole and end.normalizations == []
 
 
-def test_stream_batches_cross_as_uint8_and_equal_the_float_path(device, monkeypatch):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_stream_batches_cross_as_uint8_and_equal_the_float_path(device, workers, monkeypatch):
     dm = manager(images(12), images(6, seed=1))
     crossed = []
     original = DeviceEnd.__call__
@@ -173,7 +174,7 @@ def test_stream_batches_cross_as_uint8_and_equal_the_float_path(device, monkeypa
         return original(self, batch, device, lookup)
 
     monkeypatch.setattr(DeviceEnd, "__call__", spy)
-    data = source(dm, device=device)
+    data = source(dm, workers=workers, device=device)  # a worker: reused (and pinned) buffers
     batches = [np.array([4, 0, 9]), np.array([11, 2, 7, 5])]
     got = torch.cat([x for x, _ in data.train_batches(batches)])
     assert got.device.type == device.type and got.dtype == torch.float32
@@ -181,6 +182,7 @@ def test_stream_batches_cross_as_uint8_and_equal_the_float_path(device, monkeypa
     assert torch.equal(got.cpu(), reference_train(dm, 11, [4, 0, 9, 11, 2, 7, 5]))
     test = torch.cat([x for x, _ in data.eval_batches(np.arange(6))])
     assert torch.equal(test.cpu(), reference_test(dm, range(6)))
+    data.close()
 
 
 # -- persistent loaders ----------------------------------------------------------------------------
@@ -208,6 +210,52 @@ def test_one_persistent_loader_serves_every_task_and_evaluation():
     finally:
         data.close()
     assert data._stream.loader is None and data._eval.loader is None  # workers stopped
+
+
+class Filled(torch.utils.data.Dataset):
+    """Sample ``i``: a 4 x 4 uint8 image of value ``i``, channels-last as ToUInt8 makes it."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int):
+        return index, torch.full((4, 4, 3), index, dtype=torch.uint8).permute(2, 0, 1), index % 3
+
+
+def filled_values(batch) -> list[int]:
+    return batch[1].amax(dim=(1, 2, 3)).tolist()
+
+
+def test_a_worker_reuses_a_released_buffer_and_never_an_unreleased_one():
+    loader = data_module._Loader(Filled(), workers=1, pin_memory=False, seed=0)
+    batches = [[2 * i, 2 * i + 1] for i in range(12)]
+    try:
+        # Released after each batch: the worker stacks into the same few buffers. A batch kept
+        # past its release (which a consumer must not do) shows a later batch's images.
+        kept = None
+        for number, batch in enumerate(loader.run(batches)):
+            assert filled_values(batch) == batches[number]
+            assert batch[0].tolist() == batches[number] and batch[2].tolist() == [
+                i % 3 for i in batches[number]
+            ]
+            kept = batch if kept is None else kept
+            loader.release()
+        assert filled_values(kept) != [0, 1]
+        # Never released: every batch keeps its images (the worker stacks into fresh buffers once
+        # its own are all held).
+        taken = list(loader.run(batches))
+        assert [filled_values(batch) for batch in taken] == batches
+        # A pass left after one batch, then whole ones: the right images. The next pass drops
+        # the batches the left one had loaded ahead, unreleased; their buffers are freed when
+        # the pass after it starts.
+        next(loader.run(batches))
+        for _ in range(2):
+            for number, batch in enumerate(loader.run(batches[:6])):
+                assert filled_values(batch) == batches[number]
+                loader.release()
+        assert not loader.buffers.busy.any()
+    finally:
+        loader.close()
 
 
 def test_evaluation_workers_stop_once_every_test_image_is_cached():
