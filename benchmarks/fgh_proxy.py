@@ -45,24 +45,10 @@ from pilot_online.core.masks import mask_logits, training_mask
 from pilot_online.core.prototypes import PrototypeBank
 from pilot_online.core.results import build_results, write_results
 from pilot_online.core.streams import Stream, clear_stream, si_blurry_stream
+from pilot_online.engine.config import FGH_FORMS
 
-#: The two readings of the paper's FGH. Both keep the component's default clamp, made explicit.
-FORMS: dict[str, dict[str, Any]] = {
-    "main": {
-        "gamma": 1.0,
-        "granularity": "element",
-        "direction": "grad",
-        "apply": "grad",
-        "clamp": [0.0, 10.0],
-    },
-    "appendix": {
-        "gamma": 1e-3,
-        "granularity": "class",
-        "direction": "adam",
-        "apply": "grad",
-        "clamp": [0.0, 10.0],
-    },
-}
+#: The two readings of the paper's FGH, as the configs write them (``engine.config.FGH_FORMS``).
+FORMS: dict[str, dict[str, Any]] = {"main": FGH_FORMS["eq8"], "appendix": FGH_FORMS["appendix"]}
 #: The table's FGH rows: both forms at their stated gamma, and the appendix form at the main
 #: text's gamma 1 ("for all experiments"), which separates the form from the gamma.
 TABLE_FORMS: dict[str, dict[str, Any]] = {
@@ -303,20 +289,20 @@ def gamma_sweep(args: argparse.Namespace) -> None:
     print("| form | gamma | AP | mean alpha | at lo | at hi |")
     print("| --- | --- | --- | --- | --- | --- |")
     out = args.out / "gamma" if args.out else None
+    seeds = {}  # seed -> (data, stream), made once
     for seed in range(args.sweep_seeds):
         data = make_data(args, seed)
-        stream = make_stream(kind, data.train_y, args, seed)
-        run = run_one(data, stream, lr=lr, prototypes=True, fgh_options=None, seed=seed)
-        if out:
+        seeds[seed] = data, make_stream(kind, data.train_y, args, seed)
+    if out:  # the + P level, for the figure
+        for seed, (data, stream) in seeds.items():
+            run = run_one(data, stream, lr=lr, prototypes=True, fgh_options=None, seed=seed)
             config = proxy_config(args, kind, lr, True, None, seed)
             results_file(out, run, stream, config, f"p_{seed}")
     for form, options in FORMS.items():
         for gamma in GAMMAS:
             fgh = {**options, "gamma": gamma}
             runs = []
-            for seed in range(args.sweep_seeds):
-                data = make_data(args, seed)
-                stream = make_stream(kind, data.train_y, args, seed)
+            for seed, (data, stream) in seeds.items():
                 run = run_one(data, stream, lr=lr, prototypes=True, fgh_options=fgh, seed=seed)
                 runs.append(run)
                 if out:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 import warnings
@@ -40,22 +39,8 @@ from torch.utils.flop_counter import FlopCounterMode
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 FLOPS_JSON = ROOT / "pilot_online" / "cli" / "flops.json"
-PAPER_TEX = ROOT.parent / "shared" / "paper" / "fgh_online_cl_paper.tex.txt"
 #: The CODA + P + FGH target of issue 15 for a whole CUB run on an H100 (seconds).
 TARGET_SECONDS = 20.0
-#: Paper table rows (time_consumption) per registered method.
-PAPER_ROWS = {
-    "finetune_online": "Fine-tuning",
-    "linear_probe_online": "Linear probe",
-    "er_online": "ER",
-    "er_linear_probe_online": "ER + Linear probe",
-    "mvp_online": "MVP",
-    "olora_online": "oLoRA",
-    "coda_online": "CODA",
-    "l2p_online": "L2P",
-    "dualprompt_online": "DualPrompt",
-    "convprompt_online": "ConvPrompt",
-}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -176,31 +161,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def paper_times() -> dict[tuple[str, str], int]:
-    """Seconds per (paper method, row) of the paper's time table: from the package data
-    ``pilot_online/data/paper_tables.json`` when present, else read from the paper's LaTeX."""
-    data = ROOT / "pilot_online" / "data" / "paper_tables.json"
-    if data.is_file():
-        rows = json.loads(data.read_text(encoding="utf-8")).get("time_consumption", {})
-        if rows.get("rows"):
-            return {(r["method"], r["row"]): int(r["seconds"]) for r in rows["rows"]}
-    text = PAPER_TEX.read_text(encoding="utf-8")
-    table = text[text.index("%% file: tables/time_consumption.tex") :]
-    table = table[: table.index("\\end{table}")]
-    times, method = {}, ""
-    for line in table.splitlines():
-        match = re.match(r"\s*(.+?)\s*&\s*((?:\d+h)?(?:\d+m)?\d+s)\s*&", line)
-        if not match:
-            continue
-        name, text_time = match.groups()
-        row = "base"
-        if "hookrightarrow" in name:
-            row = {"+ P": "p", "+ FGH": "fgh_only", "+ ours": "ours"}[name.split("$")[-1].strip()]
-        else:
-            method = name
-        parts = {unit: number for number, unit in re.findall(r"(\d+)([hms])", text_time)}
-        seconds = int(parts.get("h", 0)) * 3600 + int(parts.get("m", 0)) * 60 + int(parts["s"])
-        times[(method, row)] = seconds
-    return times
+    """Seconds per (paper method, row) of the paper's time table (the package's paper data)."""
+    from pilot_online.engine.paper import time_consumption
+
+    return {(r["method"], r["row"]): int(r["seconds"]) for r in time_consumption()["rows"]}
 
 
 def duration(seconds: float) -> str:
@@ -212,7 +176,9 @@ def duration(seconds: float) -> str:
 
 
 def print_table(tflops: float | None) -> bool:
+    import pilot_online.methods  # noqa: F401  (registers every method: their paper names)
     from pilot_online.cli import estimate
+    from pilot_online.engine.registry import get_method
 
     estimate.load_flops.cache_clear()
     sustained = tflops or estimate.DEFAULT_SUSTAINED_TFLOPS
@@ -234,7 +200,7 @@ def print_table(tflops: float | None) -> bool:
     rows = estimate.predicted_time_table(sustained_tflops=sustained, dataset="cub")
     ok = True
     for row in rows:
-        name = PAPER_ROWS.get(row["method"], "")
+        name = get_method(row["method"]).paper_name
         base, ours = paper.get((name, "base")), paper.get((name, "ours"))
         print(
             f"{row['method']:24} {row['train_tflop']:11.0f} {row['eval_tflop']:10.0f} "
@@ -255,7 +221,6 @@ def print_table(tflops: float | None) -> bool:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not args.table_only:
-        torch.set_num_threads(max(1, torch.get_num_threads()))
         table = measure(args)
         if not args.no_write:
             if FLOPS_JSON.is_file():  # keep counts of methods not measured this time

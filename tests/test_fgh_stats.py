@@ -232,14 +232,10 @@ def test_the_proxy_benchmark_writes_results_that_fig3_draws_by_form(tmp_path) ->
 def test_the_paper_configs_run_the_appendix_fgh_with_explicit_clamp_bounds() -> None:
     """scripts/make_exps.py: every "+ FGH"/"+ ours" paper config writes the appendix algorithm's
     five options, the clamp bounds included; the Eq. 8 form is the one other config."""
-    import sys
-    from pathlib import Path
+    from conftest import make_exps
 
     from pilot_online.core.fgh import validate_options
     from pilot_online.engine.config import FGH_FORMS, PAPER_FGH
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    import make_exps
 
     appendix = {
         "gamma": 0.001,
@@ -249,7 +245,7 @@ def test_the_paper_configs_run_the_appendix_fgh_with_explicit_clamp_bounds() -> 
         "clamp": [0.0, 10.0],
     }
     assert PAPER_FGH == FGH_FORMS["appendix"] == appendix
-    configs = make_exps.all_configs()
+    configs = make_exps().all_configs()
     with_fgh = {name: c["fgh"] for name, c in configs.items() if c["fgh"] is not None}
     eq8 = with_fgh.pop("coda_online_fgh_eq8.json")
     assert eq8 == {

@@ -5,10 +5,10 @@ hand)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import make_exps
 from test_tables import write_run
 
 from pilot_online.cli import reproduce
@@ -23,14 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def exps(tmp_path_factory) -> Path:
     """The paper configs as scripts/make_exps.py writes them (exps/ is checked against it by
     test_config.py), so these tests read the generator's current output."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import make_exps
-    finally:
-        sys.path.pop(0)
+    generator = make_exps()
     folder = tmp_path_factory.mktemp("exps")
-    for name, config in make_exps.all_configs().items():
-        (folder / name).write_text(make_exps.render(config))
+    for name, config in generator.all_configs().items():
+        (folder / name).write_text(generator.render(config))
     return folder
 
 

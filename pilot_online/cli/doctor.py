@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import platform
 import shutil
@@ -312,25 +311,15 @@ def check_dataset(cfg: dict[str, Any]) -> list[Check]:
                 f"offline, put {where.source} there first",
             )
         ]
-    try:
-        from ..pilot.data import check_dataset_folders
-    except ImportError:
-        check_dataset_folders = None
-    if check_dataset_folders is not None:
-        problems = check_dataset_folders(cfg)
-        note = ""
-    else:  # an older pilot/data.py: folders' existence only
-        folders = where.folders if where else ()
-        problems = [
-            f"the folder {Path.cwd() / f} does not exist" for f in folders if not Path(f).is_dir()
-        ]
-        note = " (existence only: class folders not counted)"
+    from ..pilot.data import check_dataset_folders
+
+    problems = check_dataset_folders(cfg)
     if problems:
         fixes = [p.split("Fix: ", 1)[1] if "Fix: " in p else "" for p in problems]
         details = [p.split(" Fix: ", 1)[0] for p in problems]
         return [Check("dataset", FAIL, d, f) for d, f in zip(details, fixes)]
     folders = ", ".join(str(Path.cwd() / f) for f in where.folders) if where else name
-    return [Check("dataset", OK, f"{folders} in place{note}")]
+    return [Check("dataset", OK, f"{folders} in place")]
 
 
 # -- resources --------------------------------------------------------------------------------
@@ -338,17 +327,15 @@ def check_dataset(cfg: dict[str, Any]) -> list[Check]:
 
 def _paper_memory_mb(cfg: dict[str, Any]) -> float | None:
     """The paper's GPU footprint (MB) of the config's method and row, CUB, batch 100."""
-    try:
-        text = (Path(__file__).resolve().parent.parent / "data" / "paper_tables.json").read_text()
-        rows = json.loads(text)["time_consumption"]["rows"]
-        from ..engine.config import variant_of
-        from ..engine.registry import get_method
+    from ..engine.paper import time_consumption
+    from ..engine.registry import get_method
+    from .tables import row_kind
 
+    try:
         adapter = get_method(str(cfg["model_name"]))
-    except Exception:
+    except ValueError:  # not a registered method: no paper row
         return None
-    paper = adapter.paper_name or ""
-    row = {"base": "base", "p": "p", "fgh_only": "fgh_only", "fgh": "ours"}[variant_of(cfg)]
+    paper, row, rows = adapter.paper_name or "", row_kind(cfg), time_consumption()["rows"]
     matches = [r["memory_mb"] for r in rows if r["method"] == paper and r["row"] in (row, "base")]
     return float(max(matches)) if matches else None
 

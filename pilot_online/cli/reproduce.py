@@ -39,10 +39,12 @@ from ..engine.paper import (
     paper_datasets,
     paper_streams,
     registered_names,
+    same_cell,
     same_column,
 )
 from ..engine.protocol import FIXED_LRS, HP_COLUMNS, HP_ROWS, method_short_name
 from .engines import EngineUnavailable, add_engine_arguments
+from .estimate import dataset_size, estimate_run_seconds
 from .protocol import parse_sets
 from .sweep import apply_point, build_configs, run_config_files, run_finished
 
@@ -52,10 +54,6 @@ COLUMN_NAMES = ("5e-5", "5e-3", BEST)
 BEST_HP_POLICIES = ("tables", "hp_grid")
 #: Keys that make a run another cell: ``--set`` may not change them.
 CELL_KEYS = ("model_name", "stream", "init_lr", "online_prototypes", "fgh", "hp_column")
-#: Training images of the paper's datasets (PILOT's splits: the APER CUB and ImageNet-R splits
-#: its README links), for step counts where the FLOP model (``cli/estimate.py``, whose
-#: ``DATASET_SIZES`` win when it is installed) is not.
-TRAIN_IMAGES = {"cifar224": 50_000, "cub": 9_430, "imagenetr": 24_000}
 
 
 @dataclass(frozen=True)
@@ -134,7 +132,7 @@ def parse_cell(text: str) -> CellSpec:
             )
         parsed = match[0]
     cell = CellSpec(dataset, stream, method, row, parsed)
-    if not any(_same_key(cell.key(), k) for k in _paper_keys()):
+    if not any(same_cell(cell.key(), k) for k in _paper_keys()):
         rows = sorted({k[3] for k in _paper_keys() if k[1] == stream and k[2] == method})
         raise ConfigError(
             f"cell {text!r}: the paper has no such cell; {methods[method]} has the rows "
@@ -142,10 +140,6 @@ def parse_cell(text: str) -> CellSpec:
             "5e-3 only)"
         )
     return cell
-
-
-def _same_key(a: tuple, b: tuple) -> bool:
-    return a[:4] == b[:4] and same_column(a[4], b[4])
 
 
 def table_cells(table: str) -> list[CellSpec]:
@@ -233,12 +227,8 @@ def cell_configs(
     else:
         seeds = seeds[:count]
     config = apply_point(config, {k: v for k, v in sets.items() if k != "seed"})
-    paths = []
-    for seed in seeds:
-        paths += build_configs(
-            apply_point(config, {"seed": seed}), {}, out, name_prefix=f"{cell.name}__seed-{seed}"
-        )
-    return paths, why
+    # One config per seed, <cell>__seed-<s>, so that the engines spread the seeds.
+    return build_configs(config, {"seed": seeds}, out, name_prefix=cell.name), why
 
 
 def _paper_cell(cell: CellSpec):
@@ -276,28 +266,12 @@ def paper_seeds(cell: CellSpec) -> int:
 # --- estimates -------------------------------------------------------------------------------
 
 
-def _train_images(config: dict[str, Any]) -> int | None:
-    dataset = config.get("dataset")
-    try:
-        from .estimate import DATASET_SIZES  # type: ignore[import-not-found]
-
-        if dataset in DATASET_SIZES:
-            return DATASET_SIZES[dataset].train
-    except ImportError:
-        pass
-    if dataset in TRAIN_IMAGES:
-        return TRAIN_IMAGES[dataset]
-    from ..core.datasets import DATASETS
-
-    spec = DATASETS.get(dataset)
-    return spec.num_classes * spec.train_per_class if spec else None
-
-
 def step_count(config: dict[str, Any]) -> tuple[int, float] | None:
-    """The fallback estimate: stream steps x batch passes per step (1, plus the replay batch of
-    the rows with experience replay, plus oLoRA's hard-buffer batches at most)."""
-    images = _train_images(config)
-    if images is None:
+    """Stream steps x batch passes per step (1, plus the replay batch of the rows with experience
+    replay, plus oLoRA's hard-buffer batches at most); None for a dataset of unknown size."""
+    try:
+        images = dataset_size(config).train
+    except ValueError:
         return None
     batch = int(config.get("batch_size", 100))
     steps = math.ceil(images / batch)
@@ -310,15 +284,7 @@ def step_count(config: dict[str, Any]) -> tuple[int, float] | None:
 
 
 def estimator(tflops: float | None):
-    """``(function, description)``: h2b's FLOP model (``cli/estimate.py``) when it is installed,
-    else None and the reason."""
-    try:
-        from .estimate import estimate_run_seconds  # type: ignore[import-not-found]
-    except ImportError as err:
-        return None, (
-            "step counts (stream steps x batch passes per step), no GPU time: no FLOP model "
-            f"({err})"
-        )
+    """``(function, description)``: the FLOP model (``cli/estimate.py``) at ``tflops``."""
     what = "FLOP model (pilot_online.cli.estimate)"
     if tflops is not None:
         what += f" at {tflops:g} TFLOP/s sustained"
@@ -411,8 +377,8 @@ def plan(args: argparse.Namespace) -> tuple[list[CellSpec], dict[CellSpec, tuple
 
 
 def dry_run_listing(cells, configs, tflops: float | None) -> tuple[list[str], float, int]:
-    """Lines listing each cell's runs and estimate, the total seconds (0 without a FLOP model)
-    and the total of training batch passes (steps x passes per step, over every run)."""
+    """Lines listing each cell's runs and estimate, the total seconds of the runs the FLOP model
+    prices, and the total of training batch passes (steps x passes per step, over every run)."""
     estimate, what = estimator(tflops)
     lines, total_seconds, total_steps = [], 0.0, 0
     priced, unpriced, reasons = 0, 0, {}
@@ -425,25 +391,23 @@ def dry_run_listing(cells, configs, tflops: float | None) -> tuple[list[str], fl
         paper = _paper_cell(cell)
         if paper is not None:
             text += f"  paper {paper.mean:.2f} ± {paper.std:.2f} (n={paper.n})"
-        if estimate is not None:
-            try:
-                seconds = sum(float(estimate(load_json(p))) for p in paths)
-                total_seconds += seconds
-                priced += seeds
-                text += f"  est. {_duration(seconds)}"
-            except Exception as err:  # the FLOP model cannot price this config: say why once
-                unpriced += seeds
-                reason = str(err).replace(str(config.get("model_name")), "<method>")
-                reasons.setdefault(f"{type(err).__name__}: {reason}", []).append(cell.method)
-                text += "  no estimate"
+        try:  # the seeds' configs differ only in the seed, which costs nothing
+            seconds = float(estimate(config)) * seeds
+            total_seconds += seconds
+            priced += seeds
+            text += f"  est. {_duration(seconds)}"
+        except Exception as err:  # the FLOP model cannot price this config: say why once
+            unpriced += seeds
+            reason = str(err).replace(str(config.get("model_name")), "<method>")
+            reasons.setdefault(f"{type(err).__name__}: {reason}", []).append(cell.method)
+            text += "  no estimate"
         if counted is not None:
             steps, passes = counted
             total_steps += round(steps * passes) * seeds
             text += f"  {steps:,} steps x {passes:g} batch passes/run"
         lines.append(text)
     lines.append(f"estimate: {what}")
-    if estimate is not None:
-        lines.append(f"the FLOP model prices {priced} of {priced + unpriced} runs")
+    lines.append(f"the FLOP model prices {priced} of {priced + unpriced} runs")
     for reason, methods in reasons.items():
         lines.append(f"no estimate for {', '.join(dict.fromkeys(methods))}: {reason}")
     return lines, total_seconds, total_steps

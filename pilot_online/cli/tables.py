@@ -48,7 +48,7 @@ from ..engine.paper import (
     best_hp_discrepancies,
     find_paper_cell,
     paper_datasets,
-    same_column,
+    same_cell,
 )
 from ..engine.protocol import FIXED_LRS, HP_COLUMNS, method_short_name
 from .report import method_label
@@ -143,7 +143,7 @@ class Table:
 # --- reading runs ---------------------------------------------------------------------------
 
 
-def _row_kind(config: dict[str, Any]) -> str:
+def row_kind(config: dict[str, Any]) -> str:
     """The table row: a :data:`VARIANTS` name, with + P + FGH called ``ours``."""
     variant = variant_of(config)
     return "ours" if variant == "fgh" else variant
@@ -208,7 +208,7 @@ def load_rows(paths: Iterable[Path]) -> list[dict[str, Any]]:
                 "method_key": method_short_name(config.get("model_name", "")),
                 "dataset": config.get("dataset"),
                 "stream": config.get("stream", "clear"),
-                "row": _row_kind(config),
+                "row": row_kind(config),
                 "paper_fgh": _paper_fgh(config),
                 "hp_column": config.get("hp_column", HP_COLUMNS[0]),
                 "lr": float(lr) if lr is not None else None,
@@ -806,7 +806,7 @@ def compare_with_paper(
                     if not cell.n:
                         continue
                     key = (dataset, table.stream, short.get(row.method), row.kind, column)
-                    if only is not None and not any(_same_key(key, k) for k in only):
+                    if only is not None and not any(same_cell(key, k) for k in only):
                         continue
                     paper = find_paper_cell(
                         paper_table, dataset, table.stream, row.method, row.kind, column
@@ -818,10 +818,6 @@ def compare_with_paper(
                         Comparison(table.name, dataset, row.method, row.label, column, cell, paper)
                     )
     return PaperReport(comparisons, unmatched, _paper_notes(comparisons))
-
-
-def _same_key(a: tuple, b: tuple) -> bool:
-    return a[:4] == b[:4] and same_column(a[4], b[4])
 
 
 def _short_names() -> dict[str, str]:

@@ -146,16 +146,6 @@ def _boolean(name: str, value: Any) -> bool:
 boolean: Check = _described("true or false", _boolean)
 
 
-def _text(name: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a string, got {value!r} ({type(value).__name__})")
-    return value
-
-
-#: A validator for a string key (a name, a path).
-text: Check = _described("a string", _text)
-
-
 def string(description: str) -> Check:
     """A validator for a string key whose messages say what the string is (``"a folder path"``)."""
 
@@ -165,6 +155,10 @@ def string(description: str) -> Check:
         return value
 
     return _described(description, check)
+
+
+#: A validator for a string key (a name, a path).
+text: Check = string("a string")
 
 
 def _json_object(name: str, value: Any) -> dict:

@@ -65,9 +65,6 @@ class MethodAdapter:
 
     #: The upstream PILOT model name whose network we reuse (its factories check this name).
     base_model_name: ClassVar[str] = ""
-    #: A substring PILOT's ``get_backbone`` needs in ``backbone_type`` for this method; checked
-    #: only when ``backbone_types`` is empty.
-    backbone_marker: ClassVar[str] = ""
     #: The method's row name in the paper's tables (``pilot-online report``); "" = registered name.
     paper_name: ClassVar[str] = ""
     #: The exact ``backbone_type`` names the method accepts: those PILOT's ``get_backbone`` builds

@@ -408,12 +408,6 @@ def _check_backbone(cfg: dict[str, Any], adapter: Any) -> None:
                 f"model {adapter.base_model_name!r}){closest(name, adapter.backbone_types)}: "
                 f"choose one of {', '.join(adapter.backbone_types)}"
             )
-    elif adapter.backbone_marker and adapter.backbone_marker not in str(name).lower():
-        raise ConfigError(
-            f"backbone_type {name!r} is not a {adapter.base_model_name} backbone: PILOT needs "
-            f"one containing {adapter.backbone_marker!r} (declare the adapter's backbone_types "
-            "to check exact names)"
-        )
 
 
 def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:

@@ -61,6 +61,11 @@ def same_column(a: float | str | None, b: float | str | None) -> bool:
     return math.isclose(float(a), float(b), rel_tol=1e-9)
 
 
+def same_cell(a: tuple, b: tuple) -> bool:
+    """Cell keys ``(dataset, stream, method, row, column)`` that name the same cell."""
+    return a[:4] == b[:4] and same_column(a[4], b[4])
+
+
 @functools.cache
 def paper_cells() -> tuple[PaperCell, ...]:
     """Every compared cell of the paper, table by table, in the data file's order."""
@@ -170,6 +175,13 @@ def time_consumption() -> dict[str, Any]:
     return paper_data()["time_consumption"]
 
 
+def _column_values(cells: list[PaperCell], lr: float) -> dict[tuple[str, str, str], tuple]:
+    """(mean, std) of the cells in the column of ``lr``, by (table, dataset, row)."""
+    return {
+        (c.table, c.dataset, c.row): (c.mean, c.std) for c in cells if same_column(c.column, lr)
+    }
+
+
 def best_hp_columns() -> dict[str, dict[str, Any]]:
     """Per method (row name), how its Best HP cells relate to its fixed-LR cells in Tables 1-2.
 
@@ -185,22 +197,14 @@ def best_hp_columns() -> dict[str, dict[str, Any]]:
         best = [c for c in mine if c.column == BEST]
         equal_to = None
         for lr in sorted({c.column for c in mine if c.column != BEST}):
-            fixed = {
-                (c.table, c.dataset, c.row): (c.mean, c.std)
-                for c in mine
-                if same_column(c.column, lr)
-            }
+            fixed = _column_values(mine, lr)
             if best and all(
                 fixed.get((c.table, c.dataset, c.row)) == (c.mean, c.std) for c in best
             ):
                 equal_to = lr
         differ = 0
         if row["best_lr"] in [c.column for c in mine]:  # the bold LR is a fixed column
-            fixed = {
-                (c.table, c.dataset, c.row): (c.mean, c.std)
-                for c in mine
-                if same_column(c.column, row["best_lr"])
-            }
+            fixed = _column_values(mine, row["best_lr"])
             differ = sum(fixed.get((c.table, c.dataset, c.row)) != (c.mean, c.std) for c in best)
         out[method] = {
             "bold_lr": row["best_lr"],

@@ -31,12 +31,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .eval_cache import cache_placement
+from .eval_cache import CACHE_MODES, cache_placement
 
 logger = logging.getLogger(__name__)
 
-#: ``eval_pixel_cache`` values.
-PIXEL_CACHE_MODES = ("auto", "device", "cpu", "off")
+#: ``eval_pixel_cache`` values: the query cache's, as it follows the same placement rule.
+PIXEL_CACHE_MODES = CACHE_MODES
 
 #: A ``Normalize``'s (mean, std), per channel.
 Normalization = tuple[Sequence[float], Sequence[float]]

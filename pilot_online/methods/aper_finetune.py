@@ -24,15 +24,16 @@ import torch
 from torch import nn
 
 from ..engine.adapter import StepOutput
+from ..engine.backbone_names import PLAIN_VIT
 from ..engine.registry import register_method
-from .finetune import PLAIN_VIT_BACKBONES, FinetuneOnline
+from .finetune import FinetuneOnline
 
 
 @register_method("aper_finetune_online")
 class AperFinetuneOnline(FinetuneOnline):
     paper_name: ClassVar[str] = ""
     base_model_name: ClassVar[str] = "aper_finetune"
-    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT_BACKBONES
+    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
     #: Substrings of the adapted branch's parameter names that train (PILOT's freezing rule for
     #: the method); empty: every parameter of the adapted branch trains.
     tuned_parameters: ClassVar[tuple[str, ...]] = ()

@@ -48,7 +48,6 @@ def _prompt_param(name: str, value: Any) -> list:
 class CodaOnline(MethodAdapter):
     paper_name: ClassVar[str] = "CODA"
     base_model_name: ClassVar[str] = "coda_prompt"
-    backbone_marker: ClassVar[str] = "_coda_prompt"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("coda_prompt")
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "prompt_param": ConfigKey(

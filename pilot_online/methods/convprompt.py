@@ -96,7 +96,6 @@ class ConvPromptNet(nn.Module):
 class ConvPromptOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "dualprompt"  # PILOT's DualPrompt ViT and data transforms
     paper_name: ClassVar[str] = "ConvPrompt"
-    backbone_marker: ClassVar[str] = "_dualprompt"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("dualprompt")
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "prompt_layers": ConfigKey(

@@ -80,7 +80,6 @@ def per_sample_prefix_prompts(
 class DualPromptOnline(L2POnline):
     paper_name: ClassVar[str] = "DualPrompt"
     base_model_name: ClassVar[str] = "dualprompt"
-    backbone_marker: ClassVar[str] = "_dualprompt"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("dualprompt")
     config_keys: ClassVar[dict[str, ConfigKey]] = DUALPROMPT_KEYS
 

@@ -27,9 +27,6 @@ from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
 from ..engine.backbone_names import PLAIN_VIT
 from ..engine.registry import register_method
 
-#: The ``backbone_type`` names PILOT's ``get_backbone`` maps to a plain (prompt-free) ViT-B/16.
-PLAIN_VIT_BACKBONES = PLAIN_VIT
-
 #: The paper's replay settings: 1,000 samples in memory, 100 replayed per step.
 REPLAY_KEYS: dict[str, ConfigKey] = {
     "er_memory_size": ConfigKey(
@@ -42,7 +39,7 @@ REPLAY_KEYS: dict[str, ConfigKey] = {
 class FinetuneOnline(MethodAdapter):
     paper_name: ClassVar[str] = "Fine-tuning"
     base_model_name: ClassVar[str] = "finetune"  # PILOT's transforms for its fine-tuning learner
-    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT_BACKBONES
+    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
 
     def backbone_kwargs(self, args: dict) -> dict[str, Any]:
         return {

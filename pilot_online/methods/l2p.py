@@ -66,7 +66,6 @@ PROMPT_POOL_KEYS: dict[str, ConfigKey] = {
 class L2POnline(MethodAdapter):
     paper_name: ClassVar[str] = "L2P"
     base_model_name: ClassVar[str] = "l2p"
-    backbone_marker: ClassVar[str] = "_l2p"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("l2p")
     config_keys: ClassVar[dict[str, ConfigKey]] = PROMPT_POOL_KEYS
 

@@ -144,9 +144,12 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     header; ``"__metadata__"`` holds strings), then the raw little-endian tensor bytes.
     """
     path = Path(path)
-    data = path.read_bytes()
-    header, start = _safetensors_header(data, path)
-    buffer = bytearray(data[start:])  # writable, so torch.frombuffer shares no read-only
+    # One writable copy of the file (torch.frombuffer shares no read-only memory); the tensors
+    # are views of it, and load_state_dict copies them into the network.
+    buffer = bytearray(path.stat().st_size)
+    with path.open("rb") as handle:
+        handle.readinto(buffer)
+    header, start = _safetensors_header(buffer, path)
     tensors: dict[str, torch.Tensor] = {}
     for name, entry in header.items():
         if name == "__metadata__":
@@ -163,13 +166,16 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
         for size in shape:
             count *= size
         itemsize = torch.empty((), dtype=dtype).element_size()
-        if end - begin != count * itemsize or end > len(buffer):
+        if end - begin != count * itemsize or start + end > len(buffer):
             raise ValueError(
                 f"{path}: tensor {name!r} of shape {shape} and dtype {entry['dtype']} does not "
                 f"fit its data_offsets [{begin}, {end}]"
             )
-        flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=begin) if count else None
-        tensors[name] = flat.reshape(shape).clone() if flat is not None else torch.empty(shape)
+        tensors[name] = (
+            torch.frombuffer(buffer, dtype=dtype, count=count, offset=start + begin).view(shape)
+            if count
+            else torch.empty(shape, dtype=dtype)
+        )
     return tensors
 
 

@@ -273,16 +273,10 @@ class SeededSamples(torch.utils.data.Dataset):
 REPLAY_KEY = 0x5245504C
 
 
-class ReplaySamples(torch.utils.data.Dataset):
+class ReplaySamples(SeededSamples):
     """Training samples keyed ``(step, index)``: sample ``index`` replayed at ``step`` is loaded
     with the generators seeded by ``(seed, step, index)``, so a replayed image gets a new
     augmentation at each draw, the same in whichever worker and however many there are."""
-
-    def __init__(self, dataset: Any, seed: int) -> None:
-        self.dataset, self.seed = dataset, int(seed)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
         step, index = key
@@ -390,10 +384,11 @@ class BatchBuffers:
         if worker is None or not channels_last_images(images):
             return [*collate_samples(samples), None]
         shape = (len(images), *images[0].permute(1, 2, 0).shape)
-        slot = self._claim(worker.id, int(np.prod(shape)))
+        nbytes = int(np.prod(shape))
+        slot = self._claim(worker.id, nbytes)
         if slot is None:
             return [*collate_samples(samples), None]
-        hwc = self._buffers[slot][: int(np.prod(shape))].view(shape)
+        hwc = self._buffers[slot][:nbytes].view(shape)
         torch.stack([image.permute(1, 2, 0) for image in images], out=hwc)
         # Indices and labels cross as lists (a tensor would cost a shared-memory segment each).
         indices, labels = [sample[0] for sample in samples], [sample[2] for sample in samples]
