@@ -61,7 +61,7 @@ class SimpleCILOnline(LinearProbeOnline):
     @torch.no_grad()
     def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
         network.class_means.update(out.features, labels, validate=False)
-        # The head follows in train_mode and eval_mode, which start every step and evaluation.
+        self.refresh_head(network)  # the network predicts with the new means at once
 
     @torch.no_grad()
     def refresh_head(self, network: nn.Module) -> None:
