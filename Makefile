@@ -5,7 +5,7 @@ PILOT_COMMIT ?= 5240714
 .PHONY: install quickstart test demo smoke-matrix bench exps
 
 install:
-	$(PYTHON) -m pip install -q -e ".[pilot,test,plots,ray,tensorboard]"
+	$(PYTHON) -m pip install -q -e ".[pilot,test,plots,ray,tensorboard,safetensors]"
 
 quickstart:
 	bash scripts/quickstart.sh

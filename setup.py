@@ -41,7 +41,9 @@ setup(
         "tensorboard": ["tensorboard"],  # "logger": "tensorboard" (live logging)
         # `pilot-online sweep --engine ray`: on the machine that starts the sweep and every node.
         "ray": ["ray"],
-        "test": ["pytest", "ruff"],
+        # "pretrained_path": a .safetensors file (pilot/backbones.py imports it only then).
+        "safetensors": ["safetensors"],
+        "test": ["pytest", "ruff", "safetensors"],
     },
     entry_points={"console_scripts": ["pilot-online=pilot_online.cli:main"]},
     classifiers=[

@@ -47,14 +47,24 @@ from pilot_online.core.results import build_results, write_results
 from pilot_online.core.streams import Stream, clear_stream, si_blurry_stream
 from pilot_online.engine.config import FGH_FORMS
 
-#: The two readings of the paper's FGH, as the configs write them (``engine.config.FGH_FORMS``).
-FORMS: dict[str, dict[str, Any]] = {"main": FGH_FORMS["eq8"], "appendix": FGH_FORMS["appendix"]}
-#: The table's FGH rows: both forms at their stated gamma, and the appendix form at the main
-#: text's gamma 1 ("for all experiments"), which separates the form from the gamma.
+#: The readings of the paper's FGH, as the configs write them (``engine.config.FGH_FORMS``): the
+#: main text's Eq. 8, and the appendix algorithm with only alpha >= 0 ("nobound") or with our
+#: former upper bound 10 ("clamp10"). Fig. 3's sweep runs each over gamma.
+FORMS: dict[str, dict[str, Any]] = {
+    "eq8": FGH_FORMS["eq8"],
+    "clamp10": FGH_FORMS["appendix_clamp10"],
+    "nobound": FGH_FORMS["appendix"],
+}
+#: The table's FGH rows (name: form_gamma): Eq. 8 at its gamma; the appendix algorithm with the
+#: clamp [0, 10] at its listing's gamma 1e-3 and at the text's 1; and without an upper bound at
+#: 1e-3, 0.1 (hp_grid's CODA value) and 1 (the text's default, hp_grid's other methods).
 TABLE_FORMS: dict[str, dict[str, Any]] = {
-    "main": FORMS["main"],
-    "appendix": FORMS["appendix"],
-    "appendix γ=1": {**FORMS["appendix"], "gamma": 1.0},
+    "eq8": FORMS["eq8"],
+    "clamp10_g0.001": {**FORMS["clamp10"], "gamma": 1e-3},
+    "clamp10_g1": {**FORMS["clamp10"], "gamma": 1.0},
+    "nobound_g0.001": {**FORMS["nobound"], "gamma": 1e-3},
+    "nobound_g0.1": {**FORMS["nobound"], "gamma": 0.1},
+    "nobound_g1": {**FORMS["nobound"], "gamma": 1.0},
 }
 #: The paper's ablation rows: (prototypes, FGH).
 ROWS = {
@@ -224,6 +234,13 @@ def _cell(values: list[float]) -> str:
     return f"{arr.mean():6.2f} ± {arr.std():5.2f}"
 
 
+def _alpha_cells(stream_stats: list[dict[str, Any]]) -> str:
+    """Mean alpha and fractions at the bounds (stream averages, mean over seeds), and the largest
+    alpha any seed's run reached."""
+    means = [f"{np.mean([a[key] for a in stream_stats]):.3f}" for key in ("mean", "at_lo", "at_hi")]
+    return " | ".join([*means, f"{max(a['max'] for a in stream_stats):.4g}"])
+
+
 def table(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The ablation table for both forms; returns one record per (stream, lr, row, form)."""
     records = []
@@ -244,24 +261,17 @@ def table(args: argparse.Namespace) -> list[dict[str, Any]]:
                         if args.out:
                             config = proxy_config(args, kind, lr, proto, options, seed)
                             tag = row.replace(" ", "").replace("+", "_") or "base"
-                            form_tag = form.replace(" γ=", "_g").replace("-", "x")
-                            name = f"{kind}_lr{lr:g}_{tag}_{form_tag}_{seed}"
+                            name = f"{kind}_lr{lr:g}_{tag}_{form.replace('-', 'x')}_{seed}"
                             results_file(args.out / "table", run, stream, config, name)
             print(f"\n## {kind}, LR {lr:g} ({args.seeds} seeds)")
-            print("| row | FGH form | AP | A_T | mean alpha | at lo | at hi | s/run |")
-            print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+            print("| row | FGH form | AP | A_T | mean alpha | at lo | at hi | max alpha | s/run |")
+            print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
             for (row, form), runs in per.items():
                 aps = [r["metrics"]["AP"] for r in runs]
                 ats = [r["metrics"]["A_T"] for r in runs]
                 secs = np.mean([r["seconds"] for r in runs])
                 alpha = [r["alpha_bounds"]["stream"] for r in runs if r["alpha_bounds"]]
-                if alpha:
-                    stats = " | ".join(
-                        f"{np.mean([a[key] for a in alpha]):.3f}"
-                        for key in ("mean", "at_lo", "at_hi")
-                    )
-                else:
-                    stats = "- | - | -"
+                stats = _alpha_cells(alpha) if alpha else "- | - | - | -"
                 print(f"| {row} | {form} | {_cell(aps)} | {_cell(ats)} | {stats} | {secs:.2f} |")
                 records.append(
                     {
@@ -282,22 +292,26 @@ def table(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def gamma_sweep(args: argparse.Namespace) -> None:
-    """Fig. 3 on the proxy: + P + FGH against gamma, both forms, Si-Blurry, LR 5e-5 (the paper's
-    Fig. 3 setting), ``args.sweep_seeds`` seeds, plus the + P row (gamma = 0) as the level."""
+    """Fig. 3 on the proxy: + P + FGH against gamma, every form of :data:`FORMS`, Si-Blurry,
+    LR 5e-5 (the paper's Fig. 3 setting), ``args.sweep_seeds`` seeds, plus the + P row
+    (gamma = 0) as the level."""
     kind, lr = "si_blurry", 5e-5
     print(f"\n## gamma sweep: {kind}, LR {lr:g}, + P + FGH ({args.sweep_seeds} seeds)")
-    print("| form | gamma | AP | mean alpha | at lo | at hi |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| form | gamma | AP | mean alpha | at lo | at hi | max alpha |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     out = args.out / "gamma" if args.out else None
     seeds = {}  # seed -> (data, stream), made once
     for seed in range(args.sweep_seeds):
         data = make_data(args, seed)
         seeds[seed] = data, make_stream(kind, data.train_y, args, seed)
-    if out:  # the + P level, for the figure
-        for seed, (data, stream) in seeds.items():
-            run = run_one(data, stream, lr=lr, prototypes=True, fgh_options=None, seed=seed)
+    level = []  # the + P level (gamma = 0), printed and drawn
+    for seed, (data, stream) in seeds.items():
+        run = run_one(data, stream, lr=lr, prototypes=True, fgh_options=None, seed=seed)
+        level.append(run["metrics"]["AP"])
+        if out:
             config = proxy_config(args, kind, lr, True, None, seed)
             results_file(out, run, stream, config, f"p_{seed}")
+    print(f"| + P | 0 | {_cell(level)} | - | - | - | - |")
     for form, options in FORMS.items():
         for gamma in GAMMAS:
             fgh = {**options, "gamma": gamma}
@@ -308,10 +322,7 @@ def gamma_sweep(args: argparse.Namespace) -> None:
                 if out:
                     config = proxy_config(args, kind, lr, True, fgh, seed)
                     results_file(out, run, stream, config, f"{form}_g{gamma:g}_{seed}")
-            alpha = [r["alpha_bounds"]["stream"] for r in runs]
-            stats = " | ".join(
-                f"{np.mean([a[key] for a in alpha]):.3f}" for key in ("mean", "at_lo", "at_hi")
-            )
+            stats = _alpha_cells([r["alpha_bounds"]["stream"] for r in runs])
             aps = [r["metrics"]["AP"] for r in runs]
             print(f"| {form} | {gamma:g} | {_cell(aps)} | {stats} |")
 
@@ -329,7 +340,7 @@ def main() -> None:
     parser.add_argument("--offset", type=float, default=1.0, help="shared feature offset")
     parser.add_argument("--noise", type=float, default=1.0, help="within-class noise")
     parser.add_argument("--gamma-sweep", action="store_true", help="also run Fig. 3's sweep")
-    parser.add_argument("--sweep-seeds", type=int, default=3)
+    parser.add_argument("--sweep-seeds", type=int, default=5)
     parser.add_argument("--no-table", action="store_true", help="skip the ablation table")
     parser.add_argument("--out", type=Path, default=None, help="write results files here")
     parser.add_argument("--json", type=Path, default=None, help="write the table's records")

@@ -4,7 +4,8 @@ Run ``python benchmarks/overhead.py`` (CPU, 32 px) or ``python benchmarks/overhe
 --img-size 224 --batch-size 100``. PILOT is needed (``--pilot-root``, default ``$PILOT_ROOT`` or
 ``../shared/LAMDA-PILOT``; only imported, never written). For each method (``--methods``) it builds
 the network from ``exps/smoke_<method>.json`` (ViT-B/16, random weights) and four online loops
-around it (base, + P, + FGH, + P + FGH; the paper's FGH, gamma 1, element-wise), then, in one
+around it (base, + P, + FGH, + P + FGH; the paper configs' FGH, ``engine.config.PAPER_FGH``:
+class-wise on the classifier, Adam directions, gamma 1, no upper bound), then, in one
 process and interleaved round-robin (``benchmarks/timing.py``), times:
 
 - **step**: ``loop.train_step`` on the same random batches; images/s is batch / step;
@@ -27,7 +28,9 @@ On CUDA ``peak`` adds the step's transient peak (``torch.cuda.max_memory_allocat
 minus what was allocated before it). On the CPU no allocator statistic separates one loop's step
 from the rest of the process (the peak resident set size only grows, and tracemalloc does not see
 torch's allocator), so the CPU ``peak`` column is the state alone. FGH's own state must be exactly
-2 floats per trainable scalar (alpha and the previous gradient); a line says pass or fail.
+what its form keeps: class-wise with Adam directions, 3 floats per classifier scalar (the
+previous direction, m and v) and one alpha per class; element-wise on raw gradients, 2 floats per
+trainable scalar (alpha and the previous gradient). A line says pass or fail.
 
 **GPU options** (``--options``, default ``sdpa,bf16``): the base loop again with ``sdpa: true``
 (on a copy of the network whose attention modules use ``scaled_dot_product_attention``) and with
@@ -51,16 +54,30 @@ import torch
 import torch.nn.functional as F
 from timing import add_device_arguments, interleaved_medians, setup_device  # benchmarks/timing.py
 
+from pilot_online.engine.config import PAPER_FGH
+from pilot_online.engine.config import VARIANTS as PAPER_VARIANTS
+
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("l2p", "dualprompt", "coda", "mvp", "convprompt")
 UPSTREAM = {"l2p", "dualprompt", "coda"}
-PAPER_FGH = {"gamma": 1, "granularity": "element", "direction": "grad", "apply": "grad"}
+#: The paper's four ablation rows, with the FGH the paper configs run (``engine.config``).
 VARIANTS = {
-    "base": {"online_prototypes": False, "fgh": None},
-    "+P": {"online_prototypes": True, "fgh": None},
-    "+FGH": {"online_prototypes": False, "fgh": PAPER_FGH},
-    "+P+FGH": {"online_prototypes": True, "fgh": PAPER_FGH},
+    "base": PAPER_VARIANTS["base"],
+    "+P": PAPER_VARIANTS["p"],
+    "+FGH": PAPER_VARIANTS["fgh_only"],
+    "+P+FGH": PAPER_VARIANTS["fgh"],
 }
+
+
+def expected_fgh_bytes(loop: Any) -> tuple[int, str]:
+    """FGH's state for ``PAPER_FGH``, in float32 bytes, worked from its form (and how)."""
+    if (PAPER_FGH["granularity"], PAPER_FGH["direction"]) == ("class", "adam"):
+        fc = loop.adapter.classifier(loop.network)
+        scalars = sum(p.numel() for p in fc.parameters() if p.requires_grad)
+        classes = fc.weight.shape[0]
+        return 4 * (3 * scalars + classes), f"4 x (3 x {scalars} classifier scalars + {classes})"
+    trainable = sum(p.numel() for _, p in loop.named_parameters)
+    return 8 * trainable, f"2 x 4 x {trainable} trainable scalars"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -260,12 +277,11 @@ def bench_method(method: str, args: argparse.Namespace, device: torch.device) ->
             f"{args.batch_size / step_s[name]:8.1f} {eval_s[name] * 1e3:9.1f} "
             f"{eval_s[name] / eval_s['base']:7.3f}"
         )
-    trainable = sum(p.numel() for _, p in base.named_parameters)
     fgh_bytes = fgh_state_bytes(loops["+FGH"])
-    verdict = "pass" if fgh_bytes == 2 * 4 * trainable else "FAIL"
+    expected, why = expected_fgh_bytes(base)
     rows.append(
-        f"    FGH state {fgh_bytes} bytes for {trainable} trainable scalars "
-        f"(2 x 4 x {trainable} = {8 * trainable}): {verdict}"
+        f"    FGH state {fgh_bytes} bytes ({why} = {expected}): "
+        f"{'pass' if fgh_bytes == expected else 'FAIL'}"
     )
     if has_query:
         ratio = eval_s["base"] / eval_s["base, no cache"]

@@ -113,7 +113,9 @@ def paper_config(method: str, variant: str, blurry: bool) -> dict:
 
     name = model_name(method)
     row = copy.deepcopy(VARIANTS[variant])  # the paper's ablation row: P and FGH on or off
-    keys = method_keys(name)
+    stream = "si_blurry" if blurry else "clear"
+    # The method's defaults, then what upstream's run scripts set for this stream and dataset.
+    keys = {**method_keys(name), **get_method(name).paper_settings("cifar224", stream)}
     grids = lr_grids()
     return {
         "prefix": variant + ("_blurry" if blurry else ""),
@@ -136,7 +138,7 @@ def paper_config(method: str, variant: str, blurry: bool) -> dict:
         "drop": 0.0,
         "drop_path": 0.0,
         **keys,
-        "stream": "si_blurry" if blurry else "clear",
+        "stream": stream,
         "si_blurry_n": 50,
         "si_blurry_m": 10,
         "online_prototypes": row["online_prototypes"],
@@ -189,13 +191,16 @@ def all_configs() -> dict[str, dict]:
     for method, (grid, _) in lr_grids().items():
         for lr in grid:
             configs[f"{method}_online_hp_lr{lr:g}.json"] = lr_grid_config(method, lr)
-    # The paper configs run the appendix's FGH (engine.config.PAPER_FGH); the main text's Eq. 8
-    # form is one "fgh" object away, shown on CODA + P + FGH (docs/fgh.md).
-    from pilot_online.engine.config import FGH_FORMS
+    # The paper configs run the appendix's FGH (engine.config.PAPER_FGH); the other named forms
+    # (the main text's Eq. 8, the appendix algorithm with the clamp [0, 10]) are one "fgh" object
+    # away, shown on CODA + P + FGH (docs/fgh.md).
+    from pilot_online.engine.config import FGH_FORMS, PAPER_FGH
 
-    eq8 = paper_config("coda", "fgh", blurry=False)
-    eq8.update(prefix="fgh_eq8", fgh=copy.deepcopy(FGH_FORMS["eq8"]))
-    configs["coda_online_fgh_eq8.json"] = eq8
+    for form, options in FGH_FORMS.items():
+        if options != PAPER_FGH:
+            other = paper_config("coda", "fgh", blurry=False)
+            other.update(prefix=f"fgh_{form}", fgh=copy.deepcopy(options))
+            configs[f"coda_online_fgh_{form}.json"] = other
     return configs
 
 

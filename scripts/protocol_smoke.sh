@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The paper's evaluation protocol at smoke scale, end to end, on the CPU in minutes: the hp_grid
-# search (two methods, two learning rates, the paper configs' gamma 1e-3, two seeds), best.json,
+# search (two methods, two learning rates, the paper configs' gamma 1, two seeds), best.json,
 # the Best HP column on both streams, the fixed-LR Si-Blurry column, the Si-Blurry ablation rows
 # and a gamma sweep; then
 # one command writes Tables 1-2, A_T, the ablation, per-task and time tables (Markdown + LaTeX)
@@ -26,7 +26,7 @@ start=$SECONDS
 # 1. The search (clear, as the paper's VTAB search), at the two fixed LRs: it doubles as their
 #    clear columns. 2. best.json. 3. The Best HP column, both streams.
 sweep --preset hp_grid --methods "$METHODS" --config "$T" "${S[@]}" \
-    --grid init_lr=5e-5,5e-3 --grid fgh.gamma=0.001 --out "$OUT/hp_grid"
+    --grid init_lr=5e-5,5e-3 --grid fgh.gamma=1 --out "$OUT/hp_grid"
 pilot-online best "$OUT/hp_grid" --out "$OUT/best.json"
 sweep --hp-from "$OUT/best.json" --config "$T" "${S[@]}" --grid stream=clear,si_blurry \
     --out "$OUT/best_hp"

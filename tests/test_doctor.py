@@ -39,6 +39,7 @@ def by_name(checks) -> dict[str, list]:
 
 def test_missing_dataset_and_weights_fail_with_their_fixes(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # PILOT reads data/cub/... from the working directory
+    monkeypatch.delenv("PILOT_ROOT", raising=False)
     weights = tmp_path / "nowhere" / "vit.pth"
     config = write_config(
         tmp_path, dataset="cub", pretrained=True, pretrained_path=str(weights), device=[-1]
@@ -60,6 +61,7 @@ def test_missing_dataset_and_weights_fail_with_their_fixes(tmp_path, monkeypatch
 
 def test_a_class_folder_short_is_named_with_the_counts(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PILOT_ROOT", raising=False)
     for split in ("train", "test"):
         for c in range(199 if split == "train" else 200):
             (tmp_path / "data" / "cub" / split / f"{c:03d}.bird").mkdir(parents=True)
@@ -80,6 +82,7 @@ def jpeg_bytes(rng: np.random.Generator) -> bytes:
 
 def test_a_machine_with_the_files_passes_those_items(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PILOT_ROOT", raising=False)
     rng = np.random.default_rng(0)
     image = jpeg_bytes(rng)
     for split in ("train", "test"):
@@ -98,7 +101,9 @@ def test_a_machine_with_the_files_passes_those_items(tmp_path, monkeypatch):
         assert [c.status for c in checks[name]] == [OK], (name, checks[name])
     assert "data/cub/train" in checks["dataset"][0].detail
     data_path = checks["data path"][0].detail
-    assert "img/s per worker" in data_path and "files of data/cub/train" in data_path
+    assert (
+        "img/s per worker" in data_path and f"files of {tmp_path / 'data/cub/train'}" in data_path
+    )
 
 
 def test_weights_without_vit_keys_fail_naming_them(tmp_path):
@@ -129,6 +134,7 @@ def test_suffixes_the_weights_loader_cannot_read_fail(tmp_path):
 @requires_pilot
 def test_a_synthetic_cpu_run_passes_every_item(pilot, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PILOT_ROOT", raising=False)
     config = write_config(tmp_path, results_dir=str(tmp_path / "results"))
     code = main(["doctor", "--config", str(config), "--pilot-root", str(pilot)])
     out = capsys.readouterr().out
@@ -149,3 +155,56 @@ def test_bf16_on_a_cpu_run_is_not_a_cuda_failure(tmp_path):
     config = write_config(tmp_path, amp="bf16", device=[-1])
     checks = by_name(run_checks(config, None, data_path=False))
     assert checks["cuda"][0].status == OK
+
+
+def class_folders(root: Path, count: int = 200) -> None:
+    for split in ("train", "test"):
+        for c in range(count):
+            (root / "data" / "cub" / split / f"{c:03d}.bird").mkdir(parents=True)
+
+
+def test_with_a_pilot_root_the_folders_are_those_of_the_checkout(tmp_path, monkeypatch):
+    """From the plugin's checkout with --pilot-root (or $PILOT_ROOT): PILOT reads ./data where
+    python main.py runs, the PILOT checkout, so that is where the dataset is looked for."""
+    here, pilot = tmp_path / "plugin", tmp_path / "pilot"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    monkeypatch.delenv("PILOT_ROOT", raising=False)
+    class_folders(here)  # in the wrong place: the run would not see them
+    config = write_config(tmp_path, dataset="cub", pretrained=False, device=[-1])
+    dataset = by_name(run_checks(config, str(pilot), data_path=False))["dataset"]
+    assert [c.status for c in dataset] == [FAIL, FAIL]
+    assert f"the training folder {pilot / 'data/cub/train'} does not exist" in dataset[0].detail
+    assert f"the PILOT checkout {pilot}, where python main.py runs" in dataset[0].detail
+    assert dataset[0].fix.startswith("put the CUB-200 split")
+    class_folders(pilot)
+    monkeypatch.setenv("PILOT_ROOT", str(pilot))
+    dataset = by_name(run_checks(config, None, data_path=False))["dataset"]
+    assert [c.status for c in dataset] == [OK]
+    assert dataset[0].detail == f"{pilot / 'data/cub/train'}, {pilot / 'data/cub/test'} in place"
+
+
+def test_without_a_pilot_root_the_item_says_where_the_run_must_start(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PILOT_ROOT", raising=False)
+    class_folders(tmp_path)
+    config = write_config(tmp_path, dataset="cub", pretrained=False, device=[-1])
+    (dataset,) = by_name(run_checks(config, None, data_path=False))["dataset"]
+    assert dataset.status == OK
+    assert f"relative to {tmp_path}, so the run must start from this directory" in dataset.detail
+
+
+def test_a_missing_cifar_folder_has_a_one_sentence_fix_with_the_absolute_folder(
+    tmp_path, monkeypatch
+):
+    monkeypatch.delenv("PILOT_ROOT", raising=False)
+    config = write_config(tmp_path, dataset="cifar224", pretrained=False, device=[-1])
+    (dataset,) = by_name(run_checks(config, str(tmp_path / "pilot"), data_path=False))["dataset"]
+    folder = tmp_path / "pilot" / "data" / "cifar-100-python"
+    assert dataset.detail == (
+        f"{folder} does not exist: torchvision downloads it (download=True) from "
+        "https://www.cs.toronto.edu/~kriz/cifar.html, when the run starts"
+    )
+    assert dataset.fix == (
+        f"offline, extract cifar-100-python.tar.gz into {tmp_path / 'pilot' / 'data'}"
+    )

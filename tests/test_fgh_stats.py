@@ -28,6 +28,11 @@ from pilot_online.core.fgh import FineGrainedHypergradients
 #           mean 5/4,   at lo 1/4, at hi 2/4
 GRADS = [[1.0, 1.0, 1.0, -1.0], [2.0, -2.0, 0.5, 1.0], [1.0, 1.0, 1.0, 1.0]]
 MEANS, AT_LO, AT_HI = [1.0, 0.875, 1.25], [0.0, 0.5, 0.25], [0.0, 0.25, 0.5]
+MAXES = [1.0, 2.0, 2.0]  # the largest alpha after each step (and so far: it never falls here)
+# The same steps with no upper bound (clamp (0, None), the paper's alpha >= 0 only):
+#   step 2: alpha = clamp_min([3, -1, 1.5, 0]) = [3, 0, 1.5, 0]    mean 4.5/4, at lo 2/4, max 3
+#   step 3: alpha = clamp_min([5, -2, 2, 1]) = [5, 0, 2, 1]        mean 8/4,   at lo 1/4, max 5
+UNBOUNDED = {"mean": [1.0, 1.125, 2.0], "at_lo": [0.0, 0.5, 0.25], "max": [1.0, 3.0, 5.0]}
 
 
 def element_fgh(foreach: bool | None = None) -> tuple[FineGrainedHypergradients, torch.Tensor]:
@@ -62,18 +67,44 @@ def test_fractions_at_the_bounds_equal_the_hand_values(foreach, steps) -> None:
     assert bounds["clamp"] == [0.0, 2.0]
     assert bounds["coefficients"] == 4
     last = steps - 1
-    assert bounds["final"] == {"mean": MEANS[last], "at_lo": AT_LO[last], "at_hi": AT_HI[last]}
+    assert bounds["final"] == {
+        "mean": MEANS[last],
+        "at_lo": AT_LO[last],
+        "at_hi": AT_HI[last],
+        "max": MAXES[last],
+    }
     stream = bounds["stream"]
+    assert stream["max"] == max(MAXES[:steps])
     assert stream["steps"] == steps
     assert stream["mean"] == pytest.approx(sum(MEANS[:steps]) / steps, abs=1e-15)
     assert stream["at_lo"] == pytest.approx(sum(AT_LO[:steps]) / steps, abs=1e-15)
     assert stream["at_hi"] == pytest.approx(sum(AT_HI[:steps]) / steps, abs=1e-15)
 
 
+@pytest.mark.parametrize("foreach", [True, False])
+def test_no_upper_bound_reports_none_at_it_and_the_largest_alpha(foreach) -> None:
+    p = torch.nn.Parameter(torch.zeros(4))
+    fgh = FineGrainedHypergradients([("w", p)], gamma=1.0, clamp=(0.0, None), foreach=foreach)
+    for step, g in enumerate(GRADS):
+        p.grad = torch.tensor(g)
+        fgh.step()
+        (bounds,) = numbers(fgh.alpha_bounds())
+        assert bounds["clamp"] == [0.0, None]
+        assert bounds["final"] == {
+            "mean": UNBOUNDED["mean"][step],
+            "at_lo": UNBOUNDED["at_lo"][step],
+            "at_hi": 0.0,
+            "max": UNBOUNDED["max"][step],
+        }
+        assert bounds["stream"]["max"] == UNBOUNDED["max"][step]
+    assert bounds["stream"]["mean"] == pytest.approx(sum(UNBOUNDED["mean"]) / 3, abs=1e-15)
+
+
 def test_the_stream_averages_are_nan_before_the_first_step() -> None:
     fgh, _ = element_fgh()
     (bounds,) = numbers(fgh.alpha_bounds())
-    assert bounds["final"] == {"mean": 1.0, "at_lo": 0.0, "at_hi": 0.0}  # alphas start at 1
+    # alphas start at 1
+    assert bounds["final"] == {"mean": 1.0, "at_lo": 0.0, "at_hi": 0.0, "max": 1.0}
     assert bounds["stream"]["steps"] == 0
     assert math.isnan(bounds["stream"]["mean"])
 
@@ -113,7 +144,7 @@ def test_a_coefficient_without_a_gradient_yet_counts_as_its_starting_one() -> No
     take_steps(fgh, a, GRADS[:2])  # b never gets a gradient: 4 alphas of 1
     (bounds,) = numbers(fgh.alpha_bounds())
     assert bounds["coefficients"] == 8
-    assert bounds["final"] == {"mean": (3.5 + 4) / 8, "at_lo": 2 / 8, "at_hi": 1 / 8}
+    assert bounds["final"] == {"mean": (3.5 + 4) / 8, "at_lo": 2 / 8, "at_hi": 1 / 8, "max": 2.0}
 
 
 def test_state_dict_round_trip_continues_the_stream_averages_exactly() -> None:
@@ -160,8 +191,8 @@ def test_a_group_added_later_gets_its_own_row() -> None:
     assert first["final"]["at_lo"] == 0.5
     # The added group's 2 alphas never moved and start at 1, its upper bound.
     assert second["clamp"] == [0.0, 1.0]
-    assert second["final"] == {"mean": 1.0, "at_lo": 0.0, "at_hi": 1.0}
-    assert second["stream"]["at_hi"] == 1.0
+    assert second["final"] == {"mean": 1.0, "at_lo": 0.0, "at_hi": 1.0, "max": 1.0}
+    assert second["stream"]["at_hi"] == 1.0 and second["stream"]["max"] == 1.0
 
 
 def test_the_loop_report_averages_the_fractions_over_the_stream() -> None:
@@ -217,46 +248,53 @@ def test_the_proxy_benchmark_writes_results_that_fig3_draws_by_form(tmp_path) ->
         timeout=600,
     )
     assert done.returncode == 0, done.stderr
-    assert "| + P + FGH | appendix |" in done.stdout and "| main | 10 |" in done.stdout
-    # 4 cells x (base, + P, 2 rows x 3 FGH settings); sweep: + P, 2 forms x 8 gammas.
-    assert len(list((tmp_path / "table").glob("*.results.json"))) == 4 * 8
+    assert "| + P + FGH | nobound_g1 |" in done.stdout and "| clamp10 | 10 |" in done.stdout
+    # 4 cells x (base, + P, 2 rows x 6 FGH settings); sweep: + P, 3 forms x 8 gammas.
+    assert len(list((tmp_path / "table").glob("*.results.json"))) == 4 * 14
     runs = figures.load_runs([tmp_path / "gamma"])
-    assert len(runs) == 1 + 2 * 8
+    assert len(runs) == 1 + 3 * 8
     data = figures.gamma_sensitivity_data(runs)
-    forms = [figures.FORM_TITLES["appendix"] + " (paper configs)", figures.FORM_TITLES["eq8"]]
+    forms = [
+        figures.FORM_TITLES["appendix"] + " (paper configs)",
+        figures.FORM_TITLES["eq8"],
+        figures.FORM_TITLES["appendix_clamp10"],
+    ]
     assert list(data.panels) == forms + [figures.CLAMP_PANEL + t for t in forms]
     (bounds,) = data.panels[figures.CLAMP_PANEL + forms[0]]
     assert np.all((bounds.y >= 0) & (bounds.y <= 1))
 
 
-def test_the_paper_configs_run_the_appendix_fgh_with_explicit_clamp_bounds() -> None:
-    """scripts/make_exps.py: every "+ FGH"/"+ ours" paper config writes the appendix algorithm's
-    five options, the clamp bounds included; the Eq. 8 form is the one other config."""
+def test_every_fgh_paper_config_runs_paper_fgh() -> None:
+    """scripts/make_exps.py, over every registered method: every "+ FGH" and "+ ours" config
+    (variants fgh_only and fgh, both streams, smoke configs included) writes ``PAPER_FGH``: the
+    appendix algorithm at the paper's gamma 1 with only alpha >= 0; the other named forms are one
+    config each, on CODA."""
     from conftest import make_exps
 
-    from pilot_online.core.fgh import validate_options
-    from pilot_online.engine.config import FGH_FORMS, PAPER_FGH
+    from pilot_online.engine.config import FGH_FORMS, PAPER_FGH, VARIANTS, variant_of
+    from pilot_online.engine.registry import get_method
 
-    appendix = {
-        "gamma": 0.001,
+    assert PAPER_FGH == {
+        "gamma": 1.0,
         "granularity": "class",
         "direction": "adam",
         "apply": "grad",
-        "clamp": [0.0, 10.0],
+        "clamp": [0.0, None],
     }
-    assert PAPER_FGH == FGH_FORMS["appendix"] == appendix
-    configs = make_exps().all_configs()
-    with_fgh = {name: c["fgh"] for name, c in configs.items() if c["fgh"] is not None}
-    eq8 = with_fgh.pop("coda_online_fgh_eq8.json")
-    assert eq8 == {
-        "gamma": 1,
-        "granularity": "element",
-        "direction": "grad",
-        "apply": "grad",
-        "clamp": [0.0, 10.0],
+    exps = make_exps()
+    configs = exps.all_configs()
+    others = {f"coda_online_fgh_{name}.json": form for name, form in FGH_FORMS.items()}
+    del others["coda_online_fgh_appendix.json"]  # PAPER_FGH itself
+    for name, form in others.items():
+        assert configs.pop(name)["fgh"] == form
+    expected = {
+        f"{short}_online_{variant}{suffix}.json"
+        for short in exps.short_names()
+        for variant in ("fgh_only", "fgh")
+        if variant in get_method(exps.model_name(short)).variants
+        for suffix in ("", "_blurry")
     }
-    assert with_fgh and all(fgh == appendix for fgh in with_fgh.values()), with_fgh
-    assert {n for n in with_fgh if "_online_fgh" in n} == {
-        n for n in configs if "_online_fgh" in n and n != "coda_online_fgh_eq8.json"
-    }
-    assert validate_options(**eq8)["clamp"] == validate_options(**appendix)["clamp"] == (0, 10)
+    with_fgh = {n for n, c in configs.items() if variant_of(c) in ("fgh_only", "fgh")}
+    assert expected and expected <= with_fgh
+    assert all(configs[n]["fgh"] == PAPER_FGH for n in with_fgh), with_fgh
+    assert VARIANTS["fgh"]["fgh"] == VARIANTS["fgh_only"]["fgh"] == PAPER_FGH

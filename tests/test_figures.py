@@ -219,7 +219,7 @@ def test_gamma_sensitivity_by_hand(tmp_path) -> None:
 def test_gamma_sensitivity_separates_the_two_fgh_forms(tmp_path) -> None:
     """The paper configs' form (appendix) and the Eq. 8 form are separate panels, the paper's
     first, each with the no-FGH level; below each, alpha at the clamp's upper bound."""
-    appendix = {"granularity": "class", "direction": "adam", "clamp": [0, 10]}
+    appendix = {"granularity": "class", "direction": "adam", "clamp": [0, None]}
     runs = [
         make_results(seed=0, fgh={**appendix, "gamma": 1e-4}, ap=70.0, at_hi=0.0),
         make_results(seed=1, fgh={**appendix, "gamma": 1e-4}, ap=72.0, at_hi=0.1),
@@ -253,9 +253,9 @@ def test_gamma_default_of_the_direction_counts_as_its_value() -> None:
     ]
     data = figures.gamma_sensitivity_data(runs)
     (title,) = data.panels  # neither named form: the options that differ from the paper's
-    assert title == "FGH(granularity=element)"
+    assert title == "FGH(granularity=element, clamp=[0.0, 10.0])"
     (sweep,) = data.panels[title]
-    assert sweep.label == "CODA + P + FGH(granularity=element)"
+    assert sweep.label == "CODA + P + FGH(granularity=element, clamp=[0.0, 10.0])"
     np.testing.assert_allclose(sweep.x, [1e-3, 1.0])
     np.testing.assert_allclose(sweep.y, [10.0, 20.0])
 

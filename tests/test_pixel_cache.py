@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import TinyAdapter
+from conftest import TinyAdapter, devices_under_test
 from test_resume import comparable
 from torch import nn
 from torchvision import transforms as T
@@ -555,3 +555,205 @@ def test_pipeline_benchmark_prints_its_table_and_speedup_line():
         )  # cache over today
     speedup = re.fullmatch(r"eval speedup from the 2nd evaluation: (\d+\.\d\d)x", lines[-1])
     assert speedup and speedup.group(1) + "x" == rows["cub jpegs"][9]
+
+
+# -- buffer ownership: a batch is read before its buffer is released ------------------------------
+#: How long a slow consumer takes before it reads a batch: far longer than a worker needs to
+#: stack the next one of these tiny batches into a free buffer.
+SLOW = 0.03
+
+
+def slowed(monkeypatch, cls, name: str, seconds: float = SLOW) -> None:
+    """``cls.name`` waits ``seconds`` before it reads its arguments."""
+    import time
+
+    original = getattr(cls, name)
+
+    def slow(self, *args, **kwargs):
+        time.sleep(seconds)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, slow)
+
+
+def test_a_slow_stream_consumer_copies_each_batch_before_its_buffer_is_reused(monkeypatch):
+    """One worker loading one batch ahead, in two buffers: while ``DeviceEnd`` takes 30 ms to
+    read batch k, the worker stacks batch k + 1 into the other buffer. A release before the copy
+    would free the buffer being read, the only one already large enough: the worker would stack
+    batch k + 1 into it, under the reader."""
+    dm = manager(images(24), images(2, seed=1))
+    monkeypatch.setattr(data_module._Loader, "PREFETCH", 1)
+    # The worker takes a few ms a sample, so that a (wrong) early release would come before it
+    # claims a buffer for batch k + 1 even on a loaded machine; the reader takes 100 ms.
+    slowed(monkeypatch, data_module.Images, "__getitem__", 0.003)
+    slowed(monkeypatch, DeviceEnd, "__call__", 0.1)
+    data = source(dm, workers=1)
+    batches = [np.arange(i, i + 3) for i in range(0, 24, 3)]
+    try:
+        got = torch.cat([x for x, _ in data.train_batches(batches)])
+        assert data._stream.fresh_batches == 0  # the buffers were reused
+    finally:
+        data.close()
+    assert torch.equal(got, reference_train(dm, 11, range(24)))
+
+
+def test_a_slow_pixel_cache_fill_stores_each_batch_before_its_buffer_is_reused(monkeypatch):
+    """The first evaluation fills the pixel cache while the worker loads ahead: a ``put`` taking
+    30 ms must have stored its batch before the buffer is released, or the cache keeps a later
+    batch's images for good (every evaluation after reads only the cache). One batch ahead, two
+    buffers, as for the stream."""
+    dm = manager(images(2), images(20, seed=1))
+    monkeypatch.setattr(data_module._Loader, "PREFETCH", 1)
+    # The worker takes a few ms a sample, so that a (wrong) early release would come before it
+    # claims a buffer for batch k + 1 even on a loaded machine; the reader takes 100 ms.
+    slowed(monkeypatch, data_module.Images, "__getitem__", 0.003)
+    slowed(monkeypatch, PixelCache, "put", 0.1)
+    data = source(dm, workers=1)
+    try:
+        first = torch.cat([x for x, _ in data.eval_batches(np.arange(20))])
+        assert data.pixel_cache.complete and data._eval.fresh_batches == 0
+        second = torch.cat([x for x, _ in data.eval_batches(np.arange(20))])
+    finally:
+        data.close()
+    reference = reference_test(dm, range(20))
+    assert torch.equal(first, reference) and torch.equal(second, reference)
+
+
+def test_a_slow_replay_consumer_gets_each_draw_as_loaded_in_process(monkeypatch):
+    """Replay draws loaded by two workers (one part each) and prefetched, read by a consumer
+    taking 30 ms per draw: the same tensors as loading in the training process."""
+    dm = manager(images(12), images(2))
+    draws = [(np.array([3, 1, 4, 0]), s) for s in range(7, 13)]
+    data = source(dm, workers=0)
+    single = [data.train_samples(indices, step)[0] for indices, step in draws]
+    data.close()
+    slowed(monkeypatch, DeviceEnd, "__call__")
+    data = source(dm, workers=2)
+    try:
+        got = []
+        for i, (indices, step) in enumerate(draws):
+            got.append(data.train_samples(indices, step)[0])
+            if i + 1 < len(draws):
+                data.train_samples.prefetch(*draws[i + 1])
+        assert data.train_samples.prefetched == len(draws) - 1
+        assert data._replay.fresh_batches == 0
+    finally:
+        data.close()
+    assert all(torch.equal(a, b) for a, b in zip(got, single))
+
+
+class SlowFilled(Filled):
+    """:class:`Filled`, 5 ms a sample: a worker is still loading when the next pass starts."""
+
+    def __getitem__(self, index: int):
+        import time
+
+        time.sleep(0.005)
+        return super().__getitem__(index)
+
+
+def test_a_new_pass_frees_the_last_pass_stragglers_and_none_of_its_own():
+    """A pass left after one batch, with two loaded ahead still being stacked: the next pass
+    starts once the DataLoader has drained them, and only then frees every buffer. Freed
+    earlier, the stragglers' flags would stay set and the new pass would stack its batches into
+    fresh segments; freed later, a batch of the new pass could be overwritten while it is read."""
+    import time
+
+    loader = data_module._Loader(SlowFilled(), workers=1, pin_memory=False, seed=0)
+    batches = [[4 * i + j for j in range(4)] for i in range(12)]
+    try:
+        for _ in range(3):
+            next(loader.run(batches))  # left midway, never released
+            for number, batch in enumerate(loader.run(batches[2:])):
+                time.sleep(SLOW)  # a slow consumer: the worker stacks ahead meanwhile
+                assert filled_values(batch) == batches[2 + number]
+                loader.release()
+        assert loader.fresh_batches == 0
+    finally:
+        loader.close()
+
+
+@pytest.mark.parametrize(
+    "pinned",
+    # Pinning needs a CUDA driver: the pinned case runs where the device tests run on CUDA
+    # (conftest's devices_under_test), as they do, rather than skipping elsewhere.
+    [False] + [True] * ("cuda" in devices_under_test()),
+    ids=lambda pinned: "pinned" if pinned else "pageable",
+)
+def test_two_workers_reuse_their_own_buffers_with_and_without_pinned_memory(pinned):
+    """Two workers, each with its own row of flags: a slow consumer releasing after each batch
+    gets the right images, and neither worker falls back to a fresh segment (a release that
+    cleared the other worker's flag would leave its own set, or free a buffer in use)."""
+    import time
+
+    loader = data_module._Loader(Filled(), workers=2, pin_memory=pinned, seed=0)
+    batches = [[2 * i, 2 * i + 1] for i in range(24)]
+    try:
+        for _ in range(2):
+            for number, batch in enumerate(loader.run(batches)):
+                assert batch[1].is_pinned() == pinned
+                time.sleep(SLOW / 3)
+                assert filled_values(batch) == batches[number]
+                loader.release()
+        assert loader.fresh_batches == 0 and not loader.buffers.busy.any()
+    finally:
+        loader.close()
+
+
+def test_an_iteration_left_by_an_exception_releases_the_batch_it_took(monkeypatch):
+    """The stream's consumer fails while reading its second batch: that batch's buffer is
+    released (only the batches loaded ahead, never taken, stay busy until the next pass)."""
+    import time
+
+    dm = manager(images(18), images(2, seed=1))
+    calls = []
+    original = DeviceEnd.__call__
+
+    def failing(self, batch, device, lookup=None):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the device is gone")
+        return original(self, batch, device, lookup)
+
+    monkeypatch.setattr(DeviceEnd, "__call__", failing)
+    data = source(dm, workers=1)
+    try:
+        with pytest.raises(RuntimeError, match="the device is gone"):
+            for _ in data.train_batches([np.arange(i, i + 3) for i in range(0, 18, 3)]):
+                pass
+        time.sleep(0.5)  # the worker finishes the two batches it was asked for ahead
+        assert not data._stream._held
+        assert int(data._stream.buffers.busy.sum()) == data_module._Loader.PREFETCH
+    finally:
+        data.close()
+
+
+def test_an_unsplit_transform_list_ending_in_piltotensor_is_only_moved(device):
+    """A list ending in ``PILToTensor`` is not split (no ``ToTensor``): its uint8 batches are
+    the model's inputs as they are, moved to the device, never divided by 255."""
+    host, end = split_transforms([T.CenterCrop(4), T.PILToTensor()])
+    assert [type(t).__name__ for t in host.transforms] == ["CenterCrop", "PILToTensor"]
+    batch = torch.arange(2 * 3 * 4 * 4, dtype=torch.uint8).view(2, 3, 4, 4)
+    out = end([batch[:1], batch[1:]], device)
+    assert out.dtype == torch.uint8 and out.device.type == device.type
+    assert torch.equal(out.cpu(), batch) and out.max().item() == 95
+
+
+def test_closing_a_left_pass_late_frees_none_of_the_next_passes_batches():
+    """An iterator of a pass left midway, closed (or collected) only once the next pass has
+    handed out a batch, must not release that batch: it is the next pass's consumer's."""
+    loader = data_module._Loader(Filled(), workers=1, pin_memory=False, seed=0)
+    batches = [[2 * i, 2 * i + 1] for i in range(6)]
+    try:
+        left = loader.run(batches)
+        next(left)
+        current = loader.run(batches)
+        batch = next(current)
+        (slot,) = loader._held
+        left.close()
+        assert loader._held == [slot] and loader.buffers.busy.view(-1)[slot] == 1
+        assert filled_values(batch) == batches[0]
+        current.close()  # its own close releases it
+        assert not loader._held and loader.buffers.busy.view(-1)[slot] == 0
+    finally:
+        loader.close()

@@ -130,24 +130,33 @@ def test_collect_accepts_files_and_separates_variants(tmp_path, runs) -> None:
             {
                 "online_prototypes": True,
                 "fgh": {
-                    "gamma": 1e-3,
+                    "gamma": 1,
                     "granularity": "class",
                     "direction": "adam",
                     "apply": "grad",
+                    "clamp": [0, None],
                 },
             },
             "+ P + FGH",
         ),
-        ({"fgh": {"granularity": "class", "direction": "adam"}}, "+ FGH"),  # gamma 1e-3: Adam's
+        # The class-wise Adam form at the default clamp [0, 10] and gamma (Adam's 1e-3) is the
+        # former paper setting, named.
+        ({"fgh": {"granularity": "class", "direction": "adam"}}, "+ FGH(appendix_clamp10)"),
         # The main text's Eq. 8 form is named; a gamma other than the form's is shown.
         ({"online_prototypes": False, "fgh": {"gamma": 1, "granularity": "element"}}, "+ FGH(eq8)"),
         ({"fgh": {}}, "+ FGH(eq8)"),  # build_loop enables FGH (component defaults: Eq. 8)
         ({"fgh": {"gamma": 0.5}}, "+ FGH(eq8) γ=0.5"),
-        ({"fgh": {"gamma": 1, "granularity": "class", "direction": "adam"}}, "+ FGH γ=1"),
-        # Any other setting names what differs from the paper's form.
-        ({"fgh": {"direction": "adam", "gamma": 1e-3}}, "+ FGH(granularity=element)"),
         (
-            {"fgh": {"granularity": "class", "direction": "adam", "clamp": [0, 5]}},
+            {"fgh": {"gamma": 1, "granularity": "class", "direction": "adam"}},
+            "+ FGH(appendix_clamp10) γ=1",
+        ),
+        # Any other setting names what differs from the paper's form.
+        (
+            {"fgh": {"direction": "adam", "gamma": 1e-3}},
+            "+ FGH(granularity=element, clamp=[0.0, 10.0]) γ=0.001",
+        ),
+        (
+            {"fgh": {"granularity": "class", "direction": "adam", "clamp": [0, 5], "gamma": 1}},
             "+ FGH(clamp=[0.0, 5.0])",
         ),
     ],

@@ -5,6 +5,7 @@ hand)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,26 @@ def test_a_stale_paper_config_is_refused_before_anything_runs(tmp_path, exps):
     args = ["reproduce", "cifar224/si_blurry/coda/ours/5e-3", "--exps", str(stale), "--dry-run"]
     with pytest.raises(ConfigError, match=r"regenerate exps/ with python scripts/make_exps\.py"):
         reproduce.plan(reproduce_args([*args, "--out", str(tmp_path / "r")]))
+
+
+@pytest.mark.parametrize(
+    ("seeds", "runs"),
+    [([0, 1], None), ([0, 1, 2], [0, 1, 2]), ([5, 6, 7, 8], [5, 6, 7]), ([0, 1, 0], None)],
+    ids=["one-too-few", "exactly-the-papers", "one-more", "a-repeat"],
+)
+def test_a_config_runs_the_papers_seed_count_or_is_refused(tmp_path, exps, seeds, runs):
+    """ConvPrompt's paper count is 3: two seeds are refused, three run, a fourth is left out; a
+    repeated seed is refused naming it (three listed, two distinct: it would run two)."""
+    folder = tmp_path / "exps"
+    folder.mkdir()
+    config = json.loads((exps / "convprompt_online_base.json").read_text())
+    (folder / "convprompt_online_base.json").write_text(json.dumps({**config, "seed": seeds}))
+    cell = reproduce.parse_cell("cub/clear/convprompt/base/5e-3")
+    assert reproduce.paper_seeds(cell) == 3
+    if runs is None:
+        message = "lists 2 seeds; the paper ran 3" if len(seeds) == 2 else "lists a seed twice (0)"
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            reproduce.cell_configs(cell, folder, tmp_path / "out", {})
+        return
+    paths, _ = reproduce.cell_configs(cell, folder, tmp_path / "out", {})
+    assert sorted(json.loads(p.read_text())["seed"][0] for p in paths) == runs

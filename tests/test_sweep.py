@@ -47,7 +47,9 @@ def test_variants_expand_to_the_paper_rows_and_gamma_only_where_fgh_runs(tmp_pat
     for name, config in configs.items():
         assert config["prefix"] == name
         assert config["results_dir"] == str((tmp_path / "results").resolve())
-    assert PAPER_FGH["gamma"] == 0.001  # the shared table was not mutated by the gamma axis
+    # The shared table was not mutated by the gamma axis: still the paper's gamma and clamp.
+    assert (PAPER_FGH["gamma"], PAPER_FGH["clamp"]) == (1.0, [0.0, None])
+    assert configs["variant-fgh__fgh.gamma-0.1"]["fgh"]["gamma"] == 0.1
 
 
 def test_a_bad_grid_value_is_refused_before_anything_runs(tmp_path):

@@ -1,6 +1,7 @@
 """Pretrained weights from a local file, in the forms clusters hold (``pretrained_path``).
 
-Without PILOT: the safetensors reader against bytes written by hand, the strict state-dict load
+Without PILOT: the safetensors package's read of bytes written by hand (and the error naming the
+install extra without it), the strict state-dict load
 of a small timm ViT (a missing, extra or mismatched key is an error naming it, and leaves the
 model untouched; heads sized for the run and the model's own additions are listed), and the
 suffixes refused. With PILOT: a random ViT-B (img_size 32) saved as timm 0.6's npz, as a torch
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,10 +28,12 @@ from pilot_online.engine.config import ConfigError, load_json, resolve_config  #
 from pilot_online.pilot.backbones import (  # noqa: E402
     BACKBONE_KEY,
     WeightsMismatchError,
+    WeightsUnavailableError,
     load_vit_state_dict,
     read_safetensors,
     read_state_dict,
     timm_overrides,
+    weights_file_keys,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -131,11 +135,26 @@ def test_safetensors_reader_refuses_a_corrupt_file(tmp_path):
     path = tmp_path / "w.safetensors"
     encoded = json.dumps({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
     path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + b"\0" * 8)  # 8 of 16 bytes
-    with pytest.raises(ValueError, match=r"'a'.*data_offsets"):
+    with pytest.raises(ValueError, match="is not a readable safetensors file"):
         read_safetensors(path)
     path.write_bytes(struct.pack("<Q", 10**6) + b"{}")
-    with pytest.raises(ValueError, match="header length"):
-        read_safetensors(path)
+    for read in (read_safetensors, weights_file_keys):
+        with pytest.raises(ValueError, match="is not a readable safetensors file"):
+            read(path)
+
+
+def test_without_the_safetensors_package_the_error_names_the_extra(tmp_path, monkeypatch):
+    """The package is imported only when a .safetensors file is given; missing, the error says
+    which extra installs it (and no other form needs it)."""
+    path = tmp_path / "w.safetensors"
+    write_safetensors(path, {"x": torch.ones(2)})
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # import safetensors: ImportError
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    for read in (read_safetensors, weights_file_keys, read_state_dict):
+        with pytest.raises(WeightsUnavailableError, match=re.escape("'pilot-online[safetensors]'")):
+            read(path)
+    torch.save({"x": torch.ones(2)}, tmp_path / "w.pth")
+    assert list(read_state_dict(tmp_path / "w.pth")) == ["x"]
 
 
 @pytest.fixture(scope="module")

@@ -290,36 +290,54 @@ def check_weights(cfg: dict[str, Any]) -> list[Check]:
     ]
 
 
-def check_dataset(cfg: dict[str, Any]) -> list[Check]:
+def data_root(pilot_root: str | None) -> Path | None:
+    """The PILOT checkout the run starts from (``--pilot-root``, else ``$PILOT_ROOT``), whose
+    ``data/`` PILOT reads; ``None`` when neither is given."""
+    given = pilot_root or os.environ.get("PILOT_ROOT")
+    return Path(given).resolve() if given else None
+
+
+def check_dataset(cfg: dict[str, Any], pilot_root: str | None = None) -> list[Check]:
+    """The dataset's folders where the run will read them: PILOT reads ``./data/...`` relative
+    to where ``python main.py`` runs, the PILOT checkout (``--pilot-root``/``$PILOT_ROOT``);
+    without one, relative to this directory, and the item says the run must start here."""
     if not cfg:
         return []
     from ..core.datasets import DATASETS, PILOT_DATASETS
+    from ..pilot.data import ARRAY_DATASETS, check_dataset_folders
 
     name = str(cfg.get("dataset") or "").lower()
     if name in DATASETS:
         return [Check("dataset", OK, f"{name} is generated in memory (no files)")]
+    given = data_root(pilot_root)
+    root = given or Path.cwd()
+    note = (
+        ""
+        if given
+        else f" (no PILOT checkout given: these are relative to {root}, so the run must start "
+        "from this directory; pass --pilot-root to check the checkout's data/)"
+    )
     where = PILOT_DATASETS.get(name)
-    if name in ("cifar10", "cifar100", "cifar224") and where is not None:
-        folder = Path.cwd() / where.folders[0]
+    if name in ARRAY_DATASETS and where is not None:
+        folder = root / where.folders[0]
         if folder.is_dir():
-            return [Check("dataset", OK, f"{folder} in place")]
+            return [Check("dataset", OK, f"{folder} in place{note}")]
+        download, offline = where.source.split("; offline, ", 1)
         return [
             Check(
                 "dataset",
                 WARN,
-                f"{folder} does not exist: torchvision downloads CIFAR there at the run's start",
-                f"offline, put {where.source} there first",
+                f"{folder} does not exist: {download}, when the run starts{note}",
+                f"offline, {offline.replace('./data', str(folder.parent))}",
             )
         ]
-    from ..pilot.data import check_dataset_folders
-
-    problems = check_dataset_folders(cfg)
+    problems = check_dataset_folders(cfg, given)
     if problems:
         fixes = [p.split("Fix: ", 1)[1] if "Fix: " in p else "" for p in problems]
-        details = [p.split(" Fix: ", 1)[0] for p in problems]
+        details = [p.split(" Fix: ", 1)[0] + note for p in problems]
         return [Check("dataset", FAIL, d, f) for d, f in zip(details, fixes)]
-    folders = ", ".join(str(Path.cwd() / f) for f in where.folders) if where else name
-    return [Check("dataset", OK, f"{folders} in place")]
+    folders = ", ".join(str(root / f) for f in where.folders) if where else name
+    return [Check("dataset", OK, f"{folders} in place{note}")]
 
 
 # -- resources --------------------------------------------------------------------------------
@@ -340,6 +358,20 @@ def _paper_memory_mb(cfg: dict[str, Any]) -> float | None:
     return float(max(matches)) if matches else None
 
 
+def _method_state_bytes(cfg: dict[str, Any]) -> int:
+    """What the method keeps beside its parameters (``MethodAdapter.state_bytes``: RanPAC's Gram
+    matrix, FeCAM's covariances), for the config's dataset's class count."""
+    from ..engine.registry import get_method
+    from .estimate import dataset_size
+
+    try:
+        adapter = get_method(str(cfg["model_name"]))
+        classes = dataset_size(cfg).classes
+    except (KeyError, ValueError):  # no registered method, or a dataset of unknown size
+        return 0
+    return int(adapter.state_bytes({**cfg, "nb_classes": classes}))
+
+
 def _test_images(cfg: dict[str, Any]) -> int:
     from .estimate import dataset_size
 
@@ -354,15 +386,19 @@ def check_memory(cfg: dict[str, Any]) -> list[Check]:
 
     checks = []
     batch = int(cfg.get("batch_size", 100)) if cfg else 100
-    if torch.cuda.is_available() and (not cfg or _gpu_run(cfg)):
+    state = _method_state_bytes(cfg) if cfg else 0
+    state_note = f" + {state / GIB:.2f} GiB of the method's own state" if state else ""
+    gpu = torch.cuda.is_available() and (not cfg or _gpu_run(cfg))
+    if gpu:
         free, total = torch.cuda.mem_get_info(0)
         paper = _paper_memory_mb(cfg) if cfg else None
         need = paper * 1e6 * batch / 100 if paper else DEFAULT_GPU_BYTES * batch / 100
+        need += state
         basis = (
             f"the paper's {paper:,.0f} MB on CUB at batch 100, scaled to batch {batch}"
             if paper
             else f"rough: {DEFAULT_GPU_BYTES / GIB:.0f} GiB at batch 100"
-        )
+        ) + state_note
         checks.append(
             Check(
                 "gpu memory",
@@ -374,7 +410,7 @@ def check_memory(cfg: dict[str, Any]) -> list[Check]:
         )
     available = _host_available()
     pixels = _test_images(cfg) * 3 * 224 * 224 if cfg else 0
-    need = PROCESS_HOST_BYTES + pixels
+    need = PROCESS_HOST_BYTES + pixels + (0 if gpu else state)
     if available is None:
         checks.append(Check("host memory", WARN, "could not read /proc/meminfo", ""))
     else:
@@ -383,7 +419,8 @@ def check_memory(cfg: dict[str, Any]) -> list[Check]:
                 "host memory",
                 OK if available >= need else FAIL,
                 f"{available / GIB:.1f} GiB available; the run needs about {need / GIB:.1f} GiB "
-                f"(rough: 4 GiB for the process + {pixels / GIB:.2f} GiB of test pixels)",
+                f"(rough: 4 GiB for the process + {pixels / GIB:.2f} GiB of test pixels"
+                f"{'' if gpu else state_note})",
                 "close other processes, or run on a machine with more memory",
             )
         )
@@ -462,9 +499,12 @@ def _training_transform(cfg: dict[str, Any], pilot_root: str | None):
     return transforms.Compose(steps), "a ViT training transform (PILOT not importable)"
 
 
-def _sample_images(cfg: dict[str, Any], count: int) -> tuple[list[Any], str]:
+def _sample_images(
+    cfg: dict[str, Any], count: int, root: Path | None = None
+) -> tuple[list[Any], str]:
     """``count`` image sources: CIFAR-sized arrays for CIFAR (PILOT holds them in memory); the
-    dataset's own files when present; else generated JPEGs (500 x 375, CUB's typical size), as
+    dataset's own files when present (under ``root``, the PILOT checkout, else here); else
+    generated JPEGs (500 x 375, CUB's typical size), as
     encoded bytes so that timing includes the decode."""
     import numpy as np
     from PIL import Image
@@ -477,16 +517,17 @@ def _sample_images(cfg: dict[str, Any], count: int) -> tuple[list[Any], str]:
     if name.startswith("cifar"):  # arrays in memory: 32 x 32 images, no decode
         arrays = rng.integers(0, 256, size=(count, 32, 32, 3), dtype=np.uint8)
         return [Image.fromarray(a) for a in arrays], f"{count} CIFAR-sized 32x32 arrays"
-    if where is not None and Path(where.folders[0]).is_dir():
+    top = (root or Path.cwd()) / where.folders[0] if where is not None else None
+    if top is not None and top.is_dir():
         files = []
-        for folder, _, names in os.walk(where.folders[0]):
+        for folder, _, names in os.walk(top):
             files += [
                 os.path.join(folder, n) for n in names if n.lower().endswith((".jpg", ".png"))
             ]
             if len(files) >= count:
                 break
         if files:
-            return files[:count], f"{len(files[:count])} files of {where.folders[0]}"
+            return files[:count], f"{len(files[:count])} files of {top}"
     encoded = []
     for _ in range(count):
         pixels = rng.integers(0, 256, size=(375, 500, 3), dtype=np.uint8)
@@ -528,7 +569,7 @@ def check_data_path(cfg: dict[str, Any], pilot_root: str | None, images: int = 1
         transform, what = _training_transform(cfg, pilot_root)
     except ImportError as err:
         return [Check("data path", WARN, f"cannot time it: {err}", "pip install torchvision")]
-    sources, of = _sample_images(cfg, images)
+    sources, of = _sample_images(cfg, images, data_root(pilot_root))
     per_worker = measure_transform_rate(transform, sources)
     workers = cfg.get("num_workers")
     if workers is None:
@@ -598,7 +639,7 @@ def run_checks(config: Path | None, pilot_root: str | None, data_path: bool = Tr
     checks += check_cuda(cfg)
     checks += check_pilot(pilot_root)
     checks += check_weights(cfg)
-    checks += check_dataset(cfg)
+    checks += check_dataset(cfg, pilot_root)
     checks += check_memory(cfg)
     checks += check_disk(cfg)
     if data_path:

@@ -265,6 +265,7 @@ def gradient_trace_data(
 #: Fig. 3 panel titles of the named FGH forms (``engine.config.FGH_FORMS``).
 FORM_TITLES = {
     "appendix": "appendix algorithm: class-wise FC, Adam directions",
+    "appendix_clamp10": "appendix algorithm, clamp [0, 10]",
     "eq8": "Eq. 8: element-wise, raw gradients",
 }
 #: Fig. 3's lower panels (alpha against the clamp) are keyed by this prefix + the form's title.
@@ -282,6 +283,16 @@ def fgh_form_title(fgh: dict[str, Any]) -> str:
             ours = all(options[k] == paper[k] for k in FORM_KEYS)
             return FORM_TITLES.get(name, name) + (" (paper configs)" if ours else "")
     return fgh_label({**fgh, "gamma": paper["gamma"]})
+
+
+def _sweep_form(fgh: dict[str, Any]) -> dict[str, Any]:
+    """A sweep's FGH without its gamma: the gamma set to its named form's (the paper's for any
+    other setting), so that one sweep is one key and its label names no gamma."""
+    resolved = validate_options(**fgh)
+    for form in FGH_FORMS.values():
+        if all(resolved[k] == validate_options(**form)[k] for k in FORM_KEYS):
+            return {**fgh, "gamma": form["gamma"]}
+    return {**fgh, "gamma": PAPER_FGH["gamma"]}
 
 
 def _at_upper_bound(results: dict[str, Any]) -> float | None:
@@ -326,9 +337,8 @@ def gamma_sensitivity_data(runs: Sequence[dict[str, Any]], metric: str = "AP") -
         if config.get("fgh") is None:
             baselines.setdefault(_key(_fields(results)), []).append(value)
             continue
-        fgh = dict(config["fgh"])
-        gamma = float(validate_options(**fgh)["gamma"])
-        fgh.pop("gamma", None)
+        gamma = float(validate_options(**config["fgh"])["gamma"])
+        fgh = _sweep_form(config["fgh"])
         key = _key(_fields(results, {**config, "fgh": fgh}))
         title_of[key] = fgh_form_title(fgh)
         sweeps.setdefault(key, {}).setdefault(gamma, []).append(value)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engine.config import PAPER_FGH, ConfigError, load_json
+from ..engine.config import PAPER_FGH, PILOT_KEYS, ConfigError, load_json
 from ..engine.paper import (
     BEST,
     COMPARED_TABLES,
@@ -43,6 +43,7 @@ from ..engine.paper import (
     same_column,
 )
 from ..engine.protocol import FIXED_LRS, HP_COLUMNS, HP_ROWS, method_short_name
+from ..engine.registry import get_method
 from .engines import EngineUnavailable, add_engine_arguments
 from .estimate import dataset_size, estimate_run_seconds
 from .protocol import parse_sets
@@ -207,6 +208,7 @@ def cell_configs(
         raise ConfigError(f"{path} is not the {cell.method} {cell.stream} config it is named for")
     _check_paper_fgh(config, path)
     point: dict[str, Any] = {"dataset": cell.dataset}
+    point.update(get_method(config["model_name"]).paper_settings(cell.dataset, cell.stream))
     if cell.column == BEST:
         lr, gamma, why = best_point(cell.method, cell.row, policy)
         point["init_lr"] = lr
@@ -217,14 +219,16 @@ def cell_configs(
         point["init_lr"], why = cell.column, f"the column's LR {_lr_text(cell.column)}"
     config = apply_point(config, point)
     count = paper_seeds(cell)
-    seeds = list(config["seed"] if isinstance(config["seed"], list) else [config["seed"]])
-    if "seed" in sets:
-        seeds = list(sets["seed"] if isinstance(sets["seed"], list) else [sets["seed"]])
-    elif len(seeds) < count:
+    where = "--set seed" if "seed" in sets else str(path)
+    try:  # distinct seeds: a repeat would count as a seed and run as none
+        seeds = PILOT_KEYS["seed"].check("seed", sets.get("seed", config["seed"]))
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{where}: {err}") from None
+    if "seed" not in sets and len(seeds) < count:
         raise ConfigError(
             f"{path} lists {len(seeds)} seeds; the paper ran {count}: add seeds there"
         )
-    else:
+    if "seed" not in sets:
         seeds = seeds[:count]
     config = apply_point(config, {k: v for k, v in sets.items() if k != "seed"})
     # One config per seed, <cell>__seed-<s>, so that the engines spread the seeds.

@@ -12,7 +12,9 @@ Tables (file stems; each written as ``.md`` and ``.tex``):
 Which runs fill which cell: a run tagged ``hp_column: "best"`` (``sweep --hp-from``) fills the
 Best HP column; any other run fills the column of its ``init_lr`` if that is one of the fixed
 LRs (others are left out and counted in a note). The fixed-LR columns take FGH runs only at the
-paper's FGH setting (gamma 1, element-wise, raw gradients): the others are left out, counted.
+paper's FGH setting (``engine.config.PAPER_FGH``: the appendix algorithm, class-wise on the
+classifier with Adam directions, gamma 1, alpha >= 0 with no upper bound): the others are left
+out, counted.
 
 Cells are mean ± std (population std, ddof 0) over seeds. A seed run more than once (the same
 seed and hyperparameters) counts once, by its newest complete run; the notes count the runs set
@@ -42,6 +44,7 @@ from typing import Any
 from ..core.fgh import validate_options
 from ..core.files import write_atomic
 from ..core.results import find_results, load_results
+from ..core.streams import STREAM_KINDS, STREAMS
 from ..engine.config import PAPER_FGH, variant_of
 from ..engine.paper import (
     PaperCell,
@@ -67,8 +70,9 @@ DATASET_NAMES = {
     "cub": "CUB",
     "imagenetr": "Imagenet-R",
 }
-STREAM_NAMES = {"clear": "clear", "si_blurry": "blurry"}
-STREAM_TITLES = {"clear": r"\textit{clear}", "si_blurry": r"\textit{Si-Blurry}"}
+#: Each stream kind's short name and LaTeX title, from its definition (``core.streams``).
+STREAM_NAMES = {kind: spec.short for kind, spec in STREAM_KINDS.items()}
+STREAM_TITLES = {kind: spec.title for kind, spec in STREAM_KINDS.items()}
 ROW_LABELS = {"base": "", "p": "+ P", "fgh_only": "+ FGH", "ours": "+ ours"}
 ABLATION_LABELS = {"base": "", "p": "+ P", "fgh_only": "+ FGH", "ours": "+ P + FGH"}
 BEST = "best"
@@ -149,8 +153,9 @@ def row_kind(config: dict[str, Any]) -> str:
     return "ours" if variant == "fgh" else variant
 
 
-def _fgh_caption() -> str:
-    """The ablation caption's FGH: the form and gamma the paper configs run (``PAPER_FGH``)."""
+def _fgh_caption(latex: bool = True) -> str:
+    """The FGH the paper configs run (``PAPER_FGH``): form, gamma and bounds, for the ablation
+    caption (LaTeX) and the ``--vs-paper`` notes (plain text)."""
     options = validate_options(**PAPER_FGH)
     form = (
         "class-wise on the classifier, Adam directions (appendix algorithm)"
@@ -158,7 +163,11 @@ def _fgh_caption() -> str:
         else f"{options['granularity']}-wise, {options['direction']} directions"
     )
     lo, hi = options["clamp"]
-    return f"{form}, $\\gamma={options['gamma']:g}$, clamp [{lo:g}, {hi:g}]"
+    gamma, alpha = (
+        ("$\\gamma={:g}$", "$\\alpha \\geq {:g}$") if latex else ("γ = {:g}", "alpha >= {:g}")
+    )
+    bound = f"{alpha.format(lo)}, no upper bound" if hi is None else f"clamp [{lo:g}, {hi:g}]"
+    return f"{form}, {gamma.format(options['gamma'])}, {bound}"
 
 
 def _paper_fgh(config: dict[str, Any]) -> bool:
@@ -546,7 +555,7 @@ def time_table(runs: list[dict[str, Any]], dataset: str, stream: str) -> Table:
 def build_tables(runs: list[dict[str, Any]]) -> list[Table]:
     """Every table the runs can fill."""
     tables: list[Table] = []
-    streams = [s for s in ("clear", "si_blurry") if any(r["stream"] == s for r in runs)]
+    streams = [s for s in STREAMS if any(r["stream"] == s for r in runs)]
     for metric in ("AP", "A_T"):
         tables += [main_table(runs, s, metric) for s in streams]
     for stream in streams:
@@ -839,6 +848,12 @@ def _paper_notes(comparisons: list[Comparison]) -> list[str]:
             f"{len(fewer)} of our cells have fewer seeds than the paper's "
             "(10; 3 for ConvPrompt and oLoRA): their std is less certain."
         )
+    with_fgh = {ROW_LABELS["fgh_only"], ROW_LABELS["ours"], ABLATION_LABELS["ours"]}
+    if any(c.label in with_fgh for c in comparisons):
+        notes.append(
+            f"FGH in our + FGH and + ours cells: {_fgh_caption(latex=False)} "
+            "(engine.config.PAPER_FGH; docs/fgh.md)."
+        )
     best_methods = {c.method for c in comparisons if c.column == BEST}
     notes += [
         f"Best HP: {text}; `pilot-online reproduce` runs the Best HP cells at the LR the "
@@ -1010,7 +1025,7 @@ def no_paper_cells_message() -> str:
     return (
         "--vs-paper: no cell matches one of the paper's. A paper cell needs dataset "
         + ", ".join(paper_datasets())
-        + "; stream clear or si_blurry; a method row of the paper (base or + P + FGH at the "
+        + f"; stream {' or '.join(STREAMS)}; a method row of the paper (base or + P + FGH at the "
         "paper's FGH setting; + P and + FGH in the Si-Blurry ablation); and init_lr "
         + ", ".join(map(_lr_header, FIXED_LRS))
         + " or a run tagged hp_column: best."

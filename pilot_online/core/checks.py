@@ -7,8 +7,10 @@ what it must be and what it got. Choices also suggest the closest valid spelling
 from __future__ import annotations
 
 import difflib
+import math
 import numbers
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 Choice = TypeVar("Choice")
@@ -60,16 +62,43 @@ def check_real(name: str, value: Any) -> float:
 Check = Callable[[str, Any], Any]
 
 
-def _described(description: str, check: Callable[[str, Any], Any]) -> Check:
+@dataclass(frozen=True)
+class Spec:
+    """What a validator accepts, readable by a program: the tests generate each key's cases (the
+    values at and past each bound, a bool for an integer, NaN for a real, ...) from it, so a key
+    is covered the day it is defined. ``kind`` is one of ``integer``, ``real``, ``boolean``,
+    ``string``, ``object``, ``list``, ``optional`` or ``custom`` (no generated cases)."""
+
+    kind: str
+    minimum: float | None = None
+    maximum: float | None = None
+    #: ``real(positive=True)``: the minimum (0) itself is refused.
+    exclusive_minimum: bool = False
+    #: A list's entries, or what :func:`optional` wraps.
+    item: Check | None = None
+    min_length: int = 0
+    distinct: bool = False
+
+
+CUSTOM = Spec("custom")
+
+
+def described(description: str, check: Callable[[str, Any], Any], spec: Spec = CUSTOM) -> Check:
     """``check`` with the phrase it tests for (``"a positive integer"``), which containers and
-    :func:`optional` reuse in their own messages."""
+    :func:`optional` reuse in their own messages, and its :class:`Spec`."""
     check.description = description  # type: ignore[attr-defined]
+    check.spec = spec  # type: ignore[attr-defined]
     return check
 
 
 def description_of(check: Check) -> str:
     """The phrase a validator tests for, e.g. ``"null or a positive integer"``."""
     return getattr(check, "description", "valid")
+
+
+def spec_of(check: Check) -> Spec:
+    """What ``check`` accepts (:class:`Spec`); ``custom`` for a validator written by hand."""
+    return getattr(check, "spec", CUSTOM)
 
 
 def _is_int(value: Any) -> bool:
@@ -103,14 +132,15 @@ def integer(minimum: int | None = None, maximum: int | None = None) -> Check:
             raise ValueError(f"{name} must be {description}, got {value}")
         return int(value)
 
-    return _described(description, check)
+    return described(description, check, Spec("integer", minimum, maximum))
 
 
 def real(
     minimum: float | None = None, maximum: float | None = None, *, positive: bool = False
 ) -> Check:
     """A validator for a real-valued key: ``>= minimum``, ``<= maximum``, ``> 0`` with
-    ``positive``. Integers are real numbers; bools and strings are not."""
+    ``positive``. Integers are real numbers; bools, strings, NaN and the infinities are not (JSON
+    as Python reads it accepts ``NaN`` and ``Infinity``; a lower bound alone stops neither)."""
     if minimum is not None and maximum is not None:
         description = f"a number in [{minimum:g}, {maximum:g}]"
     elif positive:
@@ -125,6 +155,11 @@ def real(
     def check(name: str, value: Any) -> float:
         if not _is_real(value):
             raise TypeError(f"{name} must be {description}, got {value!r} ({type(value).__name__})")
+        if not math.isfinite(value):
+            raise ValueError(
+                f"{name} must be {description}, got {value}: write a finite number (NaN and "
+                "Infinity are refused)"
+            )
         if (
             (positive and not value > 0)
             or (minimum is not None and value < minimum)
@@ -133,7 +168,8 @@ def real(
             raise ValueError(f"{name} must be {description}, got {value}")
         return float(value)
 
-    return _described(description, check)
+    lower = 0 if positive and minimum is None else minimum
+    return described(description, check, Spec("real", lower, maximum, exclusive_minimum=positive))
 
 
 def _boolean(name: str, value: Any) -> bool:
@@ -143,7 +179,7 @@ def _boolean(name: str, value: Any) -> bool:
 
 
 #: A validator for a true/false key: strings such as ``"false"`` are refused, not truthy.
-boolean: Check = _described("true or false", _boolean)
+boolean: Check = described("true or false", _boolean, Spec("boolean"))
 
 
 def string(description: str) -> Check:
@@ -154,7 +190,7 @@ def string(description: str) -> Check:
             raise TypeError(f"{name} must be {description}, got {value!r} ({type(value).__name__})")
         return value
 
-    return _described(description, check)
+    return described(description, check, Spec("string"))
 
 
 #: A validator for a string key (a name, a path).
@@ -168,7 +204,7 @@ def _json_object(name: str, value: Any) -> dict:
 
 
 #: A validator for a key holding a JSON object (``backbone_kwargs``).
-json_object: Check = _described("an object", _json_object)
+json_object: Check = described("an object", _json_object, Spec("object"))
 
 
 def optional(check: Check) -> Check:
@@ -187,27 +223,38 @@ def optional(check: Check) -> Check:
                 message = f"{name} must be {description}{message[len(plain) :]}"
             raise type(err)(message) from None
 
-    return _described(description, wrapped)
+    return described(description, wrapped, Spec("optional", item=check))
 
 
-def list_of(item: Check, description: str, *, min_length: int = 0, distinct: bool = False) -> Check:
+def list_of(
+    item: Check,
+    description: str,
+    *,
+    min_length: int = 0,
+    distinct: bool = False,
+    entry: str = "a block",
+) -> Check:
     """A validator for a JSON list whose every entry passes ``item`` (``description`` names the
-    whole, e.g. ``"a list of block indices"``); ``distinct`` refuses an entry listed twice."""
+    whole, e.g. ``"a list of block indices"``); ``distinct`` refuses an entry listed twice, and
+    its message calls the entry ``entry`` (block indices are the common distinct list)."""
 
     def check(name: str, value: Any) -> list:
         if not isinstance(value, (list, tuple)):
             raise TypeError(f"{name} must be {description}, got {value!r} ({type(value).__name__})")
         if len(value) < min_length:
             raise ValueError(f"{name} must be {description} with at least {min_length} entries")
-        for index, entry in enumerate(value):
-            item(f"{name}[{index}]", entry)
+        for index, each in enumerate(value):
+            item(f"{name}[{index}]", each)
         if distinct:
             twice = sorted({v for v in value if list(value).count(v) > 1})
             if twice:
-                raise ValueError(f"{name} lists a block twice ({twice[0]!r}): {list(value)!r}")
+                raise ValueError(
+                    f"{name} lists {entry} twice ({twice[0]!r}): {list(value)!r}; list each once"
+                )
         return list(value)
 
-    return _described(description, check)
+    spec = Spec("list", item=item, min_length=min_length, distinct=distinct)
+    return described(description, check, spec)
 
 
 #: The blocks of PILOT's ViT-B/16 (and of timm's): what ``backbone_type`` builds unless

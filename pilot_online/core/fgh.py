@@ -77,12 +77,7 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
     if not (math.isfinite(gamma) and gamma >= 0):
         raise ValueError(f"gamma must be finite and >= 0 (0 disables learning), got {gamma}")
 
-    clamp = options["clamp"]
-    if not isinstance(clamp, (tuple, list)) or len(clamp) != 2:
-        raise ValueError(f"clamp must be a finite pair (lo, hi), 0 <= lo < hi, got {clamp!r}")
-    lo, hi = check_real("clamp[0]", clamp[0]), check_real("clamp[1]", clamp[1])
-    if not (math.isfinite(lo) and math.isfinite(hi) and 0 <= lo < hi):
-        raise ValueError(f"clamp must be a finite pair (lo, hi), 0 <= lo < hi, got {clamp!r}")
+    lo, hi = _check_clamp(options["clamp"])
 
     betas = options["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
@@ -108,6 +103,26 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
         "eps": eps,
         "foreach": foreach,
     }
+
+
+def _check_clamp(clamp: Any) -> tuple[float, float | None]:
+    """``(lo, hi)`` with finite 0 <= lo < hi, or ``(lo, None)``: no upper bound (JSON ``null``;
+    the paper states only alpha > 0). Infinity is refused, so configs and results stay strict JSON.
+    """
+    usage = "clamp must be a pair [lo, hi] with 0 <= lo < hi, or [lo, null] for no upper bound"
+    if not isinstance(clamp, (tuple, list)) or len(clamp) != 2:
+        raise ValueError(f"{usage}, got {clamp!r}")
+    lo = check_real("clamp[0]", clamp[0])
+    hi = None if clamp[1] is None else check_real("clamp[1]", clamp[1])
+    for index, bound in enumerate((lo, hi)):
+        if bound is not None and not math.isfinite(bound):
+            raise ValueError(
+                f"clamp[{index}] is {bound}, not a finite number; write null (None) for "
+                "'no upper bound', e.g. \"clamp\": [0.0, null], and a finite lower bound >= 0"
+            )
+    if not (0 <= lo and (hi is None or lo < hi)):
+        raise ValueError(f"{usage}, got {clamp!r}")
+    return lo, hi
 
 
 def _check_class_group(names: list[str], params: list[Tensor]) -> None:
@@ -182,6 +197,14 @@ def _sum_into_blocks(
     return hypergrads
 
 
+def _upper(hi: float | None, alpha: Tensor) -> float:
+    """The clamp's upper bound for ``alpha``. Without one, the square root of the dtype's largest
+    value (1.8e19 in float32 and bfloat16): a safety net far above any coefficient measured
+    (docs/fgh.md), at which ``alpha * g`` stays finite for every gradient below 1.8e19 and Adam's
+    second moment at worst overflows to inf, which makes the step 0, never NaN."""
+    return math.sqrt(torch.finfo(alpha.dtype).max) if hi is None else hi
+
+
 def _single_tensor_step(
     grads: list[Tensor],
     partners: list[Tensor | None],
@@ -195,7 +218,7 @@ def _single_tensor_step(
     direction: str,
     apply: str,
     gamma: float,
-    clamp: tuple[float, float],
+    clamp: tuple[float, float | None],
     betas: tuple[float, float],
     eps: float,
     num_skipped: Tensor,
@@ -233,7 +256,8 @@ def _single_tensor_step(
     # 3. alpha <- clamp(alpha + gamma * h), with non-finite entries of h skipped.
     for block, hypergrad in hypergrads.items():
         hypergrad = _finite_or_zero_(hypergrad, num_skipped)
-        block_alphas[block].add_(hypergrad, alpha=gamma).clamp_(lo, hi)
+        alpha = block_alphas[block]
+        alpha.add_(hypergrad, alpha=gamma).clamp_(lo, _upper(hi, alpha))
     if apply != "grad":
         return None
     # 4. Keep c_t for the next step (the RAW g_t on a first step or for direction="grad",
@@ -280,7 +304,7 @@ def _foreach_step(
     direction: str,
     apply: str,
     gamma: float,
-    clamp: tuple[float, float],
+    clamp: tuple[float, float | None],
     betas: tuple[float, float],
     eps: float,
     num_skipped: Tensor,
@@ -320,7 +344,7 @@ def _foreach_step(
         alphas = [block_alphas[block] for block in blocks]
         torch._foreach_add_(alphas, finite, alpha=gamma)
         torch._foreach_clamp_min_(alphas, lo)
-        torch._foreach_clamp_max_(alphas, hi)
+        torch._foreach_clamp_max_(alphas, [_upper(hi, alpha) for alpha in alphas])
     if apply != "grad":
         return None
 
@@ -395,8 +419,9 @@ class FineGrainedHypergradients:
             "update": alpha scales the optimizer's parameter update (a per-parameter learning
             rate, Baydin's Adam-HD); gradients are untouched, h = c_t * u_{t-1} with u the
             previous update direction (-delta / lr). Needs :meth:`register_optimizer_hooks`.
-        clamp: finite (lo, hi), 0 <= lo < hi; alpha is clamped after every update; it starts
-            at 1 (even outside the bounds, until its first update).
+        clamp: (lo, hi), finite, 0 <= lo < hi, or (lo, None): no upper bound (the paper states
+            only alpha > 0; docs/fgh.md). alpha is clamped after every update; it starts at 1
+            (even outside the bounds, until its first update).
         betas, eps: Adam moments of direction="adam".
         foreach: use the ``torch._foreach_*`` path (None: yes).
 
@@ -437,7 +462,7 @@ class FineGrainedHypergradients:
         granularity: str = "element",
         direction: str = "grad",
         apply: str = "grad",
-        clamp: tuple[float, float] = (0.0, 10.0),
+        clamp: tuple[float, float | None] = (0.0, 10.0),
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         foreach: bool | None = None,
@@ -480,6 +505,10 @@ class FineGrainedHypergradients:
         self.alpha_stream_sums = torch.zeros(
             (len(self.param_groups), 3), dtype=torch.float64, device=first.device
         )
+        # The largest alpha seen per group over the stream (every alpha starts at 1).
+        self.alpha_stream_max = torch.ones(
+            len(self.param_groups), dtype=torch.float64, device=first.device
+        )
         self.alpha_stream_steps = 0
 
     def __repr__(self) -> str:
@@ -520,6 +549,7 @@ class FineGrainedHypergradients:
         if hasattr(self, "alpha_stream_sums"):  # a group added after construction
             row = self.alpha_stream_sums.new_zeros((1, 3))
             self.alpha_stream_sums = torch.cat([self.alpha_stream_sums, row])
+            self.alpha_stream_max = torch.cat([self.alpha_stream_max, row.new_ones(1)])
 
     # ------------------------------------------------------------------ the optimizer hook
 
@@ -729,15 +759,17 @@ class FineGrainedHypergradients:
 
     @torch.no_grad()
     def _alpha_census(self, group: dict[str, Any]) -> tuple[Tensor, int]:
-        """``([sum of alphas, count at clamp lo, count at clamp hi], number of coefficients)``
-        over the group's distinct coefficients, as a float64 device tensor (no host sync).
+        """``([sum of alphas, count at clamp lo, count at clamp hi], number of coefficients,
+        largest alpha)`` over the group's distinct coefficients, as float64 device tensors (no
+        host sync).
 
-        "At a bound" means equal to it: ``clamp_`` writes the bound itself. An alpha not created
-        yet is its starting 1 (at a bound only if the bound is 1)."""
+        "At a bound" means equal to it: ``clamp_`` writes the bound itself; with no upper bound
+        (``hi`` None) nothing is at it. An alpha not created yet is its starting 1 (at a bound
+        only if the bound is 1)."""
         lo, hi = group["clamp"]
         owners = {id(o): o for o in (self._alpha_owner(group, p) for p in group["params"])}
         device = self.alpha_stream_sums.device
-        parts, count, missing = [], 0, 0
+        parts, peaks, count, missing = [], [], 0, 0
         for owner in owners.values():
             alpha = self.state.get(owner, {}).get("alpha")
             if alpha is None:
@@ -750,41 +782,52 @@ class FineGrainedHypergradients:
             # of the entries where alpha - bound is zero, i.e. alpha equals the bound.
             wide = alpha.float() if alpha.element_size() < 4 else alpha
             at_lo = alpha.numel() - torch.count_nonzero(alpha - lo)
-            at_hi = alpha.numel() - torch.count_nonzero(alpha - hi)
+            at_hi = (
+                alpha.numel() - torch.count_nonzero(alpha - hi)
+                if hi is not None
+                else torch.zeros((), dtype=torch.int64, device=alpha.device)
+            )
             parts.append(
                 torch.stack([wide.sum().double(), at_lo.double(), at_hi.double()]).to(device)
             )
+            peaks.append(alpha.max().double().to(device))
         if missing:  # filled on the device: no host-to-device copy per step
             values = (missing, missing * (lo == 1), missing * (hi == 1))
             full = [torch.full((), float(v), dtype=torch.float64, device=device) for v in values]
             parts.append(torch.stack(full))
+            peaks.append(torch.ones((), dtype=torch.float64, device=device))
         total = torch.stack(parts).sum(0)
-        return total, count + missing
+        return total, count + missing, torch.stack(peaks).max()
 
     @torch.no_grad()
     def _accumulate_alpha_stream(self) -> None:
-        """Add this step's [mean alpha, fraction at lo, fraction at hi] per group to the sums."""
-        rows = []
+        """Add this step's [mean alpha, fraction at lo, fraction at hi] per group to the sums,
+        and keep the largest alpha seen (an unbounded coefficient's growth, docs/fgh.md)."""
+        rows, peaks = [], []
         for group in self.param_groups:
-            census, count = self._alpha_census(group)
+            census, count, peak = self._alpha_census(group)
             rows.append(census / count)
+            peaks.append(peak)
         self.alpha_stream_sums.add_(torch.stack(rows))
+        torch.maximum(self.alpha_stream_max, torch.stack(peaks), out=self.alpha_stream_max)
         self.alpha_stream_steps += 1
 
     @torch.no_grad()
     def alpha_bounds(self) -> list[dict[str, Any]]:
         """Per param group, how its coefficients sit against the clamp, now and over the stream.
 
-        ``{"clamp": [lo, hi], "coefficients": n, "final": {"mean", "at_lo", "at_hi"},
-        "stream": {"mean", "at_lo", "at_hi", "steps"}}``: ``final`` is the current mean alpha and
-        fractions of the n coefficients equal to each bound; ``stream`` averages the same three
-        numbers over every :meth:`step` so far (NaN before the first step). Values are 0-d
-        device tensors (read them once, at the end: the accumulation itself never syncs).
+        ``{"clamp": [lo, hi], "coefficients": n, "final": {"mean", "at_lo", "at_hi", "max"},
+        "stream": {"mean", "at_lo", "at_hi", "max", "steps"}}``: ``final`` is the current mean
+        alpha, fractions of the n coefficients equal to each bound and largest alpha; ``stream``
+        averages the first three over every :meth:`step` so far (NaN before the first step) and
+        its ``max`` is the largest alpha seen at any step (1, the start, before any). ``hi`` is
+        None without an upper bound. Values are 0-d device tensors (read them once, at the end:
+        the accumulation itself never syncs).
         """
         steps = self.alpha_stream_steps
         out = []
         for index, group in enumerate(self.param_groups):
-            census, count = self._alpha_census(group)
+            census, count, peak = self._alpha_census(group)
             final = census / count
             stream = (
                 self.alpha_stream_sums[index] / steps if steps else torch.full_like(final, math.nan)
@@ -793,9 +836,10 @@ class FineGrainedHypergradients:
                 {
                     "clamp": list(group["clamp"]),
                     "coefficients": count,
-                    "final": dict(zip(("mean", "at_lo", "at_hi"), final.unbind())),
+                    "final": {**dict(zip(("mean", "at_lo", "at_hi"), final.unbind())), "max": peak},
                     "stream": {
                         **dict(zip(("mean", "at_lo", "at_hi"), stream.unbind())),
+                        "max": self.alpha_stream_max[index],
                         "steps": steps,
                     },
                 }
@@ -867,7 +911,11 @@ class FineGrainedHypergradients:
             "param_groups": groups,
             "num_steps": self.num_steps,
             "num_skipped": self.num_skipped,
-            "alpha_stream": {"sums": self.alpha_stream_sums, "steps": self.alpha_stream_steps},
+            "alpha_stream": {
+                "sums": self.alpha_stream_sums,
+                "max": self.alpha_stream_max,
+                "steps": self.alpha_stream_steps,
+            },
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -941,6 +989,7 @@ class FineGrainedHypergradients:
                 "stream averages of alpha will cover only the steps after this load"
             )
             self.alpha_stream_sums = torch.zeros(shape, dtype=torch.float64, device=device)
+            self.alpha_stream_max = torch.ones(shape[0], dtype=torch.float64, device=device)
             self.alpha_stream_steps = 0
             return
         sums = saved.get("sums") if isinstance(saved, dict) else None
@@ -952,6 +1001,15 @@ class FineGrainedHypergradients:
             )
         self.alpha_stream_sums = sums.detach().to(device=device, dtype=torch.float64, copy=True)
         self.alpha_stream_steps = int(saved.get("steps", 0))
+        # The running max (absent before it was recorded: then it restarts from the current
+        # alphas, the best lower bound the state holds).
+        peak = saved.get("max")
+        if isinstance(peak, Tensor) and tuple(peak.shape) == shape[:1]:
+            self.alpha_stream_max = peak.detach().to(device=device, dtype=torch.float64, copy=True)
+        else:
+            self.alpha_stream_max = torch.stack(
+                [self._alpha_census(group)[2] for group in self.param_groups]
+            )
 
     def _expected_shape(
         self, group: dict[str, Any], options: dict[str, Any], p: Tensor, field: str

@@ -222,11 +222,14 @@ def _check_schema_version(results: dict[str, Any]) -> None:
 
 
 def old_si_blurry_stream(results: dict[str, Any]) -> bool:
-    """Whether ``results`` come from a ``si_blurry`` run on the pre-upstream stream (schema 1:
-    numpy draws), which for the same seed differs from upstream Si-Blurry's and today's."""
+    """Whether ``results`` come from a run on an older stream than today's for its seed: a
+    ``si_blurry`` run of schema 1 (numpy draws, not upstream Si-Blurry's); the kinds and
+    versions are :data:`~pilot_online.core.streams.STREAM_KINDS`' ``outdated_schemas``."""
+    from .streams import STREAM_KINDS
+
     stream = results.get("stream") or {}
-    kind = stream.get("kind", (results.get("config") or {}).get("stream"))
-    return kind == "si_blurry" and results.get("schema_version") == 1
+    kind = STREAM_KINDS.get(stream.get("kind", (results.get("config") or {}).get("stream")))
+    return kind is not None and results.get("schema_version") in kind.outdated_schemas
 
 
 def build_results(

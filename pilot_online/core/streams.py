@@ -48,8 +48,10 @@ __all__ = [
     "STREAMS",
     "STREAM_BUILDERS",
     "STREAM_CONFIG_KEYS",
+    "STREAM_KINDS",
     "Batch",
     "Stream",
+    "StreamKind",
     "TaskSummary",
     "build_stream",
     "clear_stream",
@@ -574,28 +576,52 @@ def si_blurry_stream(
     return stream
 
 
-STREAM_BUILDERS: dict[str, Callable[..., Stream]] = {
-    "clear": clear_stream,
-    "si_blurry": si_blurry_stream,
+@dataclass(frozen=True)
+class StreamKind:
+    """One stream kind, all it needs in one place (a new kind is one :data:`STREAM_KINDS` entry):
+    its builder, the run-config keys it reads (``{builder keyword: config key}``), how tables
+    and file names call it (``short``) and its LaTeX title, and the results schema versions whose
+    runs of this kind trained on an older stream (``load_results`` warns about them)."""
+
+    builder: Callable[..., Stream]
+    config_keys: dict[str, str]
+    short: str
+    title: str
+    outdated_schemas: tuple[int, ...] = ()
+
+
+STREAM_KINDS: dict[str, StreamKind] = {
+    "clear": StreamKind(
+        clear_stream,
+        {
+            "init_cls": "init_cls",
+            "increment": "increment",
+            "batch_size": "batch_size",
+            "seed": "seed",
+        },
+        short="clear",
+        title=r"\textit{clear}",
+    ),
+    "si_blurry": StreamKind(
+        si_blurry_stream,
+        {
+            "n": "si_blurry_n",
+            "m": "si_blurry_m",
+            "blurred_selection": "si_blurry_selection",
+            "batch_size": "batch_size",
+            "seed": "seed",
+        },
+        short="blurry",
+        title=r"\textit{Si-Blurry}",
+        # Schema 1: numpy's draws, not upstream Si-Blurry's task lists (SI_BLURRY_STREAM_VERSION).
+        outdated_schemas=(1,),
+    ),
 }
 #: The stream kinds, in the order the docs list them (the config's ``stream`` choices).
-STREAMS = tuple(STREAM_BUILDERS)
-#: The run-config keys each kind reads, as ``{builder keyword: config key}``.
-STREAM_CONFIG_KEYS: dict[str, dict[str, str]] = {
-    "clear": {
-        "init_cls": "init_cls",
-        "increment": "increment",
-        "batch_size": "batch_size",
-        "seed": "seed",
-    },
-    "si_blurry": {
-        "n": "si_blurry_n",
-        "m": "si_blurry_m",
-        "blurred_selection": "si_blurry_selection",
-        "batch_size": "batch_size",
-        "seed": "seed",
-    },
-}
+STREAMS = tuple(STREAM_KINDS)
+#: Each kind's builder, and the run-config keys it reads (views of :data:`STREAM_KINDS`).
+STREAM_BUILDERS: dict[str, Callable[..., Stream]] = {k: v.builder for k, v in STREAM_KINDS.items()}
+STREAM_CONFIG_KEYS: dict[str, dict[str, str]] = {k: v.config_keys for k, v in STREAM_KINDS.items()}
 
 
 def build_stream(

@@ -87,6 +87,10 @@ class MethodAdapter:
     #: Whether the method learns by gradient steps. False (SimpleCIL's class means): the loop
     #: runs no backward pass and no optimiser step; the method learns in :meth:`observe`.
     trains: ClassVar[bool] = True
+    #: The consolidation trigger (``core/triggers.py``: never, every_n_samples, new_classes,
+    #: plateau) the method uses when the config's ``consolidation`` is null. A method that
+    #: upstream acts at task boundaries overrides :meth:`consolidate` and names its default here.
+    default_consolidation: ClassVar[str] = "never"
     args: dict = field(default_factory=dict)
 
     # -- to override -------------------------------------------------------------------------
@@ -108,6 +112,13 @@ class MethodAdapter:
         """Reject bad values of the method's own keys with a ValueError that says what to set
         (``resolve_config`` reports it as a ConfigError)."""
 
+    @classmethod
+    def paper_settings(cls, dataset: str, stream: str) -> dict[str, Any]:
+        """The method's own keys that upstream's run scripts set per dataset or stream (oLoRA's
+        window thresholds, hard buffer, buffer pairing): scripts/make_exps.py writes them into the
+        paper configs and ``pilot-online reproduce`` sets them for the cell's dataset."""
+        return {}
+
     def classification_loss(
         self,
         network: nn.Module,
@@ -124,6 +135,12 @@ class MethodAdapter:
     def trainable_parameters(self, network: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
         """Named parameters the optimiser and FGH see (everything with ``requires_grad``)."""
         return ((n, p) for n, p in network.named_parameters() if p.requires_grad)
+
+    def lr_scale(self, name: str, parameter: nn.Parameter) -> float:
+        """The factor on the config's ``init_lr`` for one trainable parameter, asked once when
+        the loop is built: the loop's optimiser gets one group per distinct scale (SLCA's slow
+        learner: the backbone at 0.01 x the head's LR). 1 for every parameter by default."""
+        return 1.0
 
     def train_mode(self, network: nn.Module) -> None:
         """Put the network in training mode (methods with frozen query backbones override)."""
@@ -156,6 +173,12 @@ class MethodAdapter:
         the terms' detached values by name; they join the step's loss terms. None by default."""
         return {}
 
+    def transform_gradients(self, network: nn.Module) -> None:
+        """Edit the step's gradients in place after backward (and :meth:`extra_backward`) and
+        before the loop's own transforms: FGH then pairs and scales the edited gradients, so a
+        method's reweighting composes with FGH as one product (DGR's per-class classifier
+        weights). Runs only on finite steps. Nothing by default."""
+
     def after_step(
         self,
         network: nn.Module,
@@ -167,6 +190,24 @@ class MethodAdapter:
         plateaus and merges its adapter here). Returns the parameters the method restarted,
         whose optimiser and FGH state the loop then drops; none by default."""
         return ()
+
+    def consolidate(self, network: nn.Module, firing: int) -> Iterable[nn.Parameter]:
+        """The task-free stand-in for upstream's task-boundary step (freeze a first session, add
+        an adapter, merge models, realign the classifier), run when the config's consolidation
+        trigger fires (``firing``: 0 for the first). The loop calls it at the start of a step,
+        before that step's batch is trained on (where upstream's next task would begin), so the
+        network may still be in evaluation mode; it never receives a task id or a segment end.
+        Returns the parameters the method restarted, whose optimiser and FGH state the loop
+        drops (as :meth:`after_step`). A method that overrides it can be given any trigger; one
+        that does not refuses every trigger but ``never``."""
+        return ()
+
+    @classmethod
+    def state_bytes(cls, args: Mapping[str, Any]) -> int:
+        """Bytes of training state the method keeps outside its parameters and buffers (RanPAC's
+        M x M Gram matrix, FeCAM's covariances), for ``doctor``'s memory estimate; 0 by
+        default. ``args``: the resolved config (``nb_classes`` included)."""
+        return 0
 
     # -- the frozen query pass (evaluation query cache, ``engine/eval_cache.py``) -------------
     def query_parameters(self, network: nn.Module) -> list[nn.Parameter]:

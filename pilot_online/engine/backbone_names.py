@@ -13,7 +13,8 @@ with ``UnboundLocalError``. The branches, read from upstream:
 - ``_ssf``, ``_vpt``, ``_adapter`` (models ``aper_ssf``/``aper_vpt``/``aper_adapter``, also
   ``ranpac`` and ``fecam``): only ``pretrained_vit_b16_224_<kind>`` and
   ``pretrained_vit_b16_224_in21k_<kind>``;
-- ``_l2p``, ``_dualprompt``, ``_coda_prompt`` (models ``l2p``, ``dualprompt``, ``coda_prompt``):
+- ``_l2p``, ``_dualprompt``, ``_coda_prompt`` (models ``l2p``, ``dualprompt``, ``coda_prompt``)
+  and ``_lae`` (any model; ``backbone/vit_lae.py``):
   any name the matching ``backbone/vit_*.py`` registers with timm. The table keeps the ViT-B/16
   ones, the backbone the online ports are tested on (CODA's network hard-codes width 768, and
   the prompt layer indices assume 12 blocks); ``tests/test_contract.py`` checks that PILOT
@@ -50,6 +51,7 @@ PILOT_BACKBONES: dict[str, tuple[str, ...]] = {
     "l2p": _registered("_l2p"),
     "dualprompt": _registered("_dualprompt"),
     "coda_prompt": _registered("_coda_prompt"),
+    "lae": _registered("_lae"),
 }
 
 

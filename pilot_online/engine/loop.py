@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from torch import nn
 from ..core.checks import check_choice
 from ..core.fgh import class_grad_norms
 from ..core.masks import classes_present, mask_logits, training_mask
+from ..core.triggers import make_trigger
 from .adapter import MethodAdapter, StepOutput
 from .eval_cache import QueryCache
 
@@ -61,12 +63,36 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
 
 
 def make_optimizer(
-    name: str, params: list[nn.Parameter], lr: float, weight_decay: float
+    name: str,
+    params: list[nn.Parameter],
+    lr: float,
+    weight_decay: float,
+    lr_scales: list[float] | None = None,
 ) -> torch.optim.Optimizer:
-    """The constant-LR optimiser of online training (no scheduler: stream length is unknown)."""
+    """The constant-LR optimiser of online training (no scheduler: stream length is unknown).
+
+    ``lr_scales`` (one per parameter, :meth:`MethodAdapter.lr_scale`; None: all 1) put the
+    parameters of each distinct scale in one group at ``lr * scale`` (SLCA's slow backbone), in
+    order of first appearance; the group's ``lr_scale`` entry records it. All scales equal: one
+    group, so that a method that trains nothing (SimpleCIL) gets an empty one."""
     optimizer_cls, extra = OPTIMIZERS[check_choice("optimizer", name, OPTIMIZERS)]
-    # One parameter group, so that a method that trains nothing (SimpleCIL) gets an empty one.
-    return optimizer_cls([{"params": list(params)}], lr=lr, weight_decay=weight_decay, **extra)
+    params = list(params)
+    scales = [1.0] * len(params) if lr_scales is None else [float(s) for s in lr_scales]
+    if len(scales) != len(params):
+        raise ValueError(f"got {len(scales)} lr_scales for {len(params)} parameters")
+    bad = [s for s in scales if not (math.isfinite(s) and s > 0)]
+    if bad:
+        raise ValueError(
+            f"lr_scale must be finite and > 0, got {bad[0]}: to freeze a parameter, set "
+            "requires_grad_(False) in build_network instead"
+        )
+    groups: dict[float, list[nn.Parameter]] = {}
+    for p, scale in zip(params, scales):
+        groups.setdefault(scale, []).append(p)
+    param_groups = [
+        {"params": ps, "lr": lr * scale, "lr_scale": scale} for scale, ps in groups.items()
+    ] or [{"params": [], "lr_scale": 1.0}]
+    return optimizer_cls(param_groups, lr=lr, weight_decay=weight_decay, **extra)
 
 
 def check_classifier(adapter: MethodAdapter, network: nn.Module) -> None:
@@ -120,6 +146,7 @@ class OnlineLoop:
             [p for _, p in self.named_parameters],
             lr=float(config.get("init_lr", 5e-3)),
             weight_decay=float(config.get("weight_decay", 0.0)),
+            lr_scales=[adapter.lr_scale(name, p) for name, p in self.named_parameters],
         )
         self.logit_mask = config.get("logit_mask", "batch")
         self.max_nonfinite_steps = int(config.get("max_nonfinite_steps", 10))
@@ -140,6 +167,8 @@ class OnlineLoop:
         self.matmul_precision = check_choice(
             "matmul_precision", config.get("matmul_precision", "highest"), MATMUL_PRECISIONS
         )
+        # When the adapter's consolidate() runs: decided from the stream alone.
+        self.trigger = make_trigger(config, num_classes)
         self.setup()
 
     def attach_samples(self, loader: SampleLoader) -> None:
@@ -164,7 +193,9 @@ class OnlineLoop:
         return {}
 
     def transform_gradients(self) -> None:
-        """Between backward and the optimiser step (FGH reweights gradients here)."""
+        """Between backward and the optimiser step: the adapter's own transform first (DGR's
+        class reweighting), then the mixins' after ``super()`` (FGH), which see its result."""
+        self.adapter.transform_gradients(self.network)
 
     def after_step(self, out: StepOutput, labels: torch.Tensor) -> None:
         """After the optimiser step, with this step's (pre-update) outputs on the stream batch
@@ -178,8 +209,16 @@ class OnlineLoop:
 
     def report(self) -> dict[str, Any]:
         """Entries for the results file's ``diagnostics`` (the adapter's under ``method``)."""
+        report: dict[str, Any] = {}
         method = self.adapter.report()
-        return {"method": method} if method else {}
+        if method:
+            report["method"] = method
+        if self.trigger.name != "never":
+            report["consolidation"] = {
+                "trigger": self.trigger.name,
+                "firings": list(self.trigger.firings),
+            }
+        return report
 
     # -- the step --------------------------------------------------------------------------------
     def train_step(
@@ -201,6 +240,7 @@ class OnlineLoop:
         the prompt vote of L2P/DualPrompt the replayed samples vote too, and MVP counts their key
         use); the loss is the mean over both. Counters, accuracy and ``after_step`` cover the
         stream batch only."""
+        self._consolidate_if_triggered(labels)
         replay = self.replay_batch(indices, labels)
         stream_size = len(labels)
         inputs = inputs.to(self.device, non_blocking=True)
@@ -230,8 +270,9 @@ class OnlineLoop:
         correct = (logits[:stream_size].detach().argmax(1) == labels).sum()
         self.samples_seen += stream_size
         if not self.adapter.trains:  # it learns in observe(): no backward, no optimiser step
-            self._observe(out, labels, stream_size)
-            return StepStats(loss.detach(), correct, stream_size, terms=_detached(terms))
+            detached = _detached(terms)
+            self._observe(out, labels, stream_size, detached)
+            return StepStats(loss.detach(), correct, stream_size, terms=detached)
 
         loss.backward()
         # Terms the adapter backpropagates itself, one graph at a time (oLoRA's hard buffer):
@@ -257,18 +298,37 @@ class OnlineLoop:
         restarted = list(self.adapter.after_step(self.network, inputs, batch_labels, detached))
         if restarted:
             self.reset_state(restarted)
-        self._observe(out, labels, stream_size)
+        self._observe(out, labels, stream_size, detached)
         return StepStats(loss.detach(), correct, stream_size, terms=detached)
 
-    def _observe(self, out: StepOutput, labels: torch.Tensor, stream_size: int) -> None:
+    def _observe(
+        self,
+        out: StepOutput,
+        labels: torch.Tensor,
+        stream_size: int,
+        terms: Mapping[str, torch.Tensor],
+    ) -> None:
         """The step's outputs on the stream batch alone (replayed samples are not new
-        observations) go to the adapter's ``observe`` and the mixins' ``after_step``."""
+        observations) go to the adapter's ``observe``, the mixins' ``after_step`` and the
+        consolidation trigger (with the classification loss, if it reads it)."""
+        self.trigger.observe(stream_size, terms["ce"] if self.trigger.needs_loss else None)
         if out.logits.shape[0] != stream_size:
             out = dataclasses.replace(
                 out, logits=out.logits[:stream_size], features=out.features[:stream_size]
             )
         self.adapter.observe(self.network, out, labels)
         self.after_step(out, labels)
+
+    def _consolidate_if_triggered(self, labels: torch.Tensor) -> None:
+        """Before a step on the stream ``labels``: when the trigger fires, the adapter
+        consolidates, and what it restarted loses its optimiser and FGH state."""
+        if not self.trigger.update(labels):
+            return
+        firing = len(self.trigger.firings) - 1
+        logger.info("consolidation %d at stream sample %d", firing, self.samples_seen)
+        restarted = list(self.adapter.consolidate(self.network, firing))
+        if restarted:
+            self.reset_state(restarted)
 
     def _skip_nonfinite(self, loss, correct, samples, terms) -> StepStats:
         self.skipped_nonfinite_steps += 1
@@ -332,6 +392,7 @@ class OnlineLoop:
             "grad_norm_sum": self._grad_norm_sum,
             "grad_trace": None if trace is None else (torch.stack(trace) if trace else []),
             "query_cache": self.query_cache.state_dict(),
+            "trigger": self.trigger.state_dict(),
         }
 
     @torch.no_grad()
@@ -355,6 +416,7 @@ class OnlineLoop:
                         f"{tuple(saved[name].shape)} in the checkpoint"
                     )
                 tensor.copy_(saved[name])
+        self.trigger.load_state_dict(state["trigger"])
         self.adapter.load_extra_state(self.network, state["adapter"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.seen.copy_(state["seen"])

@@ -65,12 +65,18 @@ class DeviceEnd:
     A batch may come in parts (a replay draw loaded by several workers, a cache's runs of
     consecutive images): they are joined in order, into the one output tensor. The uint8 images
     may have any strides (the workers' are channels-last); the output is contiguous N x C x H x W,
-    as ``ToTensor`` makes it. Other dtypes (a data source whose transforms could not be split) are
-    only moved to the device and joined.
+    as ``ToTensor`` makes it. With ``convert=False`` (a data source whose transforms could not be
+    split: they end on the workers, in whatever dtype, e.g. ``PILToTensor``'s uint8), and for any
+    batch not uint8, the batch is only moved to the device and joined.
     """
 
-    def __init__(self, normalizations: Sequence[Normalization] = ()) -> None:
+    def __init__(
+        self, normalizations: Sequence[Normalization] = (), *, convert: bool = True
+    ) -> None:
+        if normalizations and not convert:
+            raise ValueError("DeviceEnd(convert=False) only moves batches: it has no Normalize")
         self.normalizations = [(tuple(m), tuple(s)) for m, s in normalizations]
+        self.convert = convert
         self._tables: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(
@@ -83,7 +89,7 @@ class DeviceEnd:
         CPU only; the tests force it on the CPU to compare both ways)."""
         device = torch.device(device)
         parts = [batch] if isinstance(batch, torch.Tensor) else list(batch)
-        if any(part.dtype != torch.uint8 for part in parts):
+        if not self.convert or any(part.dtype != torch.uint8 for part in parts):
             return _joined_on(parts, device)
         if lookup is None:
             lookup = device.type != "cpu"

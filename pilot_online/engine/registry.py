@@ -27,6 +27,12 @@ def register_method(name: str) -> Callable[[AdapterT], AdapterT]:
             )
         if not (isinstance(cls, type) and issubclass(cls, MethodAdapter)):
             raise TypeError(f"{cls!r} must subclass pilot_online.engine.adapter.MethodAdapter")
+        if cls.paper_name and "paper_name" not in vars(cls):
+            raise TypeError(
+                f"{cls.__name__} ({name!r}) inherits paper_name {cls.paper_name!r}, so reports "
+                f'would label it as that method: set paper_name in {cls.__name__} ("" labels it '
+                f"{name!r})"
+            )
         _METHODS[name] = cls
         return cls
 

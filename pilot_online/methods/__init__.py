@@ -3,7 +3,8 @@
 Each file holds one :class:`~pilot_online.engine.adapter.MethodAdapter` registered with
 ``@register_method`` (``finetune.py`` and ``linear_probe.py`` also hold their experience-replay
 rows); importing this package registers them all. A new method is one more file here and one more
-name in the import below.
+name in the import below (ruff.toml exempts this file from F401: the imports register, nothing reads
+the names).
 """
 
 from . import (
@@ -12,28 +13,21 @@ from . import (
     aper_ssf,
     aper_vpt,
     coda_prompt,
+    cofima,
     convprompt,
+    dgr,
     dualprompt,
+    duct,
+    ease,
+    fecam,
     finetune,
     l2p,
+    lae,
     linear_probe,
+    mos,
     mvp,
     olora,
+    ranpac,
     simplecil,
+    slca,
 )
-
-__all__ = [
-    "aper_adapter",
-    "aper_finetune",
-    "aper_ssf",
-    "aper_vpt",
-    "coda_prompt",
-    "convprompt",
-    "dualprompt",
-    "finetune",
-    "l2p",
-    "linear_probe",
-    "mvp",
-    "olora",
-    "simplecil",
-]

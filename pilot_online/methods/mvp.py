@@ -25,7 +25,10 @@ the method's own term and replaces the plain cross-entropy by AFS and GSF (see
 
 Online adaptation (paper appendix): batch 100, one gradient step per batch (upstream: batch 64,
 3 steps per batch), Adam at a constant LR, no memory (upstream's script also uses none), and the
-loop's batch-wise logit mask instead of upstream's mask of exposed classes.
+loop's batch-wise logit mask instead of upstream's mask of exposed classes (the paper's appendix,
+"Batch Wise Logits Mask", read as the protocol for every compared method; ``logit_mask: "seen"``
+is upstream's), and PILOT's transforms instead of upstream's AutoAugment + crop + flip
+(docs/upstream-differences.md).
 
 Differences from upstream, and why:
 

@@ -13,8 +13,9 @@ what to do offline.
 - ``.pth``/``.pt``/``.bin``: a ``torch.save`` of a timm ViT state dict (``vit_base_patch16_224``
   key names: ``blocks.0.attn.qkv.weight``, ...), optionally under ``"state_dict"``/``"model"``.
 - ``.safetensors``: the same state dict as the Hugging Face cache holds it
-  (``models--timm--vit_base_patch16_224.*/snapshots/*/model.safetensors``). Read by
-  :func:`read_safetensors`, a small reader of the format, so no extra dependency is needed.
+  (``models--timm--vit_base_patch16_224.*/snapshots/*/model.safetensors``). Read by the
+  format's own reader, the ``safetensors`` package (the ``safetensors`` install extra),
+  imported only when such a file is given.
 
 A state dict is loaded strictly by :func:`load_vit_state_dict`: every backbone weight of the
 model must be in the file with its shape (``pos_embed`` is resized to the model's grid as timm
@@ -27,10 +28,8 @@ prompt ViTs add to timm's ViT (prompts, prompt keys) and a classifier head sized
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import re
-import struct
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -61,20 +60,6 @@ HEAD_KEY = re.compile(r"(head|head_dist)\.(weight|bias)")
 #: Weights timm's own checkpoint filter drops (the representation layer of old 21k weights).
 DROPPED_KEY = re.compile(r"pre_logits\..*")
 
-#: safetensors dtype names and the torch dtypes they hold (the format's specification).
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
 
 class WeightsUnavailableError(RuntimeError):
     """Pretrained weights could not be downloaded or read."""
@@ -84,21 +69,26 @@ class WeightsMismatchError(WeightsUnavailableError):
     """A weights file does not fit the model: keys missing, unexpected or of another shape."""
 
 
-def _safetensors_header(data: bytes, path: Path) -> tuple[dict[str, Any], int]:
-    """The JSON header of a safetensors file's bytes (at least its first 8 + length) and where
-    its data starts."""
-    if len(data) < 8:
-        raise ValueError(f"{path} is too short to be a safetensors file ({len(data)} bytes)")
-    (length,) = struct.unpack("<Q", data[:8])
-    if 8 + length > len(data):
-        raise ValueError(f"{path}: header length {length} runs past the end of the file")
+#: The install extra that brings the ``safetensors`` package (setup.py).
+SAFETENSORS_EXTRA = "safetensors"
+
+
+def _safetensors() -> Any:
+    """``safetensors.torch``, imported only when a ``.safetensors`` file is given (the
+    ``safetensors`` extra); without it, an error naming the extra."""
     try:
-        header = json.loads(data[8 : 8 + length].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: the safetensors header is not JSON ({err})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: the safetensors header is not a JSON object")
-    return header, 8 + length
+        import safetensors.torch
+    except ImportError:
+        raise WeightsUnavailableError(
+            "reading a .safetensors pretrained_path needs the safetensors package: pip install "
+            f"'pilot-online[{SAFETENSORS_EXTRA}]' (or pip install safetensors), or point "
+            "pretrained_path at a .pth/.npz file"
+        ) from None
+    return safetensors.torch
+
+
+def _safetensors_error(path: Path, err: Exception) -> ValueError:
+    return ValueError(f"{path} is not a readable safetensors file: {err}")
 
 
 def weights_file_keys(path: str | Path) -> list[str]:
@@ -107,11 +97,12 @@ def weights_file_keys(path: str | Path) -> list[str]:
     path = Path(path)
     suffix = check_weights_suffix(path)
     if suffix in SAFETENSORS_SUFFIXES:
-        with open(path, "rb") as handle:
-            head = handle.read(8)
-            length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-            header, _ = _safetensors_header(head + handle.read(length), path)
-        return [k for k in header if k != "__metadata__"]
+        reader = _safetensors()
+        try:  # the header alone: no tensor is read
+            with reader.safe_open(str(path), framework="pt") as handle:
+                return list(handle.keys())
+        except Exception as err:  # safetensors' own error type varies between its versions
+            raise _safetensors_error(path, err) from None
     if suffix in NPZ_SUFFIXES:
         import numpy as np
 
@@ -137,46 +128,13 @@ def missing_vit_keys(path: str | Path) -> list[str]:
 
 
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a ``.safetensors`` file, on the CPU.
-
-    The format: an 8-byte little-endian header length ``n``, ``n`` bytes of JSON mapping each
-    name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets into the data after the
-    header; ``"__metadata__"`` holds strings), then the raw little-endian tensor bytes.
-    """
+    """The tensors of a ``.safetensors`` file, on the CPU (through the ``safetensors`` package)."""
     path = Path(path)
-    # One writable copy of the file (torch.frombuffer shares no read-only memory); the tensors
-    # are views of it, and load_state_dict copies them into the network.
-    buffer = bytearray(path.stat().st_size)
-    with path.open("rb") as handle:
-        handle.readinto(buffer)
-    header, start = _safetensors_header(buffer, path)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))
-        if dtype is None:
-            raise ValueError(
-                f"{path}: tensor {name!r} has dtype {entry.get('dtype')!r}; this reader knows "
-                f"{', '.join(SAFETENSORS_DTYPES)}"
-            )
-        begin, end = entry["data_offsets"]
-        shape = [int(s) for s in entry["shape"]]
-        count = 1
-        for size in shape:
-            count *= size
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if end - begin != count * itemsize or start + end > len(buffer):
-            raise ValueError(
-                f"{path}: tensor {name!r} of shape {shape} and dtype {entry['dtype']} does not "
-                f"fit its data_offsets [{begin}, {end}]"
-            )
-        tensors[name] = (
-            torch.frombuffer(buffer, dtype=dtype, count=count, offset=start + begin).view(shape)
-            if count
-            else torch.empty(shape, dtype=dtype)
-        )
-    return tensors
+    reader = _safetensors()
+    try:
+        return reader.load_file(str(path), device="cpu")
+    except Exception as err:  # a corrupt or truncated file: safetensors' own error type
+        raise _safetensors_error(path, err) from None
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -179,9 +179,10 @@ def _class_count_problems(dataset_name: str, idata: Any) -> list[str]:
     ]
 
 
-def check_dataset_folders(args: dict[str, Any]) -> list[str]:
+def check_dataset_folders(args: dict[str, Any], root: Path | None = None) -> list[str]:
     """Problems, each with its fix, in the folders PILOT will read ``args["dataset"]`` from
-    (relative to the working directory, as PILOT reads them); empty when they are fine.
+    (relative to the working directory, as PILOT reads them, or to ``root``, the PILOT checkout
+    the run will start from: ``pilot-online doctor --pilot-root``); empty when they are fine.
 
     Checks the ImageFolder datasets without loading an image: both folders exist, each holds the
     :data:`EXPECTED_CLASSES` class folders, and the test folder's classes are the training
@@ -195,7 +196,12 @@ def check_dataset_folders(args: dict[str, Any]) -> list[str]:
     where = PILOT_DATASETS.get(name)
     if where is None or name in (*ARRAY_DATASETS, *USER_FOLDER_DATASETS):
         return []
-    cwd, expected = Path.cwd(), EXPECTED_CLASSES[name]
+    cwd, expected = root or Path.cwd(), EXPECTED_CLASSES[name]
+    reads_from = (
+        f"the working directory {cwd}"
+        if root is None
+        else f"the PILOT checkout {cwd}, where python main.py runs"
+    )
     problems: list[str] = []
     classes: dict[str, list[str]] = {}
     for split, relative in zip(("training", "test"), where.folders):
@@ -203,8 +209,9 @@ def check_dataset_folders(args: dict[str, Any]) -> list[str]:
         if not folder.is_dir():
             problems.append(
                 f"dataset {name!r}: the {split} folder {folder} does not exist (PILOT reads it "
-                f"relative to the working directory {cwd}). Fix: run from the folder that holds "
-                f"data/, or put {where.source} there."
+                f"relative to {reads_from}). Fix: "
+                + ("run from the folder that holds data/, or " if root is None else "")
+                + f"put {where.source} there."
             )
             continue
         classes[split] = sorted(entry.name for entry in folder.iterdir() if entry.is_dir())
@@ -364,10 +371,11 @@ class BatchBuffers:
     A reused buffer's pages are in place. A worker writes only the buffers whose flag in ``busy``
     (shared with the training process, one row per worker) is clear, and sets the flag when it
     fills one; the training process clears it once it has copied the batch out
-    (:meth:`_Loader.release`), and clears them all when the loader's next pass starts (every batch
-    of the last pass is consumed or dropped by then). With no clear buffer the worker stacks
-    into a fresh one, as ``default_collate`` does: slower, never wrong. A batch says which buffer
-    it is in by a fourth item, its flag's index (``None`` for a fresh batch); its indices and
+    (:meth:`_Loader.release`), and clears them all when the loader's next pass starts, once the
+    DataLoader has drained the last pass (every batch of it is loaded, and consumed or dropped,
+    by then) and before any batch of the new pass is asked for. With no clear buffer the worker
+    stacks into a fresh one, as ``default_collate`` does: slower, never wrong. A batch says which
+    buffer it is in by a fourth item, its flag's index (``None`` for a fresh batch); its indices and
     labels are then lists, which :meth:`_Loader.run` collates.
     """
 
@@ -424,7 +432,7 @@ def split_transforms(transforms: Sequence[Any]) -> tuple[Any, DeviceEnd]:
             normalizations: list[Normalization] = [(t.mean, t.std) for t in tail]
             return T.Compose([*transforms[:cut], ToUInt8()]), DeviceEnd(normalizations)
     logger.info("transforms %s stay whole on the workers: batches cross as float", names)
-    return T.Compose(list(transforms)), DeviceEnd()
+    return T.Compose(list(transforms)), DeviceEnd(convert=False)
 
 
 def open_image(path: str) -> Any:
@@ -460,13 +468,19 @@ class Images(torch.utils.data.Dataset):
 
 class _Feed:
     """A DataLoader's batch sampler whose batches are set before each pass, so that one loader
-    (and its persistent workers) serves every task and every evaluation of a run."""
+    (and its persistent workers) serves every task and every evaluation of a run.
+
+    ``on_start`` runs when the DataLoader asks for the pass's first batch: after it has drained
+    the last pass from its persistent workers, before any worker gets a batch of this one."""
 
     def __init__(self) -> None:
         self.batches: list[list[Any]] = []
+        self.on_start: Callable[[], None] | None = None
 
     def __iter__(self) -> Iterator[list[Any]]:
-        return iter(self.batches)
+        if self.on_start is not None:
+            self.on_start()
+        yield from self.batches
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -475,9 +489,12 @@ class _Feed:
 class _Loader:
     """One DataLoader of the run, built on first use, fed one pass at a time.
 
-    Its batches may sit in buffers their worker reuses (:class:`BatchBuffers`): the consumer
+    Its batches may sit in buffers their worker reuses (:class:`BatchBuffers`): a batch is valid
+    until :meth:`release` or the loader's next :meth:`run`, whichever comes first. The consumer
     calls :meth:`release` once it has copied the batches it took (to the device, the float
-    inputs, the pixel cache), and must not read them after that."""
+    inputs, the pixel cache), and must not read them after that; :meth:`run` frees the batches
+    of the last pass that were never released, and an iteration left midway (an exception, or
+    ``close()`` on its iterator) releases the batches it took."""
 
     #: Batches a worker has loaded ahead (DataLoader's ``prefetch_factor``).
     PREFETCH = 2
@@ -491,6 +508,9 @@ class _Loader:
         self.loader: torch.utils.data.DataLoader | None = None
         self.buffers: BatchBuffers | None = None
         self._held: list[int] = []
+        #: Batches a worker stacked into a fresh segment (every buffer of its was busy).
+        self.fresh_batches = 0
+        self._passes = 0  # passes started: an old pass's iterator, closed late, frees nothing
 
     def run(self, batches: Sequence[list[Any]]) -> Iterator:
         """Start a pass over ``batches`` (workers start loading now) and return its iterator."""
@@ -508,16 +528,29 @@ class _Loader:
                 prefetch_factor=self.PREFETCH if self.workers > 0 else None,
             )
         self.feed.batches = list(batches)
-        self._held.clear()
-        self.buffers.busy.zero_()  # before the workers get this pass's batches (see BatchBuffers)
-        return self._batches(iter(self.loader))
+        self.feed.on_start = self._free_all
+        self._passes += 1
+        return self._batches(iter(self.loader), self._passes)
 
-    def _batches(self, iterator: Iterator) -> Iterator[list[Any]]:
-        for indices, inputs, labels, slot in iterator:
-            if slot is not None:
-                self._held.append(slot)
-                indices, labels = default_collate(indices), default_collate(labels)
-            yield [indices, inputs, labels]
+    def _free_all(self) -> None:
+        """Every buffer is free: the last pass is drained (its stragglers included: clearing
+        before the drain would leave their flags set), and no batch of the new pass is asked for
+        yet (clearing later could free one the consumer is about to read)."""
+        self._held.clear()
+        self.buffers.busy.zero_()
+
+    def _batches(self, iterator: Iterator, number: int) -> Iterator[list[Any]]:
+        try:
+            for indices, inputs, labels, slot in iterator:
+                if slot is not None:
+                    self._held.append(slot)
+                    indices, labels = default_collate(indices), default_collate(labels)
+                elif self.workers:
+                    self.fresh_batches += 1
+                yield [indices, inputs, labels]
+        finally:  # the pass ends, or is left midway: its consumer is done with what it took
+            if number == self._passes:  # (a later pass's batches are not this one's to free)
+                self.release()
 
     def release(self) -> None:
         """The batches taken so far are copied: their workers may reuse their buffers."""
@@ -574,10 +607,12 @@ class SampleLoader:
         else:
             count, iterator = self._start(key, step)
         self.loaded += 1
-        parts = [next(iterator) for _ in range(count)]  # each (indices, inputs, labels)
-        # Each part crosses on its own (pinned, asynchronous) and is joined on the device.
-        inputs = self.source.model_inputs([part[1] for part in parts])
-        self.source._replay.release()
+        try:
+            parts = [next(iterator) for _ in range(count)]  # each (indices, inputs, labels)
+            # Each part crosses on its own (pinned, asynchronous) and is joined on the device.
+            inputs = self.source.model_inputs([part[1] for part in parts])
+        finally:
+            self.source._replay.release()
         labels = torch.cat([part[2] for part in parts])
         return inputs, labels.long()
 
@@ -652,10 +687,11 @@ class PilotDataSource:
         return (end or self._train_end)(inputs, self.device)
 
     def train_batches(self, batches: Sequence[np.ndarray]) -> Iterator:
-        for _, inputs, labels in self._stream.run([b.tolist() for b in batches]):
-            inputs = self.model_inputs(inputs)
-            self._stream.release()
-            yield inputs, labels
+        with contextlib.closing(self._stream.run([b.tolist() for b in batches])) as loaded:
+            for _, inputs, labels in loaded:
+                inputs = self.model_inputs(inputs)
+                self._stream.release()  # after the copy: the worker may now reuse the buffer
+                yield inputs, labels
 
     def eval_batches(self, indices: np.ndarray) -> Iterator:
         """Test batches of ``eval_batch_size`` over ``indices``, in order. With the pixel cache,
@@ -666,10 +702,11 @@ class PilotDataSource:
         chunks = [indices[i : i + size] for i in range(0, len(indices), size)]
         cache = self.pixel_cache
         if cache is None or not cache.enabled:
-            for _, inputs, labels in self._eval.run([c.tolist() for c in chunks]):
-                inputs = self.model_inputs(inputs, self._test_end)
-                self._eval.release()
-                yield inputs, labels
+            with contextlib.closing(self._eval.run([c.tolist() for c in chunks])) as loaded:
+                for _, inputs, labels in loaded:
+                    inputs = self.model_inputs(inputs, self._test_end)
+                    self._eval.release()
+                    yield inputs, labels
             return
         needed = [cache.missing(chunk) for chunk in chunks]
         asked = np.zeros(len(self.test_labels), dtype=bool)
@@ -678,17 +715,18 @@ class PilotDataSource:
         loads = [n for n in needed if len(n)] + [
             rest[i : i + size] for i in range(0, len(rest), size)
         ]
-        batches = self._eval.run([n.tolist() for n in loads]) if loads else iter(())
-        for chunk, need in zip(chunks, needed):
-            if len(need):
+        batches = self._eval.run([n.tolist() for n in loads]) if loads else (b for b in ())
+        with contextlib.closing(batches):
+            for chunk, need in zip(chunks, needed):
+                if len(need):
+                    _, inputs, _ = next(batches)
+                    cache.put(need, inputs)
+                    self._eval.release()  # after the copy into the cache
+                labels = torch.from_numpy(self.test_labels[chunk])
+                yield self.model_inputs(cache.get(chunk), self._test_end), labels
+            for start in range(0, len(rest), size):  # the images no evaluation asked for yet
                 _, inputs, _ = next(batches)
-                cache.put(need, inputs)
+                cache.put(rest[start : start + size], inputs)
                 self._eval.release()
-            labels = torch.from_numpy(self.test_labels[chunk])
-            yield self.model_inputs(cache.get(chunk), self._test_end), labels
-        for start in range(0, len(rest), size):  # the images no evaluation asked for yet
-            _, inputs, _ = next(batches)
-            cache.put(rest[start : start + size], inputs)
-            self._eval.release()
         if loads and cache.complete:  # evaluation reads only the cache from now on
             self._eval.close()

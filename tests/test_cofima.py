@@ -1,0 +1,186 @@
+"""CoFiMA online (methods/cofima.py), without PILOT: the adapter runs on a tiny network.
+
+Expected values come from upstream's equations worked out by hand (the Fisher-weighted and plain
+averages) or from a separate autograd pass (the squared gradients), never read back from the code
+under test. CA is SLCA's, tested in test_slca.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TinyNet
+from torch import nn
+
+from pilot_online.engine.adapter import StepOutput
+from pilot_online.engine.loop import build_loop
+from pilot_online.methods.cofima import CoFiMAOnline, fisher_average
+
+NUM_CLASSES = 6
+
+
+class TinyCoFiMA(CoFiMAOnline):
+    """CoFiMA's state and firings over conftest's TinyNet (features = relu(body(x)))."""
+
+    def build_network(self, args: dict) -> nn.Module:
+        network = TinyNet(num_classes=NUM_CLASSES)
+        self._setup_state(args, network.fc.in_features)  # SLCA's class Gaussians
+        self.setup_state(network)
+        return network
+
+    def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
+        features = torch.relu(network.body(x))
+        return StepOutput(network.fc(features), features)
+
+
+def config(**overrides) -> dict:
+    cfg = {key: spec.default for key, spec in CoFiMAOnline.config_keys.items()}
+    cfg.update(
+        nb_classes=NUM_CLASSES,
+        seed=[3],
+        optimizer="sgd",
+        init_lr=0.1,
+        weight_decay=0.0,
+        logit_mask="none",
+        consolidation="every_n_samples",
+        consolidation_every_n_samples=10**6,  # no firing unless a test sets one
+        grad_trace=False,
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+def make(**overrides):
+    torch.manual_seed(0)
+    cfg = config(**overrides)
+    adapter = TinyCoFiMA(args=cfg)
+    network = adapter.build_network(cfg)
+    return adapter, network, build_loop(adapter, network, cfg, NUM_CLASSES)
+
+
+def batches(steps: int, size: int = 4, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(size, 5, generator=g), torch.randint(0, NUM_CLASSES, (size,), generator=g))
+        for _ in range(steps)
+    ]
+
+
+# -- the Fisher-weighted average ----------------------------------------------------------------
+def test_fisher_average_by_hand():
+    # ((1-a) F0 t0 + a F1 t1) / ((1-a) F0 + a F1), a = 0.4:
+    # t0=1, t1=3, F0=2e-5, F1=6e-5: (0.6*2e-5*1 + 0.4*6e-5*3) / (0.6*2e-5 + 0.4*6e-5)
+    #                              = (1.2e-5 + 7.2e-5) / (1.2e-5 + 2.4e-5) = 8.4 / 3.6 = 7/3
+    # F1 = 0 (the current model has no information): t0; both 0 (upstream's 0/0): t1.
+    t0 = torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64)
+    t1 = torch.tensor([3.0, 3.0, 3.0], dtype=torch.float64)
+    f0 = torch.tensor([2e-5, 2e-5, 0.0], dtype=torch.float64)
+    f1 = torch.tensor([6e-5, 0.0, 0.0], dtype=torch.float64)
+    (merged,) = fisher_average([t0], [f0], [t1], [f1], alpha=0.4)
+    torch.testing.assert_close(merged, torch.tensor([7 / 3, 1.0, 3.0], dtype=torch.float64))
+
+
+# -- the Fisher, online --------------------------------------------------------------------------
+def test_period_fisher_is_the_mean_squared_gradient_clamped():
+    adapter, network, loop = make(cofima_fisher_max=1.0)
+    data = batches(2)
+    expected = []
+    for x, y in data:
+        shadow = copy.deepcopy(network)  # the step's gradient at the weights before it
+        loss = F.cross_entropy(shadow.fc(torch.relu(shadow.body(x))), y)
+        grads = torch.autograd.grad(loss, [p for _, p in shadow.named_parameters()])
+        expected.append([g.pow(2) for g in grads])
+        loop.train_step(x, y)
+    fisher = adapter.period_fisher()
+    for got, *steps in zip(fisher, *expected):
+        torch.testing.assert_close(got, sum(steps) / 2)
+    # The clamp: upstream's fishermax caps each scalar.
+    adapter, network, loop = make(cofima_fisher_max=1e-4)
+    for x, y in data:
+        loop.train_step(x, y)
+    fisher = adapter.period_fisher()
+    assert max(f.max().item() for f in fisher) == pytest.approx(1e-4)
+    assert adapter.fisher_sum is None and adapter.fisher_steps == 0  # a fresh period
+    # Without a trigger nothing would read it: no Fisher is kept.
+    adapter, network, loop = make(consolidation="never")
+    loop.train_step(*data[0])
+    assert adapter.fisher_sum is None and adapter.fisher_steps == 0
+
+
+def test_merge_from_the_second_firing_with_the_hand_formula():
+    adapter, network, _ = make(ca_epochs=0, wt_lambda=0.25)
+    params = [p for _, p in network.named_parameters()]
+    w0 = [p.detach().clone() for p in params]
+    adapter.fisher_sum, adapter.fisher_steps = [torch.full_like(p, 4e-5) for p in params], 2
+    adapter.consolidate(network, 0)  # upstream's first task end: kept, no merge
+    assert adapter.merges == []
+    for p, w in zip(params, w0):
+        torch.testing.assert_close(p.detach(), w)
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)  # the second period's training
+    adapter.fisher_sum, adapter.fisher_steps = [torch.full_like(p, 3e-5) for p in params], 1
+    adapter.consolidate(network, 1)
+    # F0 = 4e-5 / 2 = 2e-5, F1 = 3e-5, a = 0.25, t1 = t0 + 1:
+    # (0.75 * 2e-5 * t0 + 0.25 * 3e-5 * (t0 + 1)) / (0.75 * 2e-5 + 0.25 * 3e-5)
+    # = t0 + 0.75e-5 / 2.25e-5 = t0 + 1/3
+    assert adapter.merges == [1]
+    for p, w in zip(params, w0):
+        torch.testing.assert_close(p.detach(), w + 1 / 3)
+    for a, p in zip(adapter.anchor, params):  # the merged weights are the next previous model
+        torch.testing.assert_close(a, p.detach())
+
+
+def test_plain_average_without_fisher_weighting():
+    adapter, network, _ = make(ca_epochs=0, wt_lambda=0.4, fisher_weighting=False)
+    params = [p for _, p in network.named_parameters()]
+    w0 = [p.detach().clone() for p in params]
+    adapter.consolidate(network, 0)
+    with torch.no_grad():
+        for p in params:
+            p.add_(2.0)
+    adapter.consolidate(network, 1)
+    for p, w in zip(params, w0):  # 0.6 t0 + 0.4 (t0 + 2) = t0 + 0.8
+        torch.testing.assert_close(p.detach(), w + 0.8)
+
+
+def test_the_loop_merges_at_its_firings_only():
+    adapter, _, loop = make(
+        consolidation="every_n_samples", consolidation_every_n_samples=8, ca_samples_per_class=8
+    )
+    for step, (x, y) in enumerate(batches(8)):
+        loop.train_step(x, y)
+        # firing f comes before step 2f + 2 (8 samples each); merges from the second on
+        assert adapter.merges == [f for f in (1, 2) if 2 * f + 2 <= step]
+    assert loop.trigger.firings == [8, 16, 24]
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+def test_extra_state_round_trip_takes_the_same_steps():
+    kwargs = dict(
+        consolidation="every_n_samples", consolidation_every_n_samples=8, ca_samples_per_class=8
+    )
+    adapter, network, loop = make(**kwargs)
+    data = batches(9)
+    for x, y in data[:6]:
+        loop.train_step(x, y)
+    assert adapter.merges == [1]
+    state = copy.deepcopy(loop.state_dict())
+    other_adapter, other_network, other_loop = make(**kwargs)
+    other_loop.load_state_dict(state)
+    for x, y in data[6:]:  # crosses two firings, each with a merge and CA
+        loop.train_step(x, y)
+        other_loop.train_step(x, y)
+    assert other_adapter.merges == adapter.merges == [1, 2, 3]
+    for a, b in zip(network.parameters(), other_network.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_state_bytes_adds_three_weight_copies_to_slca():
+    # SLCA's 10 classes of (768^2 + 768) fp32 + 16 bytes, and 3 fp32 copies of the ViT-B/16
+    # backbone (85,798,656) with a 10-class head (10 * 769)
+    expected = 10 * (4 * 589_824 + 4 * 768 + 16) + 3 * 4 * (85_798_656 + 7690)
+    assert CoFiMAOnline.state_bytes({"nb_classes": 10}) == expected

@@ -1,0 +1,149 @@
+"""LAE online: the offline PET is the per-step EMA of the online one, the ensemble is the
+class-wise max of the two softmaxes over the seen classes, and the PET is frozen for
+``lae_freeze_samples`` at the stream's start and after each firing. Tiny networks, no PILOT (the
+contract suite runs PILOT's LAE network)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+from torch import nn
+
+from pilot_online.engine.loop import build_loop
+from pilot_online.methods.lae import LAEOnline, ensemble
+
+C = 5
+
+
+class TinyBackbone(nn.Module):
+    """Tokens [B, 1, D] = h + pet(h), h = linear(x), with whichever PET is attached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.attached: list[nn.ModuleList] = []  # a plain list: not a registered submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        return (h + self.attached[0][0](h))[:, None, :]
+
+
+class TinyLAENet(nn.Module):
+    """What LAEOnline reads of PILOT's ``LAE``: backbone, pets, pets_emas, attach_pets_vit."""
+
+    feature_dim = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = TinyBackbone()
+        self.pets = nn.ModuleList([nn.Linear(3, 3)])
+        self.pets_emas = copy.deepcopy(self.pets)
+        self.attach_pets_vit(self.pets)
+
+    def attach_pets_vit(self, pets: nn.ModuleList) -> None:
+        self.backbone.attached[:] = [pets]
+
+
+class TinyLAE(LAEOnline):
+    def build_network(self, args: dict) -> nn.Module:
+        return self.prepare(TinyLAENet(), args)
+
+
+def make(freeze: int = 0, decay: float = 0.5, **config):
+    args = {
+        "nb_classes": C,
+        "ema_decay": decay,
+        "lae_freeze_samples": freeze,
+        "lae_reset_optimizer": True,
+    }
+    adapter = TinyLAE(args=args)
+    torch.manual_seed(0)
+    network = adapter.build_network(args)
+    return adapter, build_loop(adapter, network, {"optimizer": "adam", **config}, C)
+
+
+def test_ensemble_is_the_max_of_the_two_softmaxes_over_seen_classes():
+    online = torch.tensor([[1.0, 2.0, 0.0, 4.0]])
+    offline = torch.tensor([[3.0, 0.0, 0.0, -1.0]])
+
+    def softmax(z):
+        e = np.exp(z - z.max())
+        return e / e.sum()
+
+    want = np.log(np.maximum(softmax(online.numpy()[0]), softmax(offline.numpy()[0])))
+    every = torch.ones(4, dtype=torch.bool)
+    np.testing.assert_allclose(ensemble(online, offline, every)[0].numpy(), want, rtol=1e-6)
+    # Nothing seen yet: all classes, as above.
+    none = torch.zeros(4, dtype=torch.bool)
+    np.testing.assert_allclose(ensemble(online, offline, none)[0].numpy(), want, rtol=1e-6)
+    seen = torch.tensor([True, True, True, False])
+    want = np.log(np.maximum(softmax(online.numpy()[0, :3]), softmax(offline.numpy()[0, :3])))
+    got = ensemble(online, offline, seen)[0]
+    np.testing.assert_allclose(got[:3].numpy(), want, rtol=1e-6)
+    assert got[3] == torch.finfo(torch.float32).min and torch.isfinite(got).all()
+
+
+def test_the_offline_pet_is_the_ema_of_the_online_one_after_every_step():
+    _adapter, loop = make(decay=0.5)
+    pets, offline = loop.network.pets, loop.network.pets_emas
+    ema = [p.detach().clone() for p in offline.parameters()]
+    for _step in range(3):
+        loop.train_step(torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2]))
+        ema = [0.5 * e + 0.5 * p.detach() for e, p in zip(ema, pets.parameters())]
+        for e, q in zip(ema, offline.parameters()):
+            torch.testing.assert_close(q, e, rtol=0, atol=1e-7)
+    assert not any(q.requires_grad for q in offline.parameters())
+
+
+def test_evaluation_ensembles_the_offline_pet_and_puts_the_online_one_back():
+    adapter, loop = make()
+    network = loop.network
+    x = torch.randn(3, 4)
+    loop.train_step(torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2]))
+    with torch.no_grad():
+        for p in network.pets_emas.parameters():
+            p.add_(torch.randn_like(p))
+        out = adapter.forward(network, x, train=False)
+        online = adapter.forward(network, x, train=True).logits
+        offline_net = copy.deepcopy(network)
+        offline_net.attach_pets_vit(offline_net.pets_emas)
+        offline = adapter.forward(offline_net, x, train=True).logits
+    assert network.backbone.attached[0] is network.pets
+    torch.testing.assert_close(out.logits, ensemble(online, offline, network.lae_seen))
+    assert network.lae_seen.tolist() == [True, True, True, False, False]
+
+
+def test_the_pet_is_frozen_at_the_start_and_after_each_firing():
+    _adapter, loop = make(freeze=20, consolidation="new_classes", consolidation_new_classes=2)
+    pets, head = loop.network.pets[0].weight, loop.network.fc.weight
+    labels = [[0, 1], [0, 1], [1, 0], [0, 1], [2, 0], [3, 1], [2, 3], [4, 2], [4, 3]]
+    changed = []
+    for step, y in enumerate(labels):
+        before = pets.detach().clone(), head.detach().clone()
+        loop.train_step(torch.randn(10, 4), torch.tensor(y).repeat_interleave(5))
+        changed.append(not torch.equal(pets, before[0]))
+        assert not torch.equal(head, before[1]), step  # the head always trains
+        if step in (4, 7):  # the firings, before these steps: a fresh optimiser
+            assert int(loop.optimizer.state[head]["step"]) == 1
+            assert pets not in loop.optimizer.state
+    # Fires before the batch that brings a class beyond the 2 counted since the last firing.
+    assert loop.trigger.firings == [40, 70]
+    # Frozen for 20 samples from the start (steps 0-1) and from each firing (4-5, 7-8).
+    assert changed == [False, False, True, True, False, False, True, False, False]
+    assert pets.requires_grad  # frozen only while a training pass is recorded
+
+
+def test_extra_state_restores_the_offline_pet_and_the_freeze_countdown():
+    adapter, loop = make(freeze=25)
+    loop.train_step(torch.randn(10, 4), torch.tensor([0, 1] * 5))
+    with torch.no_grad():
+        for p in loop.network.pets_emas.parameters():
+            p.add_(1.0)
+    state = copy.deepcopy(adapter.extra_state(loop.network))
+    twin, twin_loop = make(freeze=25)
+    twin.load_extra_state(twin_loop.network, state)
+    assert twin.frozen_left == 15
+    for p, q in zip(loop.network.pets_emas.parameters(), twin_loop.network.pets_emas.parameters()):
+        assert torch.equal(p, q)

@@ -1,0 +1,209 @@
+"""SLCA online: the loop's per-group learning rates (the slow learner), the online class
+Gaussians, and classifier alignment at consolidation firings only. Tiny networks, no PILOT (the
+contract suite runs the PILOT network)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from conftest import TinyAdapter, TinyNet
+from torch import nn
+
+from pilot_online.engine.loop import build_loop, make_optimizer
+from pilot_online.methods.slca import (
+    ClassGaussians,
+    SLCAOnline,
+    mean_scales,
+    normalised_logits,
+)
+
+C = 6
+
+
+class SlowBody(TinyAdapter):
+    """TinyNet with its body at a tenth of the head's learning rate."""
+
+    def lr_scale(self, name: str, parameter: nn.Parameter) -> float:
+        return 0.1 if name.startswith("body.") else 1.0
+
+
+def test_the_backbones_step_is_the_scale_times_the_heads():
+    torch.manual_seed(0)
+    loop = build_loop(SlowBody(), TinyNet(), {"optimizer": "sgd", "init_lr": 0.5}, C)
+    assert [g["lr"] for g in loop.optimizer.param_groups] == [0.05, 0.5]
+    before = {n: p.detach().clone() for n, p in loop.named_parameters}
+    loop.train_step(torch.randn(8, 5), torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]))
+    # SGD's first step (momentum buffer = gradient): p <- p - lr * scale * grad.
+    for name, p in loop.named_parameters:
+        scale = 0.1 if name.startswith("body.") else 1.0
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+        torch.testing.assert_close(p.detach(), before[name] - 0.5 * scale * p.grad)
+
+
+def test_one_scale_gives_one_group_and_bad_scales_are_refused():
+    params = [nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    assert len(make_optimizer("adam", params, 1e-3, 0.0).param_groups) == 1
+    assert len(make_optimizer("adam", [], 1e-3, 0.0).param_groups) == 1  # SimpleCIL: empty
+    with pytest.raises(ValueError, match="requires_grad_"):
+        make_optimizer("adam", params, 1e-3, 0.0, lr_scales=[1.0, 0.0, 1.0])
+    with pytest.raises(ValueError, match="3 parameters"):
+        make_optimizer("adam", params, 1e-3, 0.0, lr_scales=[1.0])
+
+
+@pytest.mark.parametrize("apply", ["grad", "update"])
+def test_groups_with_fgh_survive_a_checkpoint(apply):
+    config = {
+        "optimizer": "adam",
+        "init_lr": 0.01,
+        "fgh": {"granularity": "element", "apply": apply, "gamma": 0.1},
+    }
+    data = [(torch.randn(6, 5), torch.tensor([0, 1, 2, 0, 1, 2])) for _ in range(4)]
+    torch.manual_seed(0)
+    loop = build_loop(SlowBody(), TinyNet(), config, C)
+    for x, y in data[:3]:
+        loop.train_step(x, y)
+    state = copy.deepcopy(loop.state_dict())
+    torch.manual_seed(1)
+    twin = build_loop(SlowBody(), TinyNet(), config, C)
+    twin.load_state_dict(state)
+    for each in (loop, twin):
+        each.train_step(*data[3])
+    for (name, p), (_, q) in zip(loop.named_parameters, twin.named_parameters):
+        assert torch.equal(p, q), name
+    assert [g["lr"] for g in twin.optimizer.param_groups] == [0.001, 0.01]
+
+
+def test_class_gaussians_equal_numpy_mean_and_covariance():
+    rng = np.random.default_rng(0)
+    features = rng.normal(size=(30, 4)) * [1.0, 2.0, 0.5, 3.0] + [5.0, -3.0, 10.0, 0.0]
+    labels = np.array([0] * 13 + [2] * 16 + [3])
+    order = rng.permutation(30)
+    features, labels = features[order], labels[order]
+    stats = ClassGaussians(4, 4)
+    for session, part in enumerate(np.array_split(np.arange(30), 3)):
+        stats.update(torch.tensor(features[part]).float(), torch.tensor(labels[part]), session)
+    for c in (0, 2):
+        rows = features[labels == c]
+        np.testing.assert_allclose(stats.means[c].numpy(), rows.mean(0), rtol=0, atol=1e-5)
+        want = np.cov(rows.T, ddof=1) + 1e-4 * np.eye(4)
+        got = stats.covariances(torch.tensor([c]))[0].numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # One sample: no spread, the ridge alone; class 1 never seen.
+    np.testing.assert_allclose(stats.covariances(torch.tensor([3]))[0].numpy(), 1e-4 * np.eye(4))
+    assert stats.seen().tolist() == [0, 2, 3]
+    sessions = stats.session.tolist()
+    assert sessions[1] == -1
+    for c in (0, 2, 3):  # the part (session) holding the class's first sample
+        position = int(np.flatnonzero(labels == c)[0])
+        assert sessions[c] == position // 10
+
+
+def test_mean_scales_and_logit_normalisation_by_hand():
+    scales = mean_scales(torch.tensor([0, 1, 2]), firing=2)
+    torch.testing.assert_close(scales, torch.tensor([0.9 + 0.1 / 3, 0.9 + 0.2 / 3, 1.0]).double())
+    logits = torch.tensor([[3.0, 4.0, 1.0, 0.0]])
+    blocks = [torch.tensor([0, 1]), torch.tensor([2, 3])]
+    # Block norms 5 and 1: mean 3; over the temperature 0.1: divide by 0.3.
+    want = torch.tensor([[10.0, 40 / 3, 10 / 3, 0.0]])
+    torch.testing.assert_close(normalised_logits(logits, blocks, 0.1), want, atol=1e-5, rtol=0)
+
+
+class TinySLCA(SLCAOnline):
+    """SLCA's adapter over a tiny network with ``backbone`` and ``fc`` (no PILOT)."""
+
+    def build_network(self, args: dict) -> nn.Module:
+        network = nn.Module()
+        network.backbone = nn.Sequential(nn.Linear(5, 3), nn.Tanh())
+        network.fc = nn.Linear(3, C)
+        self._setup_state(args, 3)
+        return network
+
+
+ARGS = {
+    "nb_classes": C,
+    "bcb_lrscale": 0.01,
+    "ca_epochs": 3,
+    "ca_samples_per_class": 64,
+    "ca_lr": 0.1,
+    "ca_with_logit_norm": 0.1,
+    "weight_decay": 0.0,
+    "seed": [1993],
+}
+
+
+def test_alignment_removes_a_head_bias_with_its_own_optimiser():
+    adapter = TinySLCA(args=dict(ARGS))
+    torch.manual_seed(0)
+    loop = build_loop(adapter, adapter.build_network(adapter.args), {"optimizer": "adam"}, C)
+    for _ in range(2):  # the loop's Adam now holds moments for the head
+        loop.train_step(torch.randn(8, 5), torch.tensor([0, 1, 2, 3] * 2))
+    head = loop.network.fc
+    moments = {k: v.clone() for k, v in loop.optimizer.state[head.weight].items()}
+    means = torch.tensor([[2.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 2.0]])
+    adapter.stats = ClassGaussians(C, 3)
+    for c in range(3):  # class c in session c, tight around its mean
+        adapter.stats.update(means[c] + 0.1 * torch.randn(20, 3), torch.full((20,), c), c)
+    with torch.no_grad():
+        head.weight.copy_(torch.eye(C, 3))
+        head.bias.copy_(torch.tensor([0.0, 0.0, 10.0, 0, 0, 0]))  # everything reads class 2
+    assert (head(means)[:, :3].argmax(1) == 2).all()
+    assert list(adapter.consolidate(loop.network, 2)) == []  # nothing restarted
+    assert head(means)[:, :3].argmax(1).tolist() == [0, 1, 2]
+    for key, value in loop.optimizer.state[head.weight].items():
+        assert torch.equal(value, moments[key]), key
+    assert head.weight.grad is None and adapter.sessions_closed == 3
+
+
+def test_alignment_runs_at_firings_after_the_first_and_never_otherwise(monkeypatch):
+    adapter = TinySLCA(args=dict(ARGS))
+    calls: list[int] = []
+    monkeypatch.setattr(adapter, "align", lambda head, firing: calls.append(firing))
+    torch.manual_seed(0)
+    network = adapter.build_network(adapter.args)
+    config = {"optimizer": "adam", "consolidation": "every_n_samples"}
+    loop = build_loop(adapter, network, {**config, "consolidation_every_n_samples": 20}, C)
+    for step in range(9):
+        loop.train_step(torch.randn(10, 5), torch.tensor([step % C] * 5 + [(step + 1) % C] * 5))
+    assert loop.trigger.firings == [20, 40, 60, 80]
+    assert calls == [1, 2, 3]  # firing 0 closes the first session only (upstream: no CA at task 0)
+    assert adapter.sessions_closed == 4
+    # A class's session is the number of firings before its first sample.
+    assert adapter.stats.session.tolist() == [0, 0, 0, 1, 1, 2]
+
+
+def test_the_slow_learner_scales_backbone_parameters_only():
+    adapter = TinySLCA(args=dict(ARGS))
+    network = adapter.build_network(adapter.args)
+    scales = {n: adapter.lr_scale(n, p) for n, p in network.named_parameters()}
+    assert scales == {
+        "backbone.0.weight": 0.01,
+        "backbone.0.bias": 0.01,
+        "fc.weight": 1.0,
+        "fc.bias": 1.0,
+    }
+
+
+def test_state_bytes_count_a_float32_scatter_matrix_per_class():
+    # 100 classes at D = 768: scatter 768 x 768, mean 768 (float32), count and session (8 bytes).
+    want = 100 * (768 * 768 * 4 + 768 * 4 + 8 + 8)
+    assert SLCAOnline.state_bytes({"nb_classes": 100}) == want
+    assert 230e6 < want < 240e6  # the docs' 236 MB
+
+
+def test_fgh_update_mode_reads_each_groups_learning_rate():
+    """apply="update" stores u = -(the optimiser's update) / lr: with the group's own lr, u is
+    the same Adam direction (about +-1 on the first step) for the slow body and the head."""
+    config = {"optimizer": "adam", "init_lr": 0.01, "fgh": {"apply": "update", "gamma": 0.1}}
+    torch.manual_seed(0)
+    loop = build_loop(SlowBody(), TinyNet(), config, C)
+    before = {n: p.detach().clone() for n, p in loop.named_parameters}
+    loop.train_step(torch.randn(8, 5), torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]))
+    for name, p in loop.named_parameters:
+        lr = 0.001 if name.startswith("body.") else 0.01
+        u = loop.fgh.state[p]["u"]
+        torch.testing.assert_close(u, -(p.detach() - before[name]) / lr)
+        moved = u[p.grad != 0]
+        torch.testing.assert_close(moved.abs(), torch.ones_like(moved), rtol=1e-3, atol=0)
