@@ -10,18 +10,16 @@ from conftest import build_network, raw_smoke_config, requires_pilot, smoke_conf
 from torch import nn
 
 from pilot_online import get_method
-from pilot_online.engine.config import ConfigError, resolve_config
-from pilot_online.engine.loop import build_loop
-from pilot_online.engine.session import ArrayDataSource
-from pilot_online.methods.mos import (
+from pilot_online.core.class_stats import (
     COVARIANCE_RIDGE,
     ClassGaussians,
     align_classifier,
-    merge_toward_mean,
-    orth_loss,
     sampling_factors,
-    self_refined,
 )
+from pilot_online.engine.config import ConfigError, resolve_config
+from pilot_online.engine.loop import build_loop
+from pilot_online.engine.session import ArrayDataSource
+from pilot_online.methods.mos import merge_toward_mean, orth_loss, self_refined
 
 
 # -- the pure pieces -----------------------------------------------------------------------------

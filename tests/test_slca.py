@@ -12,13 +12,9 @@ import torch
 from conftest import TinyAdapter, TinyNet
 from torch import nn
 
+from pilot_online.core.class_stats import ClassGaussians, normalised_logits
 from pilot_online.engine.loop import build_loop, make_optimizer
-from pilot_online.methods.slca import (
-    ClassGaussians,
-    SLCAOnline,
-    mean_scales,
-    normalised_logits,
-)
+from pilot_online.methods.slca import SLCAOnline, mean_scales
 
 C = 6
 

@@ -32,15 +32,16 @@ then maps classes to whatever sets saw them most.
   forward) at once, ``m`` = ``adapter_momentum``. Upstream also reweights the stored adapters in
   place at every evaluation batch (so its evaluation changes its weights); we evaluate with them
   as stored.
-* **Class statistics** (:class:`ClassGaussians`): running means and scatter matrices of the
-  training features (the active set's, before the step's update, training transforms), every
-  sample of a class whichever set was active; upstream's per-task pass with test transforms
-  cannot run online. ``ca_storage_efficient_method``: ``covariance`` or ``variance``
-  (upstream's ``multi-centroid`` needs k-means over all of a class's features: refused).
-* **Classifier alignment** (:func:`align_classifier`) at each firing from the second on
-  (upstream: from the second task on), on the head P and FGH act on, with its own SGD
-  (momentum 0.9, ``ca_lr`` cosine-annealed over ``ca_epochs``, ``ca_weight_decay``): the loop's
-  optimiser and FGH state of the head are kept.
+* **Class statistics** (:class:`~pilot_online.core.class_stats.ClassGaussians`, shared with
+  SLCA): running means and scatter matrices of the training features (the active set's, before
+  the step's update, training transforms), every sample of a class whichever set was active;
+  upstream's per-task pass with test transforms cannot run online.
+  ``ca_storage_efficient_method``: ``covariance`` or ``variance`` (upstream's ``multi-centroid``
+  needs k-means over all of a class's features: refused).
+* **Classifier alignment** (:func:`~pilot_online.core.class_stats.align_classifier`) at each
+  firing from the second on (upstream: from the second task on), on the head P and FGH act on,
+  with its own SGD (momentum 0.9, ``ca_lr`` cosine-annealed over ``ca_epochs``,
+  ``ca_weight_decay``): the loop's optimiser and FGH state of the head are kept.
 * **Orthogonality term**: upstream's, against the class means as they stood at the last firing
   (upstream: the means of earlier tasks' classes).
 * **Retrieval.** Each class's adapter is the set that saw most of its samples
@@ -56,7 +57,6 @@ One learning rate for adapters and head (upstream: head at 0.1 x), as the loop h
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.checks import boolean, integer, real
+from ..core.class_stats import ClassGaussians, align_classifier
 from ..core.prototypes import PrototypeBank
 from ..core.rng import key_seed
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
@@ -73,111 +74,10 @@ from ..engine.registry import register_method
 
 #: ``ca_storage_efficient_method``: full covariances, or their diagonals.
 CA_STATISTICS = ("covariance", "variance")
-#: Upstream's ridge on every class covariance (``torch.cov(...) + 1e-4 I``).
-COVARIANCE_RIDGE = 1e-4
 #: Upstream's cap on self-refined retrieval passes (``MAX_ITER`` in ``_eval_cnn``).
 RETRIEVAL_PASSES = 4
 #: Upstream's temperature of the orthogonality term.
 ORTH_TEMPERATURE = 0.8
-
-
-class ClassGaussians(nn.Module):
-    """Per-class running mean and scatter (sum of squared deviations; its diagonal with
-    ``diagonal``), merged batch by batch with Chan et al.'s pairwise update, stable in float32.
-    Buffers, so the loop's checkpoints and ``.to()`` carry them."""
-
-    counts: torch.Tensor
-    means: torch.Tensor
-    scatter: torch.Tensor
-
-    def __init__(self, num_classes: int, dim: int, diagonal: bool) -> None:
-        super().__init__()
-        self.diagonal = diagonal
-        self.register_buffer("counts", torch.zeros(num_classes, dtype=torch.int64))
-        self.register_buffer("means", torch.zeros(num_classes, dim))
-        shape = (num_classes, dim) if diagonal else (num_classes, dim, dim)
-        self.register_buffer("scatter", torch.zeros(shape))
-
-    @torch.no_grad()
-    def update(self, features: torch.Tensor, labels: torch.Tensor) -> None:
-        features = features.detach().to(self.means)
-        for c in labels.unique().tolist():  # one host sync per step
-            x = features[labels == c]
-            n_a, n_b = int(self.counts[c]), x.shape[0]
-            n = n_a + n_b
-            mean_b = x.mean(0)
-            centred, delta = x - mean_b, mean_b - self.means[c]
-            if self.diagonal:
-                self.scatter[c] += (centred * centred).sum(0) + delta * delta * (n_a * n_b / n)
-            else:
-                self.scatter[c] += centred.T @ centred + torch.outer(delta, delta) * (n_a * n_b / n)
-            self.means[c] += delta * (n_b / n)
-            self.counts[c] = n
-
-    def covariances(self, classes: torch.Tensor) -> torch.Tensor:
-        """Unbiased covariances (scatter / (n - 1); zero for one sample, where ``torch.cov`` is
-        NaN) plus upstream's ridge, float64: ``[K, D, D]``, or ``[K, D]`` diagonals."""
-        scatter = self.scatter[classes].double()
-        dof = (self.counts[classes] - 1).clamp(min=1).double()
-        if self.diagonal:
-            return scatter / dof[:, None] + COVARIANCE_RIDGE
-        eye = torch.eye(scatter.shape[-1], dtype=torch.float64, device=scatter.device)
-        return scatter / dof[:, None, None] + COVARIANCE_RIDGE * eye
-
-
-def sampling_factors(covariances: torch.Tensor) -> torch.Tensor:
-    """``L`` with ``L L^T = Sigma`` per class (float32): Cholesky, or the square roots of
-    diagonal variances; a factor Cholesky refuses (rounding) comes from the clamped eigenvalues."""
-    if covariances.ndim == 2:
-        return covariances.sqrt().float()
-    factors, info = torch.linalg.cholesky_ex(covariances)
-    bad = info > 0
-    if bad.any():
-        values, vectors = torch.linalg.eigh(covariances[bad])
-        factors[bad] = vectors * values.clamp(min=COVARIANCE_RIDGE).sqrt()[:, None, :]
-    return factors.float()
-
-
-def align_classifier(
-    head: nn.Linear,
-    classes: torch.Tensor,
-    means: torch.Tensor,
-    factors: torch.Tensor,
-    *,
-    epochs: int,
-    lr: float,
-    weight_decay: float,
-    samples_per_class: int,
-    generator: torch.Generator,
-) -> None:
-    """Upstream's ``classifer_align``: per epoch, ``samples_per_class`` features per class drawn
-    from ``N(means, L L^T)`` (``factors``: ``[K, D, D]``, or ``[K, D]`` standard deviations),
-    shuffled, one SGD step (momentum 0.9, ``lr`` cosine-annealed per epoch) per batch of
-    ``samples_per_class``, CE over the logits of ``classes`` only. Its own optimiser: the
-    caller's optimiser state is untouched."""
-    device = head.weight.device
-    means, factors, classes = means.to(device), factors.to(device), classes.to(device)
-    optimizer = torch.optim.SGD(head.parameters(), lr=lr, momentum=0.9, weight_decay=weight_decay)
-    targets = torch.arange(len(classes), device=device).repeat_interleave(samples_per_class)
-    for epoch in range(epochs):
-        for group in optimizer.param_groups:  # CosineAnnealingLR(T_max=epochs), eta_min 0
-            group["lr"] = lr * (1 + math.cos(math.pi * epoch / epochs)) / 2
-        noise = torch.randn(
-            len(classes), samples_per_class, means.shape[1], generator=generator, device=device
-        )
-        if factors.ndim == 2:
-            drawn = means[:, None, :] + noise * factors[:, None, :]
-        else:
-            drawn = means[:, None, :] + noise @ factors.transpose(1, 2)
-        inputs = drawn.flatten(0, 1)
-        order = torch.randperm(len(targets), generator=generator, device=device)
-        for batch in order.split(samples_per_class):
-            with torch.enable_grad():
-                loss = F.cross_entropy(head(inputs[batch])[:, classes], targets[batch])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-    head.zero_grad(set_to_none=True)
 
 
 def self_refined(
@@ -413,14 +313,14 @@ class MOSOnline(MethodAdapter):
         stats = network.class_stats
         if firing > 0 and self.args["ca_epochs"] > 0:  # upstream aligns from the second task on
             head = self.classifier(network)
-            classes = torch.nonzero(stats.counts > 0).flatten()
+            classes = stats.seen()
             generator = torch.Generator(device=head.weight.device)
             generator.manual_seed(key_seed(_run_seed(self.args.get("seed", 0)), firing))
             align_classifier(
                 head,
                 classes,
                 stats.means[classes],
-                sampling_factors(stats.covariances(classes)),
+                stats.factors(classes),
                 epochs=int(self.args["ca_epochs"]),
                 lr=float(self.args["ca_lr"]),
                 weight_decay=float(self.args["ca_weight_decay"]),

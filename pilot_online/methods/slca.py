@@ -25,19 +25,22 @@ PILOT's ``models/slca.py``, network ``SLCANet``).
 Upstream restores the pre-CA head after evaluating each task (``fc.recall()``), so CA's head
 serves evaluation only. Online there is no evaluation point to align before (evaluation must not
 change training), so the aligned head is the head: training continues from it.
+
+The class statistics and the alignment step are MOS's too: one copy in
+:mod:`pilot_online.core.class_stats`; the session-age mean decay and the per-session logit
+blocks are SLCA's, passed in from here.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..core.checks import integer, real
+from ..core.class_stats import ClassGaussians, align_classifier
 from ..core.rng import key_seed
 from ..engine.adapter import ConfigKey, StepOutput
 from ..engine.mixins import _run_seed
@@ -45,78 +48,10 @@ from ..engine.registry import register_method
 from .finetune import FinetuneOnline
 
 
-class ClassGaussians:
-    """Per-class running mean and scatter (sum of squared deviations) of features, merged batch by
-    batch with Chan et al.'s parallel update (stable in float32, unlike raw second moments), and
-    the session (firing count) in which each class first appeared."""
-
-    def __init__(self, num_classes: int, dim: int, device: torch.device | str = "cpu") -> None:
-        self.counts = torch.zeros(num_classes, dtype=torch.float64, device=device)
-        self.means = torch.zeros(num_classes, dim, device=device)
-        self.scatter = torch.zeros(num_classes, dim, dim, device=device)
-        self.session = torch.full((num_classes,), -1, dtype=torch.int64, device=device)
-
-    @torch.no_grad()
-    def update(self, features: torch.Tensor, labels: torch.Tensor, session: int) -> None:
-        features = features.detach().to(self.means)
-        for c in labels.unique().tolist():  # one host sync per step
-            x = features[labels == c]
-            n_a, n_b = float(self.counts[c]), x.shape[0]
-            mean_b = x.mean(0)
-            centred = x - mean_b
-            delta = mean_b - self.means[c]
-            n = n_a + n_b
-            self.scatter[c] += centred.T @ centred + torch.outer(delta, delta) * (n_a * n_b / n)
-            self.means[c] += delta * (n_b / n)
-            self.counts[c] = n
-            if self.session[c] < 0:
-                self.session[c] = session
-
-    def seen(self) -> torch.Tensor:
-        """Indices of the classes with at least one sample."""
-        return torch.nonzero(self.counts > 0).flatten()
-
-    def covariances(self, classes: torch.Tensor, ridge: float = 1e-4) -> torch.Tensor:
-        """Unbiased covariances (scatter / (n - 1); 0 for one sample) + ``ridge`` I, float64,
-        as upstream's ``torch.cov(...) + 1e-4 I``."""
-        scatter = self.scatter[classes].double()
-        dof = (self.counts[classes] - 1).clamp(min=1)
-        eye = torch.eye(scatter.shape[-1], dtype=torch.float64, device=scatter.device)
-        return scatter / dof[:, None, None] + ridge * eye
-
-    def to(self, device: torch.device | str) -> ClassGaussians:
-        """Move the statistics to ``device`` (built on the CPU, before the loop moves the net)."""
-        for key, value in self.state_dict().items():
-            setattr(self, key, value.to(device))
-        return self
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: getattr(self, k) for k in ("counts", "means", "scatter", "session")}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        for key, current in self.state_dict().items():
-            if tuple(state[key].shape) != tuple(current.shape):
-                raise ValueError(
-                    f"SLCA class statistics {key} have shape {tuple(state[key].shape)} in the "
-                    f"checkpoint, {tuple(current.shape)} here"
-                )
-            current.copy_(state[key])
-
-
 def mean_scales(sessions: torch.Tensor, firing: int) -> torch.Tensor:
     """Upstream's task-age decay of the sampled means, ``0.9 + 0.1 (s + 1) / (f + 1)``: 1 for the
     newest session, down to ``0.9 + 0.1 / (f + 1)`` for the oldest."""
     return 0.9 + 0.1 * (sessions.double() + 1) / (firing + 1)
-
-
-def normalised_logits(
-    logits: torch.Tensor, blocks: list[torch.Tensor], temperature: float
-) -> torch.Tensor:
-    """Upstream's ``ca_with_logit_norm``: the logits divided by the mean over class blocks (its
-    tasks, our sessions) of each block's logit L2 norm (+ 1e-7), and by ``temperature``."""
-    norms = torch.cat([logits[:, b].norm(dim=-1, keepdim=True) + 1e-7 for b in blocks], dim=-1)
-    return logits / norms.mean(dim=-1, keepdim=True) / temperature
 
 
 @register_method("slca_online")
@@ -187,50 +122,34 @@ class SLCAOnline(FinetuneOnline):
         return ()
 
     def align(self, head: nn.Linear, firing: int) -> None:
-        """Classifier alignment on features drawn from the class Gaussians (upstream's
-        ``_stage2_compact_classifier``), with its own SGD."""
+        """Classifier alignment (:func:`~pilot_online.core.class_stats.align_classifier`, upstream's
+        ``_stage2_compact_classifier``) on the seen classes, their means decayed by session age,
+        logits normalised over sessions."""
         args = self.args
-        device = head.weight.device
-        self.stats.to(device)
+        self.stats.to(head.weight.device)
         classes = self.stats.seen()
         sessions = self.stats.session[classes]
         means = (
             self.stats.means[classes].double() * mean_scales(sessions, firing)[:, None]
         ).float()
-        # Cholesky factors in float64, 16 classes at a time (transient: 16 D x D doubles).
-        factors = torch.cat(
-            [torch.linalg.cholesky(self.stats.covariances(c)).float() for c in classes.split(16)]
-        )
-        blocks = [torch.nonzero(sessions == s).flatten() for s in sessions.unique().tolist()]
-        per_class, epochs = int(args["ca_samples_per_class"]), int(args["ca_epochs"])
-        generator = torch.Generator(device=device)
+        generator = torch.Generator(device=head.weight.device)
         generator.manual_seed(key_seed(_run_seed(args.get("seed", 0)), firing))
-        optimizer = torch.optim.SGD(
-            head.parameters(), lr=args["ca_lr"], momentum=0.9, weight_decay=args["weight_decay"]
+        align_classifier(
+            head,
+            classes,
+            means,
+            self.stats.factors(classes),
+            epochs=int(args["ca_epochs"]),
+            lr=args["ca_lr"],
+            weight_decay=args["weight_decay"],
+            samples_per_class=int(args["ca_samples_per_class"]),
+            generator=generator,
+            blocks=[torch.nonzero(sessions == s).flatten() for s in sessions.unique().tolist()],
+            temperature=float(args["ca_with_logit_norm"]),
         )
-        temperature = float(args["ca_with_logit_norm"])
-        for epoch in range(epochs):
-            for group in optimizer.param_groups:  # CosineAnnealingLR(T_max=epochs), per epoch
-                group["lr"] = args["ca_lr"] * (1 + math.cos(math.pi * epoch / epochs)) / 2
-            noise = torch.randn(
-                len(classes), per_class, means.shape[1], generator=generator, device=device
-            )
-            inputs = (means[:, None, :] + noise @ factors.transpose(1, 2)).flatten(0, 1)
-            targets = torch.arange(len(classes), device=device).repeat_interleave(per_class)
-            order = torch.randperm(len(targets), generator=generator, device=device)
-            for batch in order.split(per_class):
-                with torch.enable_grad():
-                    logits = head(inputs[batch])[:, classes]
-                    if temperature > 0:
-                        logits = normalised_logits(logits, blocks, temperature)
-                    loss = F.cross_entropy(logits, targets[batch])
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-        head.zero_grad(set_to_none=True)
 
     def extra_state(self, network: nn.Module) -> dict[str, Any]:
-        return {"stats": self.stats.state_dict(), "sessions_closed": self.sessions_closed}
+        return {"stats": dict(self.stats.state_dict()), "sessions_closed": self.sessions_closed}
 
     def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
         self.stats.to(self.classifier(network).weight.device).load_state_dict(state["stats"])
