@@ -36,12 +36,38 @@ METHODS = list_methods()
 def attention_modules(network: nn.Module) -> list[nn.Module]:
     """The attention modules of a PILOT ViT, found independently of ``use_sdpa``'s own rule:
     every module with heads and a fused ``qkv`` projection (timm's ``Attention``,
-    ``PreT_Attention``, CODA's, SSF's; oLoRA's ``qkv`` is a module around the projection)."""
+    ``PreT_Attention``, CODA's, SSF's; oLoRA's ``qkv`` is a module around the projection) or
+    separate ``q_proj``/``k_proj``/``v_proj`` (``vit_adapter``, ``vit_ease``, ``vit_mos``)."""
     return [
         m
         for m in network.modules()
-        if hasattr(m, "num_heads") and isinstance(getattr(m, "qkv", None), nn.Module)
+        if hasattr(m, "num_heads")
+        and any(isinstance(getattr(m, a, None), nn.Module) for a in ("qkv", "q_proj"))
     ]
+
+
+def accepts_sdpa(name: str) -> bool:
+    """Whether the method's smoke config passes check-config with ``"sdpa": true``."""
+    from pilot_online.engine.config import ConfigError
+
+    try:
+        smoke_config(name, sdpa=True)
+    except ConfigError as error:
+        assert "sdpa" in str(error), error  # refused for sdpa, naming it
+        return False
+    return True
+
+
+#: The methods whose attention ``sdpa`` reproduces; the others refuse the key (LAE).
+SDPA_METHODS = [name for name in METHODS if accepts_sdpa(name)]
+
+
+def test_a_method_sdpa_cannot_run_refuses_it_before_any_work():
+    from pilot_online.engine.config import ConfigError
+
+    assert "lae_online" not in SDPA_METHODS and "coda_online" in SDPA_METHODS
+    with pytest.raises(ConfigError, match=r"lae_online: sdpa: true cannot run LAE.*false"):
+        smoke_config("lae_online", sdpa=True)
 
 
 def count_attention_calls(network: nn.Module, run) -> int:
@@ -77,7 +103,12 @@ def uses_our_forward(module: nn.Module) -> bool:
     partial of it, or through its class."""
     from pilot_online.pilot import attention
 
-    ours = {attention.plain_forward, attention.prefix_forward, attention.coda_forward}
+    ours = {
+        attention.plain_forward,
+        attention.prefix_forward,
+        attention.coda_forward,
+        attention.split_forward,
+    }
     forward = module.forward
     found = {getattr(forward, "__func__", None), getattr(forward, "func", None)}
     found.add(getattr(type(module), "forward", None))
@@ -92,7 +123,7 @@ def assert_every_attention_swapped(network: nn.Module) -> None:
 
 
 @requires_pilot
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", SDPA_METHODS)
 def test_sdpa_matches_hand_written_attention(pilot_on_path, name, monkeypatch):
     from pilot_online.pilot.attention import use_sdpa
 

@@ -278,11 +278,23 @@ def check_network_backbones(name: str, path: Path, state: dict[str, torch.Tensor
         timm.create_model = original
     modules = list(network.modules())
     vits = [m for m in built if any(m is n for n in modules)]
-    assert vits, f"{name}: no ViT built through timm.create_model is part of the network"
+    # PILOT's vit_adapter, vit_ease and vit_mos build their own ViT and copy a timm model's
+    # weights into it, splitting qkv into q_proj, k_proj and v_proj: checked as well.
+    vits += [
+        m
+        for m in modules
+        if hasattr(m, "blocks") and any(".attn.q_proj." in k for k in m.state_dict())
+    ]
+    assert vits, f"{name}: the network holds no ViT"
     expected = [k for k in state if BACKBONE_KEY.fullmatch(k)]
     assert len(expected) == 4 + 12 * 12 + 2  # embeddings, 12 blocks, norm
     for vit in vits:
         own = {re.sub(r"attn\.qkv\.qkv\.", "attn.qkv.", k): v for k, v in vit.state_dict().items()}
+        # vit_ease/vit_mos/vit_adapter also hold the MLP's layers on the block itself.
+        own = {re.sub(r"^(blocks\.\d+)\.(fc[12])\.", r"\1.mlp.\2.", k): v for k, v in own.items()}
+        for key in [k for k in own if ".attn.q_proj." in k]:
+            parts = [own[key.replace("q_proj", proj)] for proj in ("q_proj", "k_proj", "v_proj")]
+            own[key.replace("q_proj", "qkv")] = torch.cat(parts)
         for key in expected:
             value = own[key]
             if key == "pos_embed" and value.shape != state[key].shape:

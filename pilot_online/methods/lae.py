@@ -77,6 +77,15 @@ class LAEOnline(MethodAdapter):
         ),
     }
 
+    @classmethod
+    def check_config(cls, cfg: Mapping[str, Any]) -> None:
+        if cfg.get("sdpa"):
+            raise ValueError(
+                "sdpa: true cannot run LAE: its attention adds the PET module's prompts, "
+                "prefixes and adapters inside PILOT's forward, which sdpa does not reproduce; "
+                'set "sdpa": false'
+            )
+
     def backbone_kwargs(self, args: dict) -> dict[str, Any]:
         # PILOT's "_lae" branch calls timm.create_model(name, pretrained=True): force the config's.
         return {

@@ -9,7 +9,12 @@ included; PILOT's files are not touched. Recognised (by class name and attribute
 - ``Attention`` of timm and of PILOT's ``vit_l2p``/``vit_dualprompt`` (``forward(x, *args)``),
   and of ``vit_ssf`` (APER's SSF: a feature-wise scale and shift after ``qkv`` and ``proj``);
 - ``PreT_Attention`` (``vit_dualprompt``: key/value prefixes ``[B, 2, length, heads, head_dim]``);
-- CODA's ``Attention`` (``vit_coda_promtpt``: ``forward(x, register_hook, prompt=(pk, pv))``).
+- CODA's ``Attention`` (``vit_coda_promtpt``: ``forward(x, register_hook, prompt=(pk, pv))``);
+- the ``Attention`` of ``vit_adapter``, ``vit_ease`` and ``vit_mos`` (APER's adapter, RanPAC,
+  FeCAM, EASE, MOS), with separate ``q_proj``, ``k_proj`` and ``v_proj``.
+
+An attention module that does more inside its forward (LAE's prompts, prefixes and adapters in
+``vit_lae``) is not recognised: such a method refuses ``sdpa: true`` in its ``check_config``.
 
 fp32 results match the hand-written attention to rounding (a different summation order), not
 bit for bit; off by default.
@@ -54,6 +59,19 @@ def plain_forward(self: nn.Module, x: torch.Tensor, *args) -> torch.Tensor:
     return _attend(self, q, k, v, x.shape)
 
 
+def split_forward(self: nn.Module, x: torch.Tensor, *args) -> torch.Tensor:
+    """``vit_adapter``/``vit_ease``/``vit_mos``: q, k and v from three projections."""
+    batch, tokens, width = x.shape
+    heads = self.num_heads
+    q, k, v = (
+        getattr(self, f"{name}_proj")(x)
+        .reshape(batch, tokens, heads, width // heads)
+        .transpose(1, 2)
+        for name in "qkv"
+    )
+    return _attend(self, q, k, v, x.shape)
+
+
 def prefix_forward(self: nn.Module, x: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
     """PILOT's ``PreT_Attention``: key and value prefixes come first in the key/value sequence."""
     q, k, v = _split_heads(self, x)
@@ -81,9 +99,14 @@ def coda_forward(
 
 
 def _forward_for(module: nn.Module):
-    if not all(hasattr(module, a) for a in ("qkv", "num_heads", "scale", "proj", "attn_drop")):
-        return None
     name = type(module).__name__
+    if any(hasattr(module, a) for a in ("add_prompt", "add_prefix", "adapt_module")):
+        return None  # LAE's PET modules act inside the forward
+    common = ("num_heads", "scale", "proj", "attn_drop")
+    if name == "Attention" and all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj")):
+        return split_forward if all(hasattr(module, a) for a in common) else None
+    if not all(hasattr(module, a) for a in ("qkv", *common)):
+        return None
     if name == "PreT_Attention":
         return prefix_forward
     if name == "Attention":
