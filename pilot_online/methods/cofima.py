@@ -14,7 +14,7 @@ through the loop's per-group LRs, its running class Gaussians and its CA, reused
 A consolidation firing closes a *period* (the stream since the last firing) and stands for a task
 end. The Fisher is accumulated at every step of the period from the gradient the step trains on
 (the whole loss, CE plus P's term when on, before FGH reweights it: read in
-:meth:`CoFiMAOnline.extra_backward`), its mean over the period's steps clamped at
+:meth:`CoFiMAOnline.transform_gradients`), its mean over the period's steps clamped at
 ``cofima_fisher_max``. The weights after the last firing and that period's Fisher are kept
 (``extra_state``) for the next merge.
 """
@@ -22,8 +22,7 @@ end. The Fisher is accumulated at every step of the period from the gradient the
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -108,26 +107,21 @@ class CoFiMAOnline(SLCAOnline):
 
     # -- the Fisher, accumulated online --------------------------------------------------------
     @torch.no_grad()
-    def extra_backward(
-        self, network: nn.Module, autocast: Callable[[], AbstractContextManager]
-    ) -> dict[str, torch.Tensor]:
+    def transform_gradients(self, network: nn.Module) -> None:
         """Adds the step's squared gradient (the full loss's, before FGH reweights it) to the
-        period's Fisher sum; a step whose gradient is not finite (the loop skips it) adds
-        nothing. One host read per step (that finiteness). Without a trigger, nothing."""
+        period's Fisher sum. The loop calls this hook only for finite steps, so a skipped step
+        adds nothing without a check of our own. Without a trigger, nothing."""
         if self.args.get("consolidation") == "never":
-            return {}
+            return
         if self.fisher_sum is None:
             self.fisher_sum = [torch.zeros_like(p) for _, p in self._named]
         present = [
             (s, p.grad) for s, (_, p) in zip(self.fisher_sum, self._named) if p.grad is not None
         ]
-        if not present:
-            return {}
-        sums, grads = (list(t) for t in zip(*present))
-        if bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()):
+        if present:
+            sums, grads = (list(t) for t in zip(*present))
             torch._foreach_addcmul_(sums, grads, grads)
             self.fisher_steps += 1
-        return {}
 
     def period_fisher(self) -> list[torch.Tensor]:
         """The closing period's Fisher (mean squared gradient, clamped); a fresh sum starts."""
