@@ -309,10 +309,11 @@ SEGMENT_IMAGES = np.random.default_rng(4).integers(0, 256, size=(12, 32, 32, 3),
 SEGMENT_CUTS = ([8, 4], [12])
 
 
-def train_segmented(built: Built, sizes: list[int]):
+def train_segmented(built: Built, sizes: list[int], eval_period: int | None = None):
     """A copy of the built method trained on the 12-image stream cut into segments of ``sizes``
-    (the session evaluates at every segment end, and a checkpoint would read the state there),
-    with the consolidation trigger, if the method has one, firing at the same samples."""
+    (the session evaluates at every segment end, and a checkpoint would read the state there;
+    with ``eval_period``, also every that many samples), with the consolidation trigger, if the
+    method has one, firing at the same samples."""
     import copy
 
     from pilot_online.core.streams import Stream
@@ -320,7 +321,7 @@ def train_segmented(built: Built, sizes: list[int]):
 
     adapter, network, config = copy.deepcopy(built)  # one copy: cross-references kept
     variant = "fgh" if "fgh" in adapter.variants else "base"
-    config = {**config, **VARIANTS[variant], "eval_period": None}
+    config = {**config, **VARIANTS[variant], "eval_period": eval_period}
     if adapter.default_consolidation != "never":
         config.update(consolidation="new_classes", consolidation_new_classes=2)
     loop = build_loop(adapter, network, config, NUM_CLASSES)
@@ -353,6 +354,45 @@ def test_training_does_not_depend_on_segment_ends(built):
         torch.testing.assert_close(
             ours[key], theirs[key], rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}"
         )
+
+
+def assert_same_state(ours: object, theirs: object, where: str = "") -> None:
+    """Equal nested training state (dicts, lists, tensors, numbers), tensors to rounding."""
+    if isinstance(theirs, torch.Tensor):
+        assert isinstance(ours, torch.Tensor), where
+        torch.testing.assert_close(
+            ours, theirs, rtol=1e-4, atol=1e-5, msg=lambda m: f"{where}: {m}"
+        )
+    elif isinstance(theirs, dict):
+        assert isinstance(ours, dict) and set(ours) == set(theirs), where
+        for key in theirs:
+            assert_same_state(ours[key], theirs[key], f"{where}.{key}")
+    elif isinstance(theirs, (list, tuple)):
+        assert isinstance(ours, (list, tuple)) and len(ours) == len(theirs), where
+        for index, (a, b) in enumerate(zip(ours, theirs)):
+            assert_same_state(a, b, f"{where}[{index}]")
+    elif isinstance(theirs, np.ndarray):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5, err_msg=where)
+    else:
+        assert ours == theirs, where
+
+
+def test_training_does_not_depend_on_evaluations(built):
+    """Evaluation reads the training state and never writes it: the same stream evaluated after
+    every batch (``eval_period`` 4, so every evaluation view is derived, used and dropped) and
+    only at its end trains the same weights and the same method state (``extra_state``), with
+    the same firings. A method that aligned, merged or drew random numbers for an evaluation in
+    its training state fails here."""
+    plain, evaluated = train_segmented(built, [12]), train_segmented(built, [12], eval_period=4)
+    assert evaluated.trigger.firings == plain.trigger.firings
+    assert_same_state(
+        evaluated.network.state_dict(), plain.network.state_dict(), "network.state_dict()"
+    )
+    assert_same_state(
+        evaluated.adapter.extra_state(evaluated.network),
+        plain.adapter.extra_state(plain.network),
+        "adapter.extra_state()",
+    )
 
 
 def assert_learned(adapter, network, before: dict) -> None:

@@ -112,3 +112,20 @@ def test_the_bounded_form_is_one_key_away():
     }
     assert (bounded["clamp"], bounded["gamma"]) == ([0.0, 10.0], 0.001)
     assert PAPER_FGH["gamma"] == 1.0  # "we set gamma=1 for all experiments by default"
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_both_kernels_cap_the_coefficient_at_the_float_ceiling(foreach):
+    """The cap is in the per-tensor specification and in the foreach kernels alike: at gamma
+    1e36 the second step's pairing (hypergradient 4 per class row, as in the 10^4-step test)
+    would take alpha to 4e36, beyond float32's range of a product alpha * g; both kernels stop
+    it at sqrt(float32 max) = 2^64 - 2^40."""
+    layer = torch.nn.Linear(3, 2)
+    fgh = FineGrainedHypergradients(
+        layer.named_parameters(), **{**PAPER_FGH, "gamma": 1e36, "foreach": foreach}
+    )
+    for _ in range(2):
+        layer.zero_grad(set_to_none=True)
+        (layer.weight.sum() + layer.bias.sum()).backward()
+        fgh.step()
+    assert torch.equal(fgh.state[layer.weight]["alpha"], torch.full((2,), 2.0**64 - 2.0**40))

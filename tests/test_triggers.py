@@ -229,3 +229,45 @@ def test_the_loop_checkpoint_carries_the_trigger():
     assert resumed_adapter.calls == [(0, 12)]
     assert resumed.trigger.firings == [12]
     assert "consolidation" not in build_loop(TinyAdapter(), TinyNet(), {}, 6).report()
+
+
+def test_a_restored_plateau_detector_stays_disarmed():
+    """Constant losses of 1 under a mean threshold of 1.5: the detector fires at its first step
+    (it starts armed), then stays disarmed, since no window mean rises above the last plateau's
+    1 + sqrt(0). Restored mid-stream, it must stay disarmed: a fresh detector (armed) would fire
+    again at the first step after the resume, at 8 samples."""
+    batches, losses = [[0, 1]] * 6, [1.0] * 6
+    expected = firings(Plateau(3, 1.5, 0.5), batches, losses)
+    assert expected == [2]
+    trigger = Plateau(3, 1.5, 0.5)
+    firings(trigger, batches[:3], losses[:3])
+    restored = Plateau(3, 1.5, 0.5)
+    restored.load_state_dict(trigger.state_dict())
+    assert firings(restored, batches[3:], losses[3:]) == expected
+
+
+class Penalised(Consolidating):
+    """A method whose own loss term is 10 at every step: the total loss never goes under the
+    plateau's mean threshold of 6, its classification loss (about log 6 = 1.8) always does."""
+
+    def forward(self, network, x, train):
+        out = super().forward(network, x, train)
+        out.aux_loss = 10.0 + 0.0 * out.logits.sum()
+        return out
+
+
+def test_the_plateau_trigger_reads_the_classification_loss():
+    """Online-LoRA's detector watches the loss it trains on for classification; a method's own
+    terms (prompt losses, regularisers) are not part of it. Fed the total loss (11.8), it would
+    never fire here; fed the classification loss, it fires after the first step."""
+    adapter = Penalised()
+    loop = make_loop(
+        adapter,
+        consolidation="plateau",
+        consolidation_plateau_window=1,
+        consolidation_plateau_mean=6.0,
+        consolidation_plateau_variance=0.5,
+    )
+    step(loop, [0, 1, 2, 3])
+    step(loop, [0, 1, 2, 3])
+    assert adapter.calls == [(0, 4)] and loop.trigger.firings == [4]

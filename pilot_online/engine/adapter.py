@@ -59,6 +59,20 @@ class ConfigKey:
     check: Callable[[str, Any], Any] | None = None
 
 
+@dataclass(frozen=True)
+class UpstreamDifference:
+    """One deliberate difference between a port and upstream's ``models/<base_model_name>.py``.
+
+    Written once, on the adapter (:attr:`MethodAdapter.upstream_differences`): the table in
+    ``docs/upstream-differences.md`` is generated from these entries, and
+    ``tests/test_upstream_<methods-file>.py`` must hold a ``test_difference_<key>`` that asserts
+    the difference, so the docs, the code and the tests cannot drift apart."""
+
+    key: str  # snake_case id; names the test that asserts it
+    what: str  # what differs from upstream, in one sentence
+    why: str  # why online training forces or chooses it, in one sentence
+
+
 @dataclass
 class MethodAdapter:
     """Base class of the per-method adapters. Subclasses override the four methods marked below."""
@@ -91,6 +105,13 @@ class MethodAdapter:
     #: plateau) the method uses when the config's ``consolidation`` is null. A method that
     #: upstream acts at task boundaries overrides :meth:`consolidate` and names its default here.
     default_consolidation: ClassVar[str] = "never"
+    #: The PILOT model this port reproduces (``models/<upstream_model>.py``, the file a reviewer
+    #: diffs against and ``tests/test_upstream_<methods-file>.py`` runs); None: the
+    #: ``base_model_name``; "": none (a method from outside PILOT, such as MVP, that only reuses
+    #: a PILOT network). Read from the class itself, never inherited: DGR subclasses ER.
+    upstream_model: ClassVar[str | None] = None
+    #: Every deliberate difference from upstream's code (:class:`UpstreamDifference`).
+    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = ()
     args: dict = field(default_factory=dict)
 
     # -- to override -------------------------------------------------------------------------
@@ -199,8 +220,29 @@ class MethodAdapter:
         network may still be in evaluation mode; it never receives a task id or a segment end.
         Returns the parameters the method restarted, whose optimiser and FGH state the loop
         drops (as :meth:`after_step`). A method that overrides it can be given any trigger; one
-        that does not refuses every trigger but ``never``."""
+        that does not refuses every trigger but ``never``.
+
+        It may add parameters (a new adapter per firing, as upstream adds one per task): the loop
+        then re-reads :meth:`trainable_parameters`, and each new one joins the optimiser (in the
+        group of its :meth:`lr_scale`), FGH and the checkpoint, where it stays after the method
+        freezes it. A resume calls :meth:`load_extra_state` before any parameter is loaded, so a
+        method rebuilds there the structure it had added (from a count in :meth:`extra_state`)."""
         return ()
+
+    def evaluation_view(self, network: nn.Module) -> Mapping[str, torch.Tensor]:
+        """What evaluation predicts with, derived from the training state as it is now: tensors by
+        the name of a network parameter or buffer (``named_parameters``/``named_buffers``), of
+        the same shape and dtype, that evaluation uses in place of the training values.
+
+        Why: upstream evaluates right after its task-boundary step, and part of that step exists
+        only for evaluation (SLCA and CoFiMA back up the head, align it, evaluate, recall it;
+        RanPAC and FeCAM evaluate an analytic head). Online, the trigger fires at the next
+        task's first batch, after the task-end evaluation, so evaluation derives that view
+        itself. The loop asks for it lazily at an evaluation, in eval mode, under
+        ``torch.no_grad`` and a forked RNG (draws here never disturb training's), caches it until
+        the next training step or firing, and restores the training values afterwards: the
+        training state changes only from the stream. Nothing (``{}``) by default."""
+        return {}
 
     @classmethod
     def state_bytes(cls, args: Mapping[str, Any]) -> int:
@@ -248,6 +290,13 @@ class MethodAdapter:
             raise ValueError(
                 f"{type(self).__name__} keeps no extra state but the checkpoint has {sorted(state)}"
             )
+
+    @classmethod
+    def upstream_file(cls) -> str | None:
+        """``models/<name>.py`` of the PILOT model this port reproduces, or None."""
+        own = vars(cls).get("upstream_model")
+        name = cls.base_model_name if own is None else own
+        return f"models/{name}.py" if name else None
 
     def pilot_args(self, args: dict, **overrides: Any) -> dict:
         """A copy of ``args`` in which PILOT's factories recognise the upstream method."""

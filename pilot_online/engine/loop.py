@@ -26,6 +26,7 @@ from torch import nn
 from ..core.checks import check_choice
 from ..core.fgh import class_grad_norms
 from ..core.masks import classes_present, mask_logits, training_mask
+from ..core.rng import capture_rng_state, restore_rng_state
 from ..core.triggers import make_trigger
 from .adapter import MethodAdapter, StepOutput
 from .eval_cache import QueryCache
@@ -169,6 +170,10 @@ class OnlineLoop:
         )
         # When the adapter's consolidate() runs: decided from the stream alone.
         self.trigger = make_trigger(config, num_classes)
+        # The adapter's evaluation view (``evaluation_view``) and the training step it was
+        # derived at: reused by every evaluation until the training state changes.
+        self._state_version = 0
+        self._view: tuple[int, dict[str, torch.Tensor]] | None = None
         self.setup()
 
     def attach_samples(self, loader: SampleLoader) -> None:
@@ -207,6 +212,37 @@ class OnlineLoop:
         for p in params:
             self.optimizer.state.pop(p, None)
 
+    def adopt_parameters(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        """Parameters the method added (a new adapter at a firing) join the optimiser, in the group
+        of their ``lr_scale`` (a new group for a new scale). Mixins add them to their own
+        components (FGH)."""
+        lr = float(self.config.get("init_lr", 5e-3))
+        for name, p in named:
+            scale = float(self.adapter.lr_scale(name, p))
+            if not (math.isfinite(scale) and scale > 0):
+                raise ValueError(f"lr_scale must be finite and > 0, got {scale} for {name}")
+            group = next((g for g in self.optimizer.param_groups if g["lr_scale"] == scale), None)
+            if group is None:
+                self.optimizer.add_param_group({"params": [p], "lr": lr * scale, "lr_scale": scale})
+            else:
+                group["params"].append(p)
+
+    def _adopt_new_parameters(self, saved_names: Iterable[str] = ()) -> None:
+        """Re-read the adapter's trainable parameters (after a firing or a method's restart) and
+        adopt those the loop has not seen. ``saved_names`` (a resume): the checkpoint's
+        parameters, in its order, adopted even if the method has frozen them since."""
+        known = {name for name, _ in self.named_parameters}
+        everything = dict(self.network.named_parameters())
+        new = [(n, everything[n]) for n in saved_names if n not in known and n in everything]
+        known.update(n for n, _ in new)
+        new += [
+            (n, p) for n, p in self.adapter.trainable_parameters(self.network) if n not in known
+        ]
+        if new:
+            self.named_parameters += new
+            self.adopt_parameters(new)
+            logger.info("%d new trainable parameters: %s", len(new), [n for n, _ in new][:4])
+
     def report(self) -> dict[str, Any]:
         """Entries for the results file's ``diagnostics`` (the adapter's under ``method``)."""
         report: dict[str, Any] = {}
@@ -240,6 +276,7 @@ class OnlineLoop:
         the prompt vote of L2P/DualPrompt the replayed samples vote too, and MVP counts their key
         use); the loss is the mean over both. Counters, accuracy and ``after_step`` cover the
         stream batch only."""
+        self._state_version += 1  # evaluation views derived before this step are stale
         self._consolidate_if_triggered(labels)
         replay = self.replay_batch(indices, labels)
         stream_size = len(labels)
@@ -298,6 +335,7 @@ class OnlineLoop:
         restarted = list(self.adapter.after_step(self.network, inputs, batch_labels, detached))
         if restarted:
             self.reset_state(restarted)
+            self._adopt_new_parameters()
         self._observe(out, labels, stream_size, detached)
         return StepStats(loss.detach(), correct, stream_size, terms=detached)
 
@@ -329,6 +367,7 @@ class OnlineLoop:
         restarted = list(self.adapter.consolidate(self.network, firing))
         if restarted:
             self.reset_state(restarted)
+        self._adopt_new_parameters()
 
     def _skip_nonfinite(self, loss, correct, samples, terms) -> StepStats:
         self.skipped_nonfinite_steps += 1
@@ -397,7 +436,13 @@ class OnlineLoop:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` into a loop built from the same config and network."""
+        """Restore :meth:`state_dict` into a loop built from the same config and network.
+
+        The adapter's extra state first: a method that added parameters at its firings rebuilds
+        them there, and the loop adopts them (in the checkpoint's order) before any value loads."""
+        self._state_version += 1
+        self.adapter.load_extra_state(self.network, state["adapter"])
+        self._adopt_new_parameters(state["parameters"])
         for kind, current in (
             ("parameters", dict(self.named_parameters)),
             ("buffers", dict(self.network.named_buffers())),
@@ -417,7 +462,6 @@ class OnlineLoop:
                     )
                 tensor.copy_(saved[name])
         self.trigger.load_state_dict(state["trigger"])
-        self.adapter.load_extra_state(self.network, state["adapter"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.seen.copy_(state["seen"])
         self.optimizer_steps = int(state["optimizer_steps"])
@@ -448,8 +492,56 @@ class OnlineLoop:
         ``sample_ids``: the test-sample index of each row of ``batches``, in order, given only when
         the test transforms are deterministic; with them, the query cache serves the method's
         frozen query pass (``engine/eval_cache.py``)."""
-        with matmul_precision(self.matmul_precision):
+        with matmul_precision(self.matmul_precision), self.evaluation_view():
             return self._predict(batches, allowed, topk, sample_ids)
+
+    @contextlib.contextmanager
+    def evaluation_view(self) -> Iterator[None]:
+        """The network as evaluation sees it (:meth:`MethodAdapter.evaluation_view`): the view's
+        tensors swapped in, the training values put back on exit. The view is derived in eval
+        mode under a forked RNG, once per training state (cached until the next step, firing or
+        restore), so evaluating never changes what training does next."""
+        if self._view is None or self._view[0] != self._state_version:
+            self.adapter.eval_mode(self.network)
+            state = capture_rng_state(self.device)
+            try:
+                with torch.no_grad():
+                    view = dict(self.adapter.evaluation_view(self.network))
+            finally:
+                restore_rng_state(state, self.device)
+            self._view = (self._state_version, view)
+        view = self._view[1]
+        if not view:
+            yield
+            return
+        frozen_query = {id(p) for p in self.adapter.query_parameters(self.network)}
+        tensors = {**dict(self.network.named_parameters()), **dict(self.network.named_buffers())}
+        for name, value in view.items():
+            target = tensors.get(name)
+            if target is None:
+                raise KeyError(
+                    f"{type(self.adapter).__name__}.evaluation_view() names {name!r}, which is no "
+                    "parameter or buffer of the network"
+                )
+            if id(target) in frozen_query:
+                raise ValueError(
+                    f"{type(self.adapter).__name__}.evaluation_view() overrides {name!r}, a "
+                    "parameter of the frozen query pass, whose features the query cache keeps"
+                )
+            if value.shape != target.shape or value.dtype != target.dtype:
+                raise ValueError(
+                    f"{type(self.adapter).__name__}.evaluation_view()[{name!r}] is "
+                    f"{tuple(value.shape)} {value.dtype}; the network's is "
+                    f"{tuple(target.shape)} {target.dtype}"
+                )
+        saved = {name: tensors[name].data for name in view}
+        try:
+            for name, value in view.items():
+                tensors[name].data = value
+            yield
+        finally:
+            for name, data in saved.items():
+                tensors[name].data = data
 
     def _predict(
         self,

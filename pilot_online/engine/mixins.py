@@ -93,6 +93,14 @@ class FGHMixin:
         super().reset_state(params)
         self.fgh.reset_state(params)
 
+    def adopt_parameters(self: OnlineLoop, named: list[tuple[str, torch.nn.Parameter]]) -> None:
+        """Parameters a method added at a firing get their own FGH group (alpha 1); the
+        class-wise form covers the classifier alone, which a firing does not add."""
+        super().adopt_parameters(named)
+        trainable = [(name, p) for name, p in named if p.requires_grad]
+        if self.fgh.defaults["granularity"] != "class" and trainable:
+            self.fgh.add_param_group({"params": trainable})
+
     def state_dict(self: OnlineLoop) -> dict[str, Any]:
         return {**super().state_dict(), "fgh": self.fgh.state_dict()}
 

@@ -95,6 +95,7 @@ class ConvPromptNet(nn.Module):
 @register_method("convprompt_online")
 class ConvPromptOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "dualprompt"  # PILOT's DualPrompt ViT and data transforms
+    upstream_model: ClassVar[str] = ""  # CVIR/convprompt, not a PILOT model
     paper_name: ClassVar[str] = "ConvPrompt"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("dualprompt")
     config_keys: ClassVar[dict[str, ConfigKey]] = {

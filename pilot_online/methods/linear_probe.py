@@ -22,6 +22,7 @@ from .finetune import REPLAY_KEYS, FinetuneOnline
 
 @register_method("linear_probe_online")
 class LinearProbeOnline(FinetuneOnline):
+    upstream_model: ClassVar[str] = ""  # not a PILOT model (PILOT has no replay row)
     paper_name: ClassVar[str] = "Linear probe"
 
     def build_network(self, args: dict) -> nn.Module:
@@ -43,6 +44,7 @@ class LinearProbeOnline(FinetuneOnline):
 class ERLinearProbeOnline(LinearProbeOnline):
     """Linear probe plus experience replay (the loop's ``ReplayMixin``, on by default here)."""
 
+    upstream_model: ClassVar[str] = ""  # not a PILOT model (PILOT has no replay row)
     paper_name: ClassVar[str] = "ER + Linear probe"
 
     memory_based: ClassVar[bool] = True

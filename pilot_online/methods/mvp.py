@@ -195,6 +195,7 @@ class MVPNet(nn.Module):
 @register_method("mvp_online")
 class MVPOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "l2p"  # PILOT's ViT module whose plain ViT we reuse
+    upstream_model: ClassVar[str] = ""  # KHU-AGI/Si-Blurry, not a PILOT model
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("l2p")
     paper_name: ClassVar[str] = "MVP"
     config_keys: ClassVar[dict[str, ConfigKey]] = MVP_KEYS

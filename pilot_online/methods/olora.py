@@ -108,6 +108,7 @@ class OLoRANet(nn.Module):
 @register_method("olora_online")
 class OLoRAOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "olora"  # no PILOT counterpart: PILOT's default transforms
+    upstream_model: ClassVar[str] = ""  # Online-LoRA-official, not a PILOT model
     backbone_types: ClassVar[tuple[str, ...]] = (
         "vit_base_patch16_224",
         "vit_base_patch16_224_in21k",
