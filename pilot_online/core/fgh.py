@@ -551,6 +551,27 @@ class FineGrainedHypergradients:
             self.alpha_stream_sums = torch.cat([self.alpha_stream_sums, row])
             self.alpha_stream_max = torch.cat([self.alpha_stream_max, row.new_ones(1)])
 
+    def extend_group(self, index: int, named_params: Iterable[Any]) -> None:
+        """Add ``(name, Parameter)`` pairs to group ``index``, as a method's new adapter joins the
+        parameters FGH covers (``engine/loop.py``: parameters added at a firing). Their state is
+        created at their first gradient (alpha 1), as for any parameter; the group count, and so
+        the shape of :meth:`state_dict`, does not depend on how often parameters were added."""
+        group = self.param_groups[index]
+        if group["granularity"] == "class":
+            raise ValueError("a class-wise group covers one final layer; it takes no parameters")
+        # Every pair, frozen or not: a resume re-adds, in order, adapters the method has frozen
+        # since (they get no gradient, so FGH never touches them).
+        pairs = _named_pairs(named_params, "extend_group")
+        seen_ids = {id(p) for g in self.param_groups for p in g["params"]}
+        seen_names = {n for g in self.param_groups for n in g["names"]}
+        for name, p in pairs:
+            if id(p) in seen_ids or name in seen_names:
+                raise ValueError(f"parameter {name!r} appears in more than one group (or twice)")
+            seen_ids.add(id(p))
+            seen_names.add(name)
+            group["params"].append(p)
+            group["names"].append(name)
+
     # ------------------------------------------------------------------ the optimizer hook
 
     def register_optimizer_hooks(

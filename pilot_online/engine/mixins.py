@@ -94,12 +94,11 @@ class FGHMixin:
         self.fgh.reset_state(params)
 
     def adopt_parameters(self: OnlineLoop, named: list[tuple[str, torch.nn.Parameter]]) -> None:
-        """Parameters a method added at a firing get their own FGH group (alpha 1); the
-        class-wise form covers the classifier alone, which a firing does not add."""
+        """Parameters a method added at a firing join FGH's group (alpha 1 at their first
+        gradient); the class-wise form covers the classifier alone, which a firing never adds."""
         super().adopt_parameters(named)
-        trainable = [(name, p) for name, p in named if p.requires_grad]
-        if self.fgh.defaults["granularity"] != "class" and trainable:
-            self.fgh.add_param_group({"params": trainable})
+        if self.fgh.defaults["granularity"] != "class":
+            self.fgh.extend_group(0, named)
 
     def state_dict(self: OnlineLoop) -> dict[str, Any]:
         return {**super().state_dict(), "fgh": self.fgh.state_dict()}
