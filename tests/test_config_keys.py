@@ -238,3 +238,21 @@ def test_configuration_page_states_each_keys_valid_values():
         assert rows[key] == said, f"docs/configuration.md says {key} is {rows[key]!r}: {said!r}"
         checked += 1
     assert checked >= 35, checked
+
+
+def test_method_keys_are_recorded_as_defined():
+    """docs/configuration.md's method-keys table is the record each method key's definition is
+    held to: the generated cases above follow a key's own check, so a bound removed from it
+    (``wt_lambda``'s [0, 1], ``ridge_holdout_every >= 2``) would pass them; it changes this
+    table's line instead, which then no longer matches (``python scripts/make_docs.py``)."""
+    from test_upstream_contract import make_docs
+
+    docs = make_docs()
+    page = docs.KEYS_PAGE.read_text(encoding="utf-8")
+    assert docs.render_keys(page) == page, (
+        "a method key changed its default or its valid values: review the change, then run "
+        "`python scripts/make_docs.py` to record it in docs/configuration.md"
+    )
+    for name in list_methods():
+        for key in get_method(name).config_keys:
+            assert f"| `{key}` |" in page, key

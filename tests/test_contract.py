@@ -354,6 +354,11 @@ def test_training_does_not_depend_on_segment_ends(built):
         torch.testing.assert_close(
             ours[key], theirs[key], rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}"
         )
+    # The method's own state too: an extra consolidation at a segment end that leaves the
+    # weights alone (RanPAC's and FeCAM's statistics, EASE's subspaces) still shows here.
+    assert_same_state(
+        a.adapter.extra_state(a.network), b.adapter.extra_state(b.network), "extra_state()"
+    )
 
 
 def assert_same_state(ours: object, theirs: object, where: str = "") -> None:
