@@ -45,7 +45,13 @@ setup(
         "safetensors": ["safetensors"],
         "test": ["pytest", "ruff", "safetensors"],
     },
-    entry_points={"console_scripts": ["pilot-online=pilot_online.cli:main"]},
+    entry_points={
+        "console_scripts": ["pilot-online=pilot_online.cli:main"],
+        # Methods from other packages register here, e.g. in theirs:
+        # "pilot_online.methods": ["my_method_online = my_package.adapter:MyAdapter"]
+        # (engine/registry.py loads the group; the built-in methods register on import).
+        "pilot_online.methods": [],
+    },
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",

@@ -11,7 +11,8 @@ its configs with no edit here. Each method ``<short>_online`` (the registered na
 
 - ``smoke_<short>_online.json``: + P + FGH (where the adapter's ``variants`` allow) on the
   synthetic dataset at 32 px, random weights, CPU (:func:`smoke_config`; the adapter's
-  ``smoke_overrides`` on top);
+  ``smoke_overrides`` on top); and one Si-Blurry smoke config, ``smoke_coda_online_blurry.json``,
+  with periodic evaluations (A_auc) (:func:`blurry_smoke_config`);
 - its ablation configs ``<short>_online_<variant>[_blurry].json`` (the adapter's ``variants`` of
   base, p, fgh_only, fgh, x clear and Si-Blurry; CIFAR-100, 10 seeds), at the Best HP learning
   rate of its row in the paper's hp_grid table where it has one (``engine.protocol.HP_GRID``),
@@ -89,8 +90,10 @@ def model_name(method: str) -> str:
 
 
 def short_names() -> list[str]:
-    """Every registered method's short name (the exps/ file prefix), in registry order."""
-    return [method_short_name(name) for name in list_methods()]
+    """Every built-in method's short name (the exps/ file prefix), in registry order; methods
+    registered from outside the package (entry points) get no configs here."""
+    built_in = [n for n in list_methods() if get_method(n).__module__.startswith("pilot_online.")]
+    return [method_short_name(name) for name in built_in]
 
 
 def method_keys(name: str) -> dict:
@@ -173,9 +176,26 @@ def lr_grid_config(method: str, lr: float) -> dict:
     return config
 
 
+#: Stream samples between the Si-Blurry smoke config's periodic evaluations: 8 over its 800
+#: (the synthetic stream), as Si-Blurry's protocol (every 1000 samples) gives 50 over CIFAR-100.
+SMOKE_EVAL_PERIOD = 100
+
+
+def blurry_smoke_config() -> dict:
+    """CODA + P + FGH's smoke config on the Si-Blurry stream, with periodic evaluations: a run
+    with A_auc and the accuracy-over-the-stream figure (``pilot-online figures --which
+    accuracy``) in about a minute on the CPU."""
+    config = smoke_config("coda")
+    config.update(prefix="smoke_blurry", stream="si_blurry", eval_period=SMOKE_EVAL_PERIOD)
+    return config
+
+
 def smoke_configs() -> dict[str, dict]:
-    """``smoke_<short>_online.json`` of every registered method."""
-    return {f"smoke_{method}_online.json": smoke_config(method) for method in short_names()}
+    """``smoke_<short>_online.json`` of every registered method, and the Si-Blurry smoke config
+    ``smoke_coda_online_blurry.json``."""
+    configs = {f"smoke_{method}_online.json": smoke_config(method) for method in short_names()}
+    configs["smoke_coda_online_blurry.json"] = blurry_smoke_config()
+    return configs
 
 
 def all_configs() -> dict[str, dict]:

@@ -19,7 +19,9 @@ EXPS = Path(__file__).resolve().parent.parent / "exps"
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/smoke_matrix"))
-    every = sorted(p.name[len("smoke_") : -len("_online.json")] for p in EXPS.glob("smoke_*.json"))
+    every = sorted(
+        p.name[len("smoke_") : -len("_online.json")] for p in EXPS.glob("smoke_*_online.json")
+    )
     parser.add_argument("--methods", default=",".join(every))
     parser.add_argument("--variants", default="base,p,fgh_only,fgh")
     parser.add_argument("--streams", default="clear,si_blurry")

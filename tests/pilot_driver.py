@@ -72,7 +72,11 @@ def eval_probe(self):
     report["learner_calls"].append("eval_task")
     result = learner_eval(self)
     report["changed"] = {
-        name: {"trainable": p.requires_grad, "changed": not torch.equal(initial[name], p.detach())}
+        name: {
+            "trainable": p.requires_grad,
+            # A parameter added at a firing (a new adapter) did not exist at the start.
+            "changed": name not in initial or not torch.equal(initial[name], p.detach()),
+        }
         for name, p in self._network.named_parameters()
     }
     report["buffers_changed"] = {

@@ -164,3 +164,53 @@ def test_alignment_normalises_logits_over_blocks_and_needs_them():
             generator=torch.Generator(),
             temperature=0.1,
         )
+
+
+def test_weight_decay_alone_moves_the_aligned_rows_and_no_other_row():
+    """Zero features (zero means and spreads): the CE gives the weights no gradient, so they move
+    by the weight decay alone, through SGD's momentum, by hand: v1 = wd w0, w1 = w0 (1 - lr wd),
+    v2 = 0.9 v1 + wd w1, w2 = w1 - lr v2 = w0 (1 - lr wd - lr wd (1.9 - lr wd)) = 0.8575 w0 at
+    lr 0.1, wd 0.5 (one epoch: the cosine schedule's lr is lr; 2 classes x 4 samples, batches of
+    4: two steps). Row 2, of a class not aligned, keeps its weight and bias (upstream's head has
+    no such row for its decay to reach)."""
+    torch.manual_seed(0)
+    head = nn.Linear(2, 3)
+    before = head.weight.detach().clone(), head.bias.detach().clone()
+    align_classifier(
+        head,
+        torch.tensor([0, 1]),
+        torch.zeros(2, 2),
+        torch.zeros(2, 2),
+        epochs=1,
+        lr=0.1,
+        weight_decay=0.5,
+        samples_per_class=4,
+        generator=torch.Generator().manual_seed(0),
+    )
+    torch.testing.assert_close(head.weight[:2], 0.8575 * before[0][:2], rtol=1e-6, atol=1e-7)
+    assert torch.equal(head.weight[2], before[0][2]) and head.bias[2] == before[1][2]
+    assert not torch.equal(head.bias[:2], before[1][:2])  # the CE moves the biases
+
+
+def test_alignment_batches_mix_the_classes():
+    """Upstream shuffles the drawn features before it cuts them into batches: with two classes 40
+    apart (the sign of x0 tells them), every batch of 64 holds both, about half each (a batch of
+    one class has probability 2^-63 when shuffled; unshuffled, every batch is one class)."""
+    head = nn.Linear(2, 2)
+    drawn: list[torch.Tensor] = []
+    head.register_forward_hook(lambda module, args, out: drawn.append(args[0].detach()))
+    align_classifier(
+        head,
+        torch.tensor([0, 1]),
+        torch.tensor([[20.0, 0.0], [-20.0, 0.0]]),
+        torch.ones(2, 2),
+        epochs=2,
+        lr=0.0,
+        weight_decay=0.0,
+        samples_per_class=64,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert len(drawn) == 4  # 2 epochs x 2 batches
+    for batch in drawn:
+        share = float((batch[:, 0] > 0).double().mean())
+        assert 0.3 < share < 0.7, share

@@ -26,7 +26,7 @@ class TinyCoFiMA(CoFiMAOnline):
     """CoFiMA's state and firings over conftest's TinyNet (features = relu(body(x)))."""
 
     def build_network(self, args: dict) -> nn.Module:
-        network = TinyNet(num_classes=NUM_CLASSES)
+        network = TinyNet(num_classes=int(args["nb_classes"]))
         self._setup_state(args, network.fc.in_features)  # SLCA's class Gaussians
         self.setup_state(network)
         return network
@@ -58,7 +58,7 @@ def make(**overrides):
     cfg = config(**overrides)
     adapter = TinyCoFiMA(args=cfg)
     network = adapter.build_network(cfg)
-    return adapter, network, build_loop(adapter, network, cfg, NUM_CLASSES)
+    return adapter, network, build_loop(adapter, network, cfg, cfg["nb_classes"])
 
 
 def batches(steps: int, size: int = 4, seed: int = 1):
@@ -110,41 +110,110 @@ def test_period_fisher_is_the_mean_squared_gradient_clamped():
     assert adapter.fisher_sum is None and adapter.fisher_steps == 0
 
 
+def sessions(adapter: TinyCoFiMA) -> None:
+    """Classes 0, 1 first seen before the first firing, 2, 3 after it, 4, 5 never."""
+    adapter.stats.session.copy_(torch.tensor([0, 0, 1, 1, -1, -1]))
+
+
 def test_merge_from_the_second_firing_with_the_hand_formula():
     adapter, network, _ = make(ca_epochs=0, wt_lambda=0.25)
+    body, head = list(network.body.parameters()), list(network.fc.parameters())
     params = [p for _, p in network.named_parameters()]
-    w0 = [p.detach().clone() for p in params]
+    w0 = {id(p): p.detach().clone() for p in params}
     adapter.fisher_sum, adapter.fisher_steps = [torch.full_like(p, 4e-5) for p in params], 2
     adapter.consolidate(network, 0)  # upstream's first task end: kept, no merge
     assert adapter.merges == []
-    for p, w in zip(params, w0):
-        torch.testing.assert_close(p.detach(), w)
+    for p in params:
+        torch.testing.assert_close(p.detach(), w0[id(p)])
     with torch.no_grad():
         for p in params:
             p.add_(1.0)  # the second period's training
+    sessions(adapter)
     adapter.fisher_sum, adapter.fisher_steps = [torch.full_like(p, 3e-5) for p in params], 1
     adapter.consolidate(network, 1)
     # F0 = 4e-5 / 2 = 2e-5, F1 = 3e-5, a = 0.25, t1 = t0 + 1:
     # (0.75 * 2e-5 * t0 + 0.25 * 3e-5 * (t0 + 1)) / (0.75 * 2e-5 + 0.25 * 3e-5)
     # = t0 + 0.75e-5 / 2.25e-5 = t0 + 1/3
     assert adapter.merges == [1]
-    for p, w in zip(params, w0):
-        torch.testing.assert_close(p.detach(), w + 1 / 3)
-    for a, p in zip(adapter.anchor, params):  # the merged weights are the next previous model
-        torch.testing.assert_close(a, p.detach())
+    for p in body:  # the merged backbone trains on
+        torch.testing.assert_close(p.detach(), w0[id(p)] + 1 / 3)
+    for p in head:  # the head trains on as it was (upstream's fc.recall())
+        torch.testing.assert_close(p.detach(), w0[id(p)] + 1)
+    # The next merge's previous model: the merged backbone, and the head merged per row: old
+    # classes (0, 1) averaged, new ones (2, 3) F1 t1 (upstream's keys of the new model only),
+    # never seen ones (4, 5) t1.
+    anchor = dict(zip(map(id, params), adapter.anchor))
+    for p in body:
+        torch.testing.assert_close(anchor[id(p)], w0[id(p)] + 1 / 3)
+    for p in head:
+        t0 = w0[id(p)]
+        expected = torch.cat([t0[:2] + 1 / 3, 3e-5 * (t0[2:4] + 1), t0[4:] + 1])
+        torch.testing.assert_close(anchor[id(p)], expected)
 
 
 def test_plain_average_without_fisher_weighting():
     adapter, network, _ = make(ca_epochs=0, wt_lambda=0.4, fisher_weighting=False)
     params = [p for _, p in network.named_parameters()]
-    w0 = [p.detach().clone() for p in params]
+    w0 = {id(p): p.detach().clone() for p in params}
     adapter.consolidate(network, 0)
     with torch.no_grad():
         for p in params:
             p.add_(2.0)
+    sessions(adapter)
     adapter.consolidate(network, 1)
-    for p, w in zip(params, w0):  # 0.6 t0 + 0.4 (t0 + 2) = t0 + 0.8
-        torch.testing.assert_close(p.detach(), w + 0.8)
+    anchor = dict(zip(map(id, params), adapter.anchor))
+    for p in network.body.parameters():  # 0.6 t0 + 0.4 (t0 + 2) = t0 + 0.8
+        torch.testing.assert_close(p.detach(), w0[id(p)] + 0.8)
+    for p in network.fc.parameters():  # new and unseen rows: t1 (upstream's new keys)
+        t0 = w0[id(p)]
+        torch.testing.assert_close(p.detach(), t0 + 2)
+        torch.testing.assert_close(anchor[id(p)], torch.cat([t0[:2] + 0.8, t0[2:] + 2]))
+
+
+def test_fisher_average_of_subnormal_fishers_is_the_formula():
+    # F0 = F1 = 1e-40 (float32 subnormals): the formula's (0.6 * 1 + 0.4 * 3) / 1 = 1.8, which
+    # a float32 denominator clamped at 1e-38 would shrink to 0.018.
+    f = torch.tensor([1e-40])
+    (merged,) = fisher_average([torch.tensor([1.0])], [f], [torch.tensor([3.0])], [f], alpha=0.4)
+    assert merged.dtype == torch.float32
+    torch.testing.assert_close(merged, torch.tensor([1.8]))
+
+
+# -- the evaluation view ---------------------------------------------------------------------------
+def flat_state(adapter: TinyCoFiMA, network: nn.Module) -> list[torch.Tensor]:
+    """Every tensor of the method's state and the network's, in a fixed order."""
+    state = adapter.extra_state(network)
+    tensors = [*state["stats"].values(), *state["fisher_sum"], *state["prev_fisher"]]
+    return [*tensors, *state["anchor"], *network.state_dict().values()]
+
+
+def test_evaluation_view_is_the_coming_firing_and_changes_nothing():
+    kwargs = dict(
+        consolidation="every_n_samples", consolidation_every_n_samples=8, ca_samples_per_class=8
+    )
+    adapter, network, loop = make(**kwargs)
+    data = batches(7)
+    loop.train_step(*data[0])
+    assert adapter.evaluation_view(network) == {}  # upstream's first task: no merge, no CA
+    for x, y in data[1:7]:
+        loop.train_step(x, y)  # firings before steps 2, 4 and 6: a period of one step is open
+    before = [t.clone() for t in flat_state(adapter, network)]
+    view = adapter.evaluation_view(network)
+    for a, b in zip(flat_state(adapter, network), before):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert set(view) == {name for name, _ in network.named_parameters()}
+    parameters = dict(network.named_parameters())
+    # CA moved the merged head: the view's head is not the training head.
+    assert not torch.allclose(view["fc.weight"], parameters["fc.weight"])
+    # The next firing makes the same model: its backbone trains on, all of it is the anchor.
+    adapter.consolidate(network, len(adapter.merges) + 1)
+    for (name, p), kept in zip(adapter._named, adapter.anchor):
+        torch.testing.assert_close(kept, view[name], rtol=0, atol=0)
+        if name.startswith("body."):
+            torch.testing.assert_close(p.detach(), view[name], rtol=0, atol=0)
+    adapter, network, loop = make(consolidation="never")
+    loop.train_step(*data[0])
+    assert adapter.evaluation_view(network) == {}
 
 
 def test_the_loop_merges_at_its_firings_only():
@@ -184,3 +253,40 @@ def test_state_bytes_adds_three_weight_copies_to_slca():
     # backbone (85,798,656) with a 10-class head (10 * 769)
     expected = 10 * (4 * 589_824 + 4 * 768 + 16) + 3 * 4 * (85_798_656 + 7690)
     assert CoFiMAOnline.state_bytes({"nb_classes": 10}) == expected
+
+
+def test_defaults_act_on_twenty_cub_sized_tasks():
+    # CUB's stream: 20 tasks of 10 classes, about 470 samples each, with the default trigger
+    # (new_classes, 10): a firing at each of the 19 boundaries, and each task-end evaluation from
+    # the second task on sees the merged model. (CA, whose cost grows with the classes, runs for
+    # the last evaluation only: it is no window, it aligns whenever a view is asked for.)
+    tasks, classes, samples, batch = 20, 10, 470, 235
+    adapter, network, loop = make(
+        nb_classes=tasks * classes,
+        consolidation="new_classes",
+        consolidation_new_classes=classes,
+        ca_samples_per_class=4,
+        ca_epochs=0,
+    )
+    g = torch.Generator().manual_seed(2)
+    for task in range(tasks):
+        labels = torch.arange(task * classes, (task + 1) * classes).repeat(samples // classes)
+        labels = labels[torch.randperm(len(labels), generator=g)]
+        for step in range(len(labels) // batch):
+            y = labels[step * batch : (step + 1) * batch]
+            loop.train_step(torch.randn(len(y), 5, generator=g), y)
+        if task < tasks - 1:
+            view = adapter.evaluation_view(network)  # the task-end evaluation's
+            assert bool(view) == (task > 0)
+            if view:
+                assert not torch.allclose(view["body.weight"], network.body.weight)
+    assert loop.trigger.firings == [samples * t for t in range(1, tasks)]
+    # Firings 1 to 18 merge (the first only keeps the model); the last task's merge, upstream's
+    # 19th, is the view its evaluation sees: merged and aligned.
+    assert adapter.merges == list(range(1, tasks - 1))
+    adapter.args["ca_epochs"] = 1
+    view = adapter.evaluation_view(network)
+    adapter.args["ca_epochs"] = 0
+    merged = adapter.evaluation_view(network)
+    assert not torch.allclose(view["fc.weight"], merged["fc.weight"])
+    torch.testing.assert_close(view["body.weight"], merged["body.weight"])

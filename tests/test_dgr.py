@@ -216,9 +216,34 @@ def test_checkpoint_keeps_the_statistics():
     assert torch.equal(fresh.grad_sums, adapter.grad_sums)
     assert torch.equal(fresh.label_counts, adapter.label_counts)
     assert torch.equal(fresh.seen, adapter.seen) and torch.equal(fresh.known, adapter.known)
+    # The reset count and the last step's weights, which the results file reports.
+    assert adapter.resets == 1 and fresh.resets == 1
+    assert adapter.weights.min() < 1 and torch.equal(fresh.weights, adapter.weights)
+    assert fresh.report() == adapter.report()
     bad = {**state, "grad_sums": torch.zeros(C + 1, dtype=torch.float64)}
     with pytest.raises(ValueError, match="cover 7 classes"):
         TinyDGR().load_extra_state(TinyDGR().build_network({}), bad)
+
+
+def test_recorded_gradient_norms_are_those_after_the_reweighting():
+    """The loop's per-class gradient norms (the paper's imbalance statistics) measure what the
+    optimiser receives: DGR's reweighted rows, ``||(w_c g_c, w_c b_c)||``, not the raw ones."""
+    config = {"optimizer": "sgd", "init_lr": 0.5, "logit_mask": "batch"}
+    torch.manual_seed(0)
+    adapter = TinyDGR(args=config)
+    network = adapter.build_network(config)
+    loop = build_loop(adapter, network, config, C)
+    (x, y), counts = _batches(steps=1)[0], np.zeros(C)
+    counts += np.bincount(y.numpy(), minlength=C)
+    g_w, g_b = _hand_fc_gradient(copy.deepcopy(network), x, y.numpy(), counts)
+    raw = np.sqrt((g_w**2).sum(1) + g_b**2)  # weight row and bias entry
+    grad_sums = np.linalg.norm(g_w, axis=1)  # DGR's G: the weight rows
+    active = grad_sums > 0
+    w = np.where(active, grad_sums[active].min() / np.where(active, grad_sums, 1), 1.0)
+    loop.train_step(x, y)
+    recorded = loop.gradient_statistics()["mean"]
+    np.testing.assert_allclose(recorded, w * raw, rtol=1e-5, atol=1e-7)
+    assert np.abs(recorded - raw).max() > 1e-3  # the reweighting acted
 
 
 def test_memory_is_upstreams_size_and_replay_is_required():

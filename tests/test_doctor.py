@@ -163,25 +163,49 @@ def class_folders(root: Path, count: int = 200) -> None:
             (root / "data" / "cub" / split / f"{c:03d}.bird").mkdir(parents=True)
 
 
-def test_with_a_pilot_root_the_folders_are_those_of_the_checkout(tmp_path, monkeypatch):
-    """From the plugin's checkout with --pilot-root (or $PILOT_ROOT): PILOT reads ./data where
-    python main.py runs, the PILOT checkout, so that is where the dataset is looked for."""
+def test_the_folders_are_those_of_the_working_directory_whatever_the_pilot_root(
+    tmp_path, monkeypatch
+):
+    """One rule for every entry point: PILOT reads ./data where the run starts (python main.py
+    and pilot-online run alike; --pilot-root only says where PILOT's code is), so doctor checks
+    the folders of the directory it runs in, with or without --pilot-root (it used to check the
+    checkout's data/, which `pilot-online run --pilot-root` started here never reads)."""
     here, pilot = tmp_path / "plugin", tmp_path / "pilot"
     here.mkdir()
     monkeypatch.chdir(here)
     monkeypatch.delenv("PILOT_ROOT", raising=False)
-    class_folders(here)  # in the wrong place: the run would not see them
+    class_folders(pilot)  # the checkout's data/: not what a run started here reads
     config = write_config(tmp_path, dataset="cub", pretrained=False, device=[-1])
     dataset = by_name(run_checks(config, str(pilot), data_path=False))["dataset"]
     assert [c.status for c in dataset] == [FAIL, FAIL]
-    assert f"the training folder {pilot / 'data/cub/train'} does not exist" in dataset[0].detail
-    assert f"the PILOT checkout {pilot}, where python main.py runs" in dataset[0].detail
-    assert dataset[0].fix.startswith("put the CUB-200 split")
-    class_folders(pilot)
+    assert f"the training folder {here / 'data/cub/train'} does not exist" in dataset[0].detail
+    assert dataset[0].fix.startswith("run from the folder that holds data/")
+    class_folders(here)
     monkeypatch.setenv("PILOT_ROOT", str(pilot))
-    dataset = by_name(run_checks(config, None, data_path=False))["dataset"]
-    assert [c.status for c in dataset] == [OK]
-    assert dataset[0].detail == f"{pilot / 'data/cub/train'}, {pilot / 'data/cub/test'} in place"
+    (ok,) = by_name(run_checks(config, None, data_path=False))["dataset"]
+    assert ok.status == OK
+    assert ok.detail.startswith(f"{here / 'data/cub/train'}, {here / 'data/cub/test'} in place")
+
+
+def test_the_run_reads_the_folder_doctor_checks(tmp_path, monkeypatch):
+    """prepare (what main.py and pilot-online run reach) names the folder doctor names."""
+    from pilot_online.pilot.data import DatasetUnavailableError, prepare
+
+    class MissingFolders:
+        def download_data(self) -> None:
+            raise FileNotFoundError("no such folder")
+
+    monkeypatch.chdir(tmp_path)
+    config = write_config(tmp_path, dataset="cub", pretrained=False, device=[-1])
+    (check, _) = by_name(run_checks(config, str(tmp_path / "pilot"), data_path=False))["dataset"]
+    folder = str(tmp_path / "data" / "cub" / "train")
+    assert folder in check.detail
+    try:
+        prepare(MissingFolders(), "cub", {})
+    except DatasetUnavailableError as err:
+        assert folder in str(err)
+    else:
+        raise AssertionError("prepare accepted a missing dataset")
 
 
 def test_without_a_pilot_root_the_item_says_where_the_run_must_start(tmp_path, monkeypatch):
@@ -194,17 +218,27 @@ def test_without_a_pilot_root_the_item_says_where_the_run_must_start(tmp_path, m
     assert f"relative to {tmp_path}, so the run must start from this directory" in dataset.detail
 
 
-def test_a_missing_cifar_folder_has_a_one_sentence_fix_with_the_absolute_folder(
-    tmp_path, monkeypatch
-):
+def test_a_missing_cifar_folder_fails_when_it_cannot_be_downloaded(tmp_path, monkeypatch):
+    """Offline, a CIFAR folder that is not in place fails (it used to be a warning, and the run
+    then failed seconds in); with its host reachable it is a warning (the run downloads it)."""
+    from pilot_online.cli import doctor
+
+    monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("PILOT_ROOT", raising=False)
     config = write_config(tmp_path, dataset="cifar224", pretrained=False, device=[-1])
+    folder = tmp_path / "data" / "cifar-100-python"
+    monkeypatch.setattr(doctor, "_host_answers", lambda url, timeout=5.0: False)
     (dataset,) = by_name(run_checks(config, str(tmp_path / "pilot"), data_path=False))["dataset"]
-    folder = tmp_path / "pilot" / "data" / "cifar-100-python"
+    assert dataset.status == FAIL
+    assert dataset.detail.startswith(f"{folder} does not exist and {doctor.CIFAR_HOST} cannot")
+    assert dataset.fix == f"offline, extract cifar-100-python.tar.gz into {tmp_path / 'data'}"
+    monkeypatch.setattr(doctor, "_host_answers", lambda url, timeout=5.0: True)
+    (dataset,) = by_name(run_checks(config, None, data_path=False))["dataset"]
+    assert dataset.status == "warn"
     assert dataset.detail == (
         f"{folder} does not exist: torchvision downloads it (download=True) from "
         "https://www.cs.toronto.edu/~kriz/cifar.html, when the run starts"
     )
-    assert dataset.fix == (
-        f"offline, extract cifar-100-python.tar.gz into {tmp_path / 'pilot' / 'data'}"
-    )
+    folder.mkdir(parents=True)
+    (dataset,) = by_name(run_checks(config, None, data_path=False))["dataset"]
+    assert dataset.status == OK

@@ -16,7 +16,7 @@ from conftest import TinyNet
 from torch import nn
 
 from pilot_online.engine.loop import build_loop
-from pilot_online.methods.duct import ClassPeriods, DUCTOnline, sinkhorn, transport_head
+from pilot_online.methods.duct import ClassPeriods, DUCTOnline, sinkhorn, transported_rows
 
 NUM_CLASSES = 6
 
@@ -25,7 +25,7 @@ class TinyDUCT(DUCTOnline):
     """DUCT over conftest's TinyNet: ``body`` is the merged backbone, features relu(body(x))."""
 
     def build_network(self, args: dict) -> nn.Module:
-        network = TinyNet(num_classes=NUM_CLASSES)
+        network = TinyNet(num_classes=int(args["nb_classes"]))
         self.setup_state(network, args)
         return network
 
@@ -58,7 +58,7 @@ def make(**overrides):
     cfg = config(**overrides)
     adapter = TinyDUCT(args=cfg)
     network = adapter.build_network(cfg)
-    return adapter, network, build_loop(adapter, network, cfg, NUM_CLASSES)
+    return adapter, network, build_loop(adapter, network, cfg, cfg["nb_classes"])
 
 
 def batches(steps: int, size: int = 4, seed: int = 1):
@@ -94,18 +94,35 @@ def test_sinkhorn_survives_costs_where_the_kernel_underflows():
     torch.testing.assert_close(plan, torch.tensor([[0.5, 0.0], [0.0, 0.5]], dtype=torch.float64))
 
 
-def test_transport_head_by_hand():
+def test_transported_rows_by_hand():
     # Current classes 0, 1 and old 2, 3 with means far apart except 0~2 and 1~3: the plan is
-    # diag(1/2, 1/2), so W_old <- 0.75 W_old + 0.25 * 0.5 * W_matched.
-    layer = nn.Linear(2, 4)
-    with torch.no_grad():
-        layer.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0], [4.0, 4.0]]))
-        layer.bias.copy_(torch.tensor([8.0, 16.0, 0.0, 0.0]))
+    # diag(1/2, 1/2), so the old rows move to 0.75 W_old + 0.25 * 0.5 * W_matched, each scaled
+    # back to its own norm (upstream's cosine head sees only the direction).
+    weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0], [4.0, 4.0]])
     means = torch.tensor([[0.0, 0.0], [10.0, 0.0], [0.0, 0.1], [10.0, 0.1]])
-    transport_head(layer, torch.tensor([0, 1]), torch.tensor([2, 3]), means, 0.25, 0.02)
-    expected = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.625, 1.5], [3.0, 3.125]])
-    torch.testing.assert_close(layer.weight.detach(), expected)
-    torch.testing.assert_close(layer.bias.detach(), torch.tensor([8.0, 16.0, 1.0, 2.0]))
+    rows = transported_rows(weight, torch.tensor([0, 1]), torch.tensor([2, 3]), means, 0.25, 0.02)
+    raw = torch.tensor([[1.625, 1.5], [3.0, 3.125]])
+    norms = torch.tensor([[2 * 2**0.5], [4 * 2**0.5]])
+    torch.testing.assert_close(rows, raw / raw.norm(dim=1, keepdim=True) * norms)
+    torch.testing.assert_close(rows.norm(dim=1), norms.flatten())
+
+
+def test_consolidate_transports_rows_at_their_norms_and_keeps_the_bias():
+    adapter, network, _ = make()
+    labels = torch.tensor([0, 1, 2, 3])
+    features = torch.cat([torch.eye(4), torch.zeros(4, 4)], 1)
+    adapter.means.update(features, labels)
+    adapter.periods.observe(labels[:2])
+    adapter.consolidate(network, 0)  # classes 0, 1: group 0
+    weight, bias = network.fc.weight.detach().clone(), network.fc.bias.detach().clone()
+    adapter.periods.observe(labels[2:])
+    for _ in range(3):  # three firings of classes 2, 3 alone: group 0 moves at each
+        adapter.consolidate(network, len(adapter.ratios))
+        adapter.periods.observe(labels[2:])
+    assert adapter.transports == 3
+    torch.testing.assert_close(network.fc.weight.detach().norm(dim=1), weight.norm(dim=1))
+    torch.testing.assert_close(network.fc.bias.detach(), bias)
+    assert not torch.allclose(network.fc.weight[:2], weight[:2])  # the directions moved
 
 
 # -- the firing ----------------------------------------------------------------------------------
@@ -190,3 +207,69 @@ def test_extra_state_round_trip_takes_the_same_steps():
 def test_state_bytes_counts_one_backbone_copy():
     # the anchor (fp32 ViT-B/16 backbone) and three fp32 10 x 768 banks of class means
     assert DUCTOnline.state_bytes({"nb_classes": 10}) == 4 * 85_798_656 + 3 * 4 * 10 * 768
+
+
+# -- the evaluation view ---------------------------------------------------------------------------
+def flat_state(adapter: DUCTOnline, network: nn.Module) -> list[torch.Tensor]:
+    """Every tensor of the method's state and the network's, in a fixed order."""
+    state = adapter.extra_state(network)
+    tensors = [v for k in ("means", "trained", "anchored", "periods") for v in state[k].values()]
+    return [*tensors, *state["anchor"], *network.state_dict().values()]
+
+
+def test_evaluation_view_is_the_coming_firing_and_changes_nothing():
+    adapter, network, loop = make(consolidation="every_n_samples", consolidation_every_n_samples=8)
+    for x, y in batches(5):
+        loop.train_step(x, y)  # firings before steps 2 and 4: a period of one step is open
+    before = [t.clone() for t in flat_state(adapter, network)]
+    ratios, transports = list(adapter.ratios), adapter.transports
+    view = adapter.evaluation_view(network)
+    for a, b in zip(flat_state(adapter, network), before):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert adapter.ratios == ratios and adapter.transports == transports
+    # What the next firing then makes of the training state is what the view showed.
+    adapter.consolidate(network, len(adapter.ratios))
+    assert adapter.transports > transports and set(view) == {
+        "body.weight",
+        "body.bias",
+        "fc.weight",
+    }
+    parameters = dict(network.named_parameters())
+    for name, value in view.items():
+        torch.testing.assert_close(parameters[name].detach(), value, rtol=0, atol=0)
+    adapter, network, loop = make(consolidation="never")
+    loop.train_step(*batches(1)[0])
+    assert adapter.evaluation_view(network) == {}
+
+
+def test_defaults_act_on_twenty_cub_sized_tasks():
+    # CUB's stream: 20 tasks of 10 classes, about 470 samples each, with the default trigger
+    # (new_classes, 10): a firing at each of the 19 boundaries merges and transports every older
+    # group at the rows' norms, and each task-end evaluation sees the merge and the transport.
+    tasks, classes, samples, batch = 20, 10, 470, 235
+    adapter, network, loop = make(
+        nb_classes=tasks * classes, consolidation="new_classes", consolidation_new_classes=classes
+    )
+    norms_kept = []
+    consolidate = adapter.consolidate
+
+    def checked(network: nn.Module, firing: int):
+        before = network.fc.weight.detach().norm(dim=1)
+        result = consolidate(network, firing)
+        norms_kept.append(torch.allclose(network.fc.weight.detach().norm(dim=1), before))
+        return result
+
+    adapter.consolidate = checked
+    g = torch.Generator().manual_seed(2)
+    for task in range(tasks):
+        labels = torch.arange(task * classes, (task + 1) * classes).repeat(samples // classes)
+        labels = labels[torch.randperm(len(labels), generator=g)]
+        for step in range(len(labels) // batch):
+            y = labels[step * batch : (step + 1) * batch]
+            loop.train_step(torch.randn(len(y), 5, generator=g), y)
+        view = adapter.evaluation_view(network)  # the task-end evaluation's
+        assert {"body.weight", "body.bias"} <= set(view)
+        assert ("fc.weight" in view) == (task > 0)
+    assert loop.trigger.firings == [samples * t for t in range(1, tasks)]
+    assert len(adapter.ratios) == tasks - 1 and all(norms_kept)
+    assert adapter.transports == sum(range(tasks - 1))  # firing f moves its f older groups

@@ -6,6 +6,7 @@ adapter set and restarts the next set's and the head's optimiser state, and noth
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -15,11 +16,14 @@ from conftest import build_network, raw_smoke_config, requires_pilot, smoke_conf
 from torch import nn
 
 from pilot_online import get_method
-from pilot_online.core.prototypes import PrototypeBank
 from pilot_online.engine.adapter import StepOutput
 from pilot_online.engine.config import VARIANTS
 from pilot_online.engine.loop import build_loop
-from pilot_online.methods.ease import complemented_prototypes, reweighted_logits
+from pilot_online.methods.ease import (
+    attach_cosine_head,
+    complemented_prototypes,
+    reweighted_logits,
+)
 
 E = math.e
 
@@ -123,53 +127,93 @@ def test_reweighting_equals_upstreams_forward_reweight(pilot_on_path) -> None:
 
 
 # -- firings and class means on a stand-in network ---------------------------------------------
-def stand_in(slots: int = 3, classes: int = 4, dim: int = 2) -> nn.Module:
-    """What EaseOnline's consolidate, observe and prototype_logits touch: adapter sets, class
-    means per subspace, the head and the active index."""
+class StandInBackbone(nn.Module):
+    """What EaseOnline's subspace bookkeeping reads of PILOT's vit_ease backbone: a current
+    adapter set that ``get_new_adapter`` replaces with a fresh one, and a device."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.get_new_adapter()
+
+    def get_new_adapter(self) -> None:
+        self.cur_adapter = nn.ModuleList([nn.Linear(self.dim, self.dim)])
+
+
+def stand_in(adapter, classes: int = 4, dim: int = 2) -> nn.Module:
+    """What EaseOnline's consolidate, observe and prototype_logits touch: the backbone's adapter
+    sets as subspaces, class means per subspace and the cosine proxy head."""
     network = nn.Module()
-    network.subspaces = nn.ModuleList(nn.ModuleList([nn.Linear(dim, dim)]) for _ in range(slots))
-    network.class_means = nn.ModuleList(PrototypeBank(classes, dim) for _ in range(slots))
-    network.fc = nn.Linear(dim, classes)
-    network.ease_active = 0
+    network.backbone, network.out_dim = StandInBackbone(dim), dim
+    network.subspaces, network.class_means = nn.ModuleList(), nn.ModuleList()
+    adapter._open_subspace(network, firing=None)
+    attach_cosine_head(network, dim, classes)
+    adapter.opened_at = []  # what build_network sets
     return network
 
 
 def adapter_for(**keys) -> object:
-    adapter = get_method("ease_online")(args={"seed": 3, "alpha": 0.1, **keys})
-    adapter.opened_at, adapter.ignored_firings = [], 0  # what build_network sets
-    return adapter
+    args = {"seed": 3, "alpha": 0.1, "nb_classes": 4, "adapter_dropout": 0.0, **keys}
+    return get_method("ease_online")(args=args)
 
 
-def test_each_firing_opens_the_next_subspace_until_the_cap() -> None:
-    """A firing freezes the active set, activates the next and restarts the head; it returns
-    both sets' and the head's parameters (their optimiser state is dropped). With 3 sets the
-    third firing is ignored."""
-    adapter, network = adapter_for(), stand_in()
+def test_each_firing_adds_a_subspace_without_a_cap() -> None:
+    """A firing freezes the active set, adds a fresh one and restarts the head (rows and sigma);
+    it returns the frozen set's and the head's parameters (their optimiser state is dropped).
+    Twelve firings open twelve subspaces: no cap."""
+    adapter = adapter_for()
+    network = stand_in(adapter)
+    with torch.no_grad():
+        network.fc_sigma.fill_(3.0)
     head_before = network.fc.weight.detach().clone()
+    first = network.subspaces[0]
     restarted = list(adapter.consolidate(network, 0))
-    assert network.ease_active == 1
-    assert not any(p.requires_grad for p in network.subspaces[0].parameters())
+    assert len(network.subspaces) == 2 and len(network.class_means) == 2
+    assert not any(p.requires_grad for p in first.parameters())
     assert all(p.requires_grad for p in network.subspaces[1].parameters())
-    expected = {*network.subspaces[0].parameters(), *network.subspaces[1].parameters()}
-    assert set(restarted) == expected | set(network.fc.parameters())
+    assert set(restarted) == {*first.parameters(), network.fc.weight, network.fc_sigma}
     assert not torch.equal(network.fc.weight, head_before)  # a fresh head
-    assert network.fc.weight.abs().max() <= 1 / math.sqrt(2)  # nn.Linear's init range
-    adapter.consolidate(network, 1)
-    assert network.ease_active == 2
-    assert list(adapter.consolidate(network, 2)) == []  # at the cap
-    assert network.ease_active == 2 and adapter.ignored_firings == 1
-    assert adapter.report()["ease"]["opened_at_firings"] == [0, 1]
-    assert adapter.report()["ease"]["subspaces"] == 3
+    assert network.fc.weight.abs().max() <= 1 / math.sqrt(2)  # upstream's init range
+    assert float(network.fc_sigma.detach()) == 1.0
+    for firing in range(1, 12):
+        adapter.consolidate(network, firing)
+    assert len(network.subspaces) == 13
+    assert adapter.report()["ease"] == {"subspaces": 13, "opened_at_firings": list(range(12))}
 
 
-def test_a_restarted_head_is_the_same_on_every_rerun() -> None:
-    heads = []
+def test_a_restarted_head_and_a_new_subspace_are_the_same_on_every_rerun() -> None:
+    heads, sets = [], []
     for _ in range(2):
-        adapter, network = adapter_for(), stand_in()
+        adapter = adapter_for()
+        network = stand_in(adapter)
         torch.manual_seed(len(heads))  # other draws between runs do not matter
         adapter.consolidate(network, 0)
         heads.append(network.fc.weight.detach().clone())
+        sets.append(network.subspaces[1][0].weight.detach().clone())
     torch.testing.assert_close(heads[0], heads[1])
+    torch.testing.assert_close(sets[0], sets[1])
+
+
+def test_a_resume_rebuilds_the_subspaces_from_the_count() -> None:
+    """load_extra_state re-creates the subspaces the firings added (values load afterwards),
+    the older ones frozen."""
+    adapter = adapter_for()
+    network = stand_in(adapter)
+    for firing in range(3):
+        adapter.consolidate(network, firing)
+    state = adapter.extra_state(network)
+    fresh_adapter = adapter_for()
+    fresh = stand_in(fresh_adapter)
+    fresh_adapter.load_extra_state(fresh, state)
+    assert len(fresh.subspaces) == 4 and len(fresh.class_means) == 4
+    assert [any(p.requires_grad for p in s.parameters()) for s in fresh.subspaces] == [
+        False,
+        False,
+        False,
+        True,
+    ]
+    assert set(dict(fresh.named_parameters())) == set(dict(network.named_parameters()))
 
 
 def test_class_means_per_subspace_and_the_home_subspace() -> None:
@@ -177,7 +221,8 @@ def test_class_means_per_subspace_and_the_home_subspace() -> None:
     class 1 (2 samples, through both subspaces) and class 2: class 1's home stays 0 (3 > 2),
     class 2's is 1. Prediction: class 2 has no mean in subspace 0, and its complement there is
     class 1's mean (the only donor: a mean in both subspaces)."""
-    adapter, network = adapter_for(alpha=0.5), stand_in(slots=2, classes=4)
+    adapter = adapter_for(alpha=0.5)
+    network = stand_in(adapter, classes=4)
 
     def observe(active_features, labels, frozen=None):
         extras = {} if frozen is None else {"frozen": torch.tensor(frozen).unsqueeze(0)}
@@ -186,7 +231,7 @@ def test_class_means_per_subspace_and_the_home_subspace() -> None:
 
     observe([[1.0, 0], [3.0, 0], [0, 1.0], [0, 2.0]], [0, 0, 1, 1])
     observe([[0, 3.0]], [1])
-    adapter.consolidate(network, 0)
+    adapter.consolidate(network, 0)  # subspace 1 opens
     observe([[2.0, 2.0], [1.0, 1.0], [-1.0, 0]], [1, 1, 2], frozen=[[0, 6.0], [0, 8.0], [4.0, 4.0]])
     means0, means1 = network.class_means[0].means, network.class_means[1].means
     np.testing.assert_allclose(means0[:3].numpy(), [[2, 0], [0, 4], [4, 4]])
@@ -213,11 +258,11 @@ def test_class_means_per_subspace_and_the_home_subspace() -> None:
 
 # -- on PILOT's network ------------------------------------------------------------------------
 @requires_pilot
-def test_a_firing_freezes_the_active_set_and_only_a_firing_does(pilot_on_path) -> None:
-    """Smoke network (2 sets), new_classes every 2: step 0 shows classes 0 and 1, step 1 classes
-    2 and 3 (the trigger fires before it: subspace 1 opens), step 2 old classes only. Set 1 does
-    not change before the firing, set 0 not after it; the head's Adam state restarts there; the
-    frozen set keeps counting its class means."""
+def test_a_firing_adds_a_trained_subspace_and_freezes_the_old(pilot_on_path) -> None:
+    """Smoke network, new_classes every 2: step 0 shows classes 0 and 1, step 1 classes 2 and 3
+    (the trigger fires before it: subspace 1 is added and the loop adopts it), step 2 old classes
+    only. Set 0 does not change after the firing, set 1 trains from its first step; the head's
+    Adam state restarts there; the frozen set keeps counting its class means."""
     config = smoke_config(
         "ease_online",
         num_classes=4,
@@ -228,44 +273,95 @@ def test_a_firing_freezes_the_active_set_and_only_a_firing_does(pilot_on_path) -
     adapter = get_method("ease_online")(args=config)
     network = build_network(adapter, config)
     loop = build_loop(adapter, network, config, 4)
-    sets = [[p.detach().clone() for p in s.parameters()] for s in network.subspaces]
+    assert len(network.subspaces) == 1
 
-    def changed(index: int) -> bool:
+    def snapshot() -> list[list[torch.Tensor]]:
+        return [[p.detach().clone() for p in s.parameters()] for s in network.subspaces]
+
+    def changed(before: list[list[torch.Tensor]], index: int) -> bool:
         now = list(network.subspaces[index].parameters())
-        return any(not torch.equal(a, b) for a, b in zip(sets[index], now))
-
-    def snapshot() -> None:
-        sets[:] = [[p.detach().clone() for p in s.parameters()] for s in network.subspaces]
+        return any(not torch.equal(a, b) for a, b in zip(before[index], now))
 
     images = torch.rand(3, 4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    before = snapshot()
     loop.train_step(images[0], torch.tensor([0, 1, 0, 1]))
-    assert network.ease_active == 0 and loop.trigger.firings == []
-    assert changed(0) and not changed(1)
-    snapshot()
+    assert len(network.subspaces) == 1 and loop.trigger.firings == []
+    assert changed(before, 0)
+    before = snapshot()
     loop.train_step(images[1], torch.tensor([2, 3, 2, 3]))
-    assert network.ease_active == 1 and loop.trigger.firings == [4]
-    assert not changed(0) and changed(1)
+    assert len(network.subspaces) == 2 and loop.trigger.firings == [4]
+    assert not changed(before, 0)
+    adopted = {id(p) for _, p in loop.named_parameters}
+    assert all(id(p) in adopted for p in network.subspaces[1].parameters())
     assert int(loop.optimizer.state[network.fc.weight]["step"]) == 1  # restarted at the firing
     assert not any(p in loop.optimizer.state for p in network.subspaces[0].parameters())
-    snapshot()
+    # Its up-projections start at zero (LoRA init): its first step moves them.
+    assert any(p in loop.optimizer.state for p in network.subspaces[1].parameters())
+    before = snapshot()
     loop.train_step(images[2], torch.tensor([0, 2, 0, 2]))
-    assert loop.trigger.firings == [4] and network.ease_active == 1
-    assert not changed(0) and changed(1)
+    assert loop.trigger.firings == [4] and len(network.subspaces) == 2
+    assert not changed(before, 0) and changed(before, 1)
     assert not any(p.requires_grad for p in network.subspaces[0].parameters())
     np.testing.assert_array_equal(network.class_means[0].counts.numpy(), [4, 2, 4, 2])
     np.testing.assert_array_equal(network.class_means[1].counts.numpy(), [2, 0, 4, 2])
-    report = loop.report()["method"]["ease"]
-    assert report == {
-        "subspaces": 2,
-        "adapter_num": 2,
-        "opened_at_firings": [0],
-        "ignored_firings": 0,
-    }
+    assert loop.report()["method"]["ease"] == {"subspaces": 2, "opened_at_firings": [0]}
+
+
+@requires_pilot
+def test_a_checkpoint_after_firings_resumes_with_the_added_subspaces(pilot_on_path) -> None:
+    """+ P + FGH on a tiny vit_ease, a firing every 4 samples: after 3 steps (2 subspaces added),
+    a loop rebuilt on a fresh network from the checkpoint re-creates the subspaces, adopts them
+    and takes the next step exactly as the original."""
+    from test_upstream_ease import WIDTH, tiny_vit
+
+    config = smoke_config(
+        "ease_online",
+        num_classes=4,
+        consolidation="every_n_samples",
+        consolidation_every_n_samples=4,
+        **VARIANTS["fgh"],
+    )
+
+    def fresh() -> tuple[object, object]:
+        adapter = get_method("ease_online")(args=config)
+        network = nn.Module()
+        vit = tiny_vit()
+        vit.adapter_list = []  # the build's one set, as EaseNet's backbone
+        vit.requires_grad_(False)  # build_network freezes PILOT's network
+        network.backbone, network.out_dim = vit, WIDTH
+        network.subspaces, network.class_means = nn.ModuleList(), nn.ModuleList()
+        adapter._open_subspace(network, firing=None)
+        attach_cosine_head(network, WIDTH, 4)
+        adapter.opened_at = []
+        return adapter, build_loop(adapter, network, config, 4)
+
+    images = torch.randn(5, 4, 3, 32, 32, generator=torch.Generator().manual_seed(30))
+    labels = torch.tensor([[0, 1, 0, 1], [2, 3, 2, 3], [0, 2, 1, 3], [1, 1, 2, 2], [3, 0, 3, 0]])
+    _, loop = fresh()
+    for step in range(3):
+        loop.train_step(images[step], labels[step])
+    assert len(loop.network.subspaces) == 3 and loop.trigger.firings == [4, 8]
+    state = copy.deepcopy(loop.state_dict())  # as a checkpoint file: no tensor shared
+    resumed_adapter, resumed = fresh()
+    resumed.load_state_dict(state)
+    assert len(resumed.network.subspaces) == 3 and resumed_adapter.opened_at == [0, 1]
+    assert [n for n, _ in resumed.named_parameters] == [n for n, _ in loop.named_parameters]
+    for step in (3, 4):  # each fires: a subspace added on both
+        ours = loop.train_step(images[step], labels[step])
+        theirs = resumed.train_step(images[step], labels[step])
+        torch.testing.assert_close(theirs.loss, ours.loss, rtol=1e-6, atol=1e-7)
+    assert len(resumed.network.subspaces) == 5
+    expected = loop.network.state_dict()
+    for key, value in resumed.network.state_dict().items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-7, msg=key)
 
 
 def test_keys_are_checked() -> None:
     from pilot_online.engine.config import ConfigError, resolve_config
 
-    for key, value in (("adapter_num", 0), ("alpha", -0.1), ("adapter_dropout", 1.5)):
+    for key, value in (("alpha", -0.1), ("adapter_dropout", 1.5)):
         with pytest.raises(ConfigError, match=key):
             resolve_config({**raw_smoke_config("ease_online"), key: value})
+    # The cap is gone: a config that still sets it is refused with the fix.
+    with pytest.raises(ConfigError, match=r"'adapter_num' was removed.*without a cap.*delete"):
+        resolve_config({**raw_smoke_config("ease_online"), "adapter_num": 10})

@@ -16,7 +16,9 @@ from conftest import build_smoke_method, requires_pilot, smoke_config
 from torch import nn
 
 from pilot_online.engine.loop import build_loop
-from pilot_online.methods.fecam import UNSEEN_LOGIT, FeCAMOnline, row_corrcoef
+from pilot_online.methods.ease import attach_cosine_head
+from pilot_online.methods.fecam import FeCAMOnline, row_corrcoef
+from pilot_online.methods.ranpac import UNSEEN_LOGIT
 
 DIM = 3
 
@@ -25,7 +27,7 @@ def stand_in(config: dict, num_classes: int) -> tuple[FeCAMOnline, nn.Module]:
     network = nn.Module()
     network.backbone = nn.Identity()
     network.feature_dim = DIM
-    network.fc = nn.Linear(DIM, num_classes)
+    attach_cosine_head(network, DIM, num_classes)
     adapter = FeCAMOnline(args=config)
     return adapter, adapter.attach(network, config)
 
@@ -56,7 +58,8 @@ def test_head_equals_upstreams_on_stacked_class_features(sizes: list[int]) -> No
         start += size
     assert loop.optimizer_steps == 0 and adapter.stats["count"].tolist() == [6, 4, 1, 0]
     queries = torch.randn(5, DIM, generator=g)
-    logits = adapter.forward(network, queries, train=False).logits.double().numpy()
+    with loop.evaluation_view():
+        logits = adapter.forward(network, queries, train=False).logits.double().numpy()
     xs, q = x.double().numpy(), queries.double().numpy()
     qn = q / np.linalg.norm(q, axis=1, keepdims=True)
     for c in range(3):
@@ -67,29 +70,34 @@ def test_head_equals_upstreams_on_stacked_class_features(sizes: list[int]) -> No
         diff = qn - mean / np.linalg.norm(mean)
         expected = -np.einsum("bd,de,be->b", diff, precision, diff)
         np.testing.assert_allclose(logits[:, c], expected, rtol=1e-5, atol=1e-5, err_msg=str(c))
-    assert (logits[:, 3] == UNSEEN_LOGIT).all()
+    # Class 3 has no sample: below every seen class, ranked by the first session's head.
+    unseen = UNSEEN_LOGIT + network.fc(queries).detach().double().numpy()[:, 3]
+    np.testing.assert_allclose(logits[:, 3], unseen)
 
 
-def test_first_session_head_until_the_firing_then_mahalanobis() -> None:
+def test_first_session_trains_the_cosine_head_and_evaluation_is_mahalanobis_throughout() -> None:
     config = smoke_config("fecam_online", num_classes=3, consolidation="new_classes")
     config["consolidation_new_classes"] = 1
     adapter, network = stand_in(config, 3)
     loop = build_loop(adapter, network, config, num_classes=3)
     x = torch.randn(8, DIM, generator=torch.Generator().manual_seed(1))
     loop.train_step(x[:4], torch.tensor([0, 0, 0, 0]))
-    assert adapter.trains and loop.optimizer_steps == 1 and adapter.train_head is None
-    torch.testing.assert_close(adapter.forward(network, x, False).logits, network.fc(x))
+    assert adapter.trains and loop.optimizer_steps == 1 and not network.analytic_seen.any()
+    with loop.evaluation_view():  # the class statistics already, as upstream after its task
+        logits = adapter.forward(network, x, False).logits
+    assert logits[:, 1:].lt(UNSEEN_LOGIT / 2).all() and (logits[:, 0] <= 0).all()
     # Class 1 is beyond the first class: the first session ends before this batch trains.
     loop.train_step(x[4:], torch.tensor([1, 1, 0, 1]))
     assert loop.trigger.firings == [4] and loop.optimizer_steps == 1
     assert not adapter.trains and not network.fc.weight.requires_grad
     # Training's head was solved at the firing (class 0 only); evaluation's covers classes 0, 1.
-    assert adapter.train_head["seen"].tolist() == [True, False, False]
-    assert adapter.eval_head()["seen"].tolist() == [True, True, False]
+    assert network.analytic_seen.tolist() == [True, False, False]
+    assert adapter.evaluation_view(network)["analytic_seen"].tolist() == [True, True, False]
     train_logits = adapter.forward(network, x, train=True).logits
-    assert train_logits[:, 1:].eq(UNSEEN_LOGIT).all() and (train_logits[:, 0] <= 0).all()
-    logits = adapter.forward(network, x, train=False).logits
-    assert logits[:, 2].eq(UNSEEN_LOGIT).all() and (logits[:, :2] <= 0).all()
+    assert train_logits[:, 1:].lt(UNSEEN_LOGIT / 2).all() and (train_logits[:, 0] <= 0).all()
+    with loop.evaluation_view():
+        logits = adapter.forward(network, x, train=False).logits
+    assert logits[:, 2].lt(UNSEEN_LOGIT / 2).all() and (logits[:, :2] <= 0).all()
 
 
 def test_state_bytes_counts_the_per_class_covariances() -> None:
@@ -102,4 +110,4 @@ def test_state_bytes_counts_the_per_class_covariances() -> None:
 def test_pilot_network_tunes_only_the_adapters_and_head(pilot_on_path: Path) -> None:
     _, network, _ = build_smoke_method("fecam_online")
     tuned = {n for n, p in network.named_parameters() if p.requires_grad}
-    assert tuned and all("adaptmlp" in n or n.startswith("fc.") for n in tuned)
+    assert tuned and all("adaptmlp" in n or n.startswith("fc") for n in tuned)

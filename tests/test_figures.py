@@ -15,6 +15,7 @@ from pilot_online import cli
 from pilot_online.cli import figures
 from pilot_online.core.metrics import task_gradient_trace
 from pilot_online.core.results import build_results, to_jsonable
+from pilot_online.engine.config import PAPER_FGH
 
 pytest.importorskip("matplotlib", reason="figures need matplotlib: pip install -e '.[plots]'")
 
@@ -232,7 +233,7 @@ def test_gamma_sensitivity_separates_the_two_fgh_forms(tmp_path) -> None:
     assert_written(data, tmp_path / "fig3")
     clamp = figures.CLAMP_PANEL
     assert list(data.panels) == [APPENDIX, EQ8, clamp + APPENDIX, clamp + EQ8]
-    assert data.meta == {"metric": "AP"}
+    assert data.meta["metric"] == "AP"
     ours = data.series(APPENDIX)
     assert set(ours) == {"CODA + P + FGH", "CODA + P + FGH (γ=0: no FGH)"}
     np.testing.assert_allclose(ours["CODA + P + FGH"].x, [1e-4, 1.0])
@@ -370,3 +371,90 @@ def test_session_stores_the_per_step_task_gradient_norms(tmp_path) -> None:
         np.testing.assert_allclose(stored[:, k], by_hand, rtol=5e-4)  # 4 significant digits
         assert stored[:, k].mean() == pytest.approx(imbalance["task_grad_norm"][k], rel=1e-3)
     assert stored[-1].min() > 0  # prototypes keep every seen task's rows training
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    header = path.read_bytes()[16:24]  # IHDR: width, height (big-endian)
+    return int.from_bytes(header[:4], "big"), int.from_bytes(header[4:], "big")
+
+
+def test_rendered_figures_read_as_a_paper_needs(tmp_path) -> None:
+    """Each figure drawn once, small: G^(k) not G^k, the dotted task ends named in the legend,
+    the all-tasks grid no strip and with one legend, one labelled colorbar, no FGH wording over
+    base runs, a repeated seed counted once (noted), no Type 3 font in any PDF."""
+    fgh = dict(PAPER_FGH)
+    runs = []
+    for variant in (None, fgh):
+        for seed, created in ((0, "a"), (1, "a"), (1, "b")):  # seed 1 twice: the newer counts
+            results = make_results(
+                seed=seed,
+                fgh=variant,
+                prototypes=variant is not None,
+                g_n=[1.0, 0.5, 0.25, 0.5, 1.0],
+                trace=[[1, 0, 0, 0, 0]] * 3 + [[1, 1, 1, 1, 1]] * 7,
+                periodic=[(200, 50.0), (600, 60.0), (1000, 70.0)],
+                matrix=[
+                    [62.5 if k == j else 50.0 if k < j else None for j in range(5)]
+                    for k in range(5)
+                ],
+                task_samples=(200,) * 5,
+            )
+            results["created_utc"], results[figures.RESULTS_FILE] = created, f"{seed}{created}"
+            runs.append(results)
+    notes: list[str] = []
+    written = figures.write_figures(runs, tmp_path, which=[], on_note=notes.append)
+    assert notes == [
+        "2 run(s) set aside (1a, 1a): a seed run more than once with the same hyperparameters "
+        "counts once, by its newest complete run."
+    ]
+    grid = figures.gradient_trace_figure(runs, tmp_path / "grid")
+    heat = figures.accuracy_matrix_figure(runs, tmp_path / "heat")
+    base_only = figures.gradient_imbalance_figure(runs[:3], tmp_path / "base")
+    mixed = figures.gradient_imbalance_figure(runs, tmp_path / "mixed")
+    stream = figures.accuracy_curve_figure(runs, tmp_path / "stream")
+    for data in (grid, heat, base_only, mixed, stream):
+        width, height = _png_size(data.paths[0])
+        assert width <= 2000 and height <= 2000 and max(width, height) / min(width, height) < 2.2
+        assert b"/Type3" not in data.paths[1].read_bytes()  # pdf.fonttype 42: TrueType
+    panels = grid.meta["drawn"]["panels"]
+    assert [p["title"] for p in panels[:5]] == [f"task {k}: $G^{{({k})}}$" for k in range(1, 6)]
+    legends = [p["legend"] for p in panels if p["legend"]]
+    assert legends == [["CODA + P + FGH (2 runs)", "CODA base (2 runs)", figures.TASK_END_LABEL]]
+    assert figures.TASK_END_LABEL in stream.meta["drawn"]["panels"][0]["legend"]
+    bars = [p for p in heat.meta["drawn"]["panels"] if p["ylabel"] == "accuracy (%)"]
+    assert len(bars) == 1  # one shared colorbar, labelled
+    assert [p["title"] for p in heat.meta["drawn"]["panels"][:2]] == [
+        "CODA + P + FGH (2 runs)",
+        "CODA base (2 runs)",
+    ]
+    assert "FGH" not in base_only.meta["drawn"]["panels"][0]["title"]
+    assert "FGH runs: after FGH's reweighting" in mixed.meta["drawn"]["panels"][0]["title"]
+    assert written == []  # the note comes whatever is drawn
+
+
+def test_cell_labels_round_half_away_from_zero() -> None:
+    assert f"{62.5:.0f}" == "62"  # what the heat map printed before: half to even
+    assert [figures.round_half_away(v) for v in (62.5, 63.5, 0.5, -2.5, 49.4)] == [
+        63,
+        64,
+        1,
+        -3,
+        49,
+    ]
+
+
+def test_the_si_blurry_smoke_config_evaluates_along_the_stream() -> None:
+    """The Si-Blurry smoke config (scripts/make_exps.py): the stream the issue found uncovered,
+    with periodic evaluations, so a smoke run has A_auc and the accuracy-over-stream figure:
+    synthetic_small streams 20 classes x 40 images = 800 samples, one evaluation every 100."""
+    from pilot_online.engine.config import load_json, resolve_config
+
+    root = Path(__file__).resolve().parent.parent
+    config = resolve_config(load_json(root / "exps" / "smoke_coda_online_blurry.json"))
+    assert (config["stream"], config["dataset"], config["eval_period"]) == (
+        "si_blurry",
+        "synthetic_small",
+        100,
+    )
+    assert config["online_prototypes"] and config["fgh"] == PAPER_FGH
+    assert config["device"] == [-1] and not config["pretrained"]

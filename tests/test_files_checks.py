@@ -54,3 +54,17 @@ def test_checks_normalise_or_name_the_problem() -> None:
         ValueError, match=r"unknown stream 'si-blurry' \(did you mean 'si_blurry'\?\); valid"
     ):
         check_choice("stream", "si-blurry", ("clear", "si_blurry"))
+
+
+def test_a_new_file_gets_a_plain_files_mode(tmp_path: Path) -> None:
+    """Results files and tables are for collaborators: a new file is created 0o666 less the
+    umask (644 under the usual 022), not the 600 of the temporary file it is renamed from."""
+    previous = os.umask(0o022)
+    try:
+        written = files.write_atomic(tmp_path / "run.results.json", "{}")
+        assert stat.S_IMODE(written.stat().st_mode) == 0o644
+        os.umask(0o077)
+        private = files.write_atomic(tmp_path / "private.json", "{}")
+        assert stat.S_IMODE(private.stat().st_mode) == 0o600
+    finally:
+        os.umask(previous)

@@ -19,7 +19,7 @@ from pilot_online.core.class_stats import (
 from pilot_online.engine.config import ConfigError, resolve_config
 from pilot_online.engine.loop import build_loop
 from pilot_online.engine.session import ArrayDataSource
-from pilot_online.methods.mos import merge_toward_mean, orth_loss, self_refined
+from pilot_online.methods.mos import orth_loss, pull, pull_term, self_refined
 
 
 # -- the pure pieces -----------------------------------------------------------------------------
@@ -57,13 +57,17 @@ def test_sampling_factors_reproduce_the_covariance():
     assert sampling_factors(variances).tolist() == [[2.0, 3.0]]
 
 
-def test_merge_is_upstream_reweighting_applied_twice():
-    """One merge at weight 1 - (1 - m)^2 = two of upstream's merges at m (after the step, and
-    before the next forward): 1 -> 0.9 + 0.1 * 4 = 1.3 -> 0.9 * 1.3 + 0.1 * 4 = 1.57."""
-    active = [torch.tensor([1.0, -2.0])]
-    frozen = [[torch.tensor([3.0, 0.0])], [torch.tensor([5.0, 2.0])]]  # mean [4, 1]
-    merge_toward_mean(active, frozen, 1 - (1 - 0.1) ** 2)
-    torch.testing.assert_close(active[0], torch.tensor([1.57, 0.9**2 * -2 + 0.19 * 1]))
+def test_pull_is_upstreams_reweighting_by_hand():
+    """One pull: ``(1 - m) p + m sum / n``: 1 -> 0.9 + 0.1 * 4 = 1.3 -> 0.9 * 1.3 + 0.4 = 1.57
+    (two pulls), on a new tensor (a graph built before keeps the value it ran with)."""
+    frozen = [nn.ParameterList([nn.Parameter(torch.tensor(v))]) for v in ([3.0, 0.0], [5.0, 2.0])]
+    active = [nn.Parameter(torch.tensor([1.0, -2.0]))]
+    before = active[0].data
+    term = pull_term(frozen, 2, 0.1)
+    pull(active, term, 0.1)
+    assert before.tolist() == [1.0, -2.0]
+    pull(active, term, 0.1)
+    torch.testing.assert_close(active[0].data, torch.tensor([1.57, 0.81 * -2 + 0.19 * 1]))
 
 
 def upstream_refine(slot_logits, start, class_slot, passes):
@@ -156,9 +160,19 @@ def test_keys_are_checked():
     raw = raw_smoke_config("mos_online")
     with pytest.raises(ConfigError, match="ca_storage_efficient_method"):
         resolve_config({**raw, "ca_storage_efficient_method": "multi-centroid"})
-    with pytest.raises(ConfigError, match="mos_max_adapters"):
-        resolve_config({**raw, "mos_max_adapters": 0})
+    for value in (10, None):
+        with pytest.raises(ConfigError, match=r"'mos_max_adapters' was removed.*without a cap.*"
+                           "delete the key"):  # fmt: skip
+            resolve_config({**raw, "mos_max_adapters": value})
     assert resolve_config(raw)["consolidation"] == "new_classes"
+
+
+def test_imagenet_r_aligns_with_upstreams_weight_decay():
+    """``exps/mos_inr.json`` has weight_decay 5e-3, which ``classifer_align`` uses."""
+    cls = get_method("mos_online")
+    assert cls.paper_settings("imagenetr", "clear") == {"ca_weight_decay": 5e-3}
+    assert cls.paper_settings("cifar224", "clear") == {}
+    assert cls.config_keys["ca_weight_decay"].default == 5e-4
 
 
 def test_state_bytes_counts_the_class_statistics():
@@ -187,21 +201,22 @@ def adapter_set(network, s):
 
 @requires_pilot
 def test_consolidation_is_upstreams_task_end_step(mos):
-    """Firing 0: set 0 frozen, set 1 a copy of it and restarted, the head untouched (upstream
-    aligns from the second task on). Firing 1: the head realigned, the orthogonality snapshot
-    taken. At the cap (3 sets) the last set keeps training."""
+    """Firing 0: set 0 frozen, set 1 added as a copy of it (upstream's idx 0: no statistics
+    pulls), the head untouched (upstream aligns from the second task on), the orthogonality
+    snapshot taken. Firing 1: the head realigned; set 2 starts pulled 12 x 4 times (4 classes of
+    2 samples, one statistics forward each) towards set 0, the mean of the sets before set 1."""
     adapter, network, _ = mos
     sets = network.backbone.adapter_list
     adapter.train_mode(network)
+    assert sets[0].training and len(sets) == 1
     labels = torch.tensor([0, 1, 2, 3] * 2)
     out = adapter.forward(network, IMAGES[:8], train=True)
-    assert "prototype_features" not in out.extras  # set 0 is the active one
     adapter.observe(network, out, labels)
     with torch.no_grad():
         sets[0][0].up_proj.weight.add_(0.01)  # make set 0 distinguishable from a fresh init
     head = [p.detach().clone() for p in network.backbone.head.parameters()]
-    restarted = list(adapter.consolidate(network, 0))
-    assert [id(p) for p in restarted] == [id(p) for p in sets[1].parameters()]
+    assert list(adapter.consolidate(network, 0)) == []  # new parameters, none restarted
+    assert len(sets) == 2 and network.class_slot_counts.shape == (6, 2)
     for a, b in zip(adapter_set(network, 0), adapter_set(network, 1)):
         assert torch.equal(a, b)
     assert not any(p.requires_grad for p in sets[0].parameters())
@@ -209,33 +224,27 @@ def test_consolidation_is_upstreams_task_end_step(mos):
     for a, b in zip(head, network.backbone.head.parameters()):
         assert torch.equal(a, b)
     assert network.orth_classes.tolist() == [True] * 4 + [False] * 2
+    adapter.train_mode(network)
+    assert sets[1].training and not sets[0].training  # dropout in the active set only
 
-    # A step's merge: set 1 <- 0.81 set 1 + 0.19 set 0 (the only frozen set).
     with torch.no_grad():
         for p in sets[1].parameters():
             p.add_(0.01)
-    before, anchor = adapter_set(network, 1), adapter_set(network, 0)
-    adapter.after_step(network, IMAGES[:8], labels, {})
-    for p, b, a in zip(sets[1].parameters(), before, anchor):
-        torch.testing.assert_close(p.detach(), 0.81 * b + 0.19 * a)
-
     out = adapter.forward(network, IMAGES[8:16], train=True)
-    torch.testing.assert_close(
-        out.extras["prototype_features"], adapter.features(network, IMAGES[8:16], 0)
-    )
+    for name in ("prototype_features", "statistics_features"):  # set 0, eval mode
+        torch.testing.assert_close(out.extras[name], adapter.features(network, IMAGES[8:16], 0))
     adapter.observe(network, out, torch.tensor([2, 3, 4, 5] * 2))
     assert network.class_slot_counts[:, 1].tolist() == [0, 0, 2, 2, 2, 2]
-    assert list(adapter.consolidate(network, 1))  # set 2 starts
-    assert adapter.alignments == 1 and network.mos_active == 2
+    assert adapter.statistics_pulls(network) == 12 * 4
+    set0, set1 = adapter_set(network, 0), adapter_set(network, 1)
+    assert list(adapter.consolidate(network, 1)) == []
+    assert adapter.alignments == 1 and len(sets) == 3
+    keep = 0.9**48
+    for p, a, b in zip(sets[2].parameters(), set1, set0):
+        torch.testing.assert_close(p.detach(), keep * a + (1 - keep) * b, rtol=0, atol=1e-6)
     changed = [not torch.equal(a, b) for a, b in zip(head, network.backbone.head.parameters())]
     assert all(changed)
-    assert list(adapter.consolidate(network, 2)) == []  # the cap
-    assert network.mos_active == 2 and all(p.requires_grad for p in sets[2].parameters())
-    assert adapter.report()["mos"] == {
-        "adapter_sets_used": 3,
-        "max_adapter_sets": 3,
-        "alignments": 2,
-    }
+    assert adapter.report()["mos"] == {"adapter_sets": 3, "alignments": 1}
 
 
 @requires_pilot
@@ -243,7 +252,7 @@ def test_retrieval_after_consolidation_does_not_depend_on_batching(mos):
     """With three sets in use (the test above), each sample's ensemble scores are the same
     alone (the first 4) and in one batch, and equal the hand-written retrieval."""
     adapter, network, config = mos
-    assert network.mos_active == 2, "runs after test_consolidation_is_upstreams_task_end_step"
+    assert len(network.backbone.adapter_list) == 3, "runs after the consolidation test"
     adapter.eval_mode(network)
     with torch.no_grad():
         whole = adapter.forward(network, IMAGES, train=False).logits
@@ -263,6 +272,70 @@ def test_retrieval_after_consolidation_does_not_depend_on_batching(mos):
 
 
 @requires_pilot
+def test_evaluation_view_is_the_next_firings_alignment_and_the_pull_limit(mos):
+    """After the tests above (3 sets, 6 classes seen): the view holds the head the next firing
+    aligns (same seed, same state), and sets 1 and 2 as the means of the sets before them; deriving
+    it changes no training value."""
+    adapter, network, _ = mos
+    assert len(network.backbone.adapter_list) == 3, "runs after the consolidation test"
+    before = {n: t.detach().clone() for n, t in network.state_dict().items()}
+    adapter.eval_mode(network)
+    with torch.no_grad():
+        view = adapter.evaluation_view(network)
+    for name, tensor in network.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    sets = [adapter_set(network, s) for s in range(3)]
+    names = [n for n, _ in network.backbone.adapter_list[0].named_parameters()]
+    for i, name in enumerate(names):
+        torch.testing.assert_close(view[f"backbone.adapter_list.1.{name}"], sets[0][i])
+        mean = (sets[0][i] + sets[1][i]) / 2
+        torch.testing.assert_close(view[f"backbone.adapter_list.2.{name}"], mean)
+    assert not any(k.startswith("backbone.adapter_list.0.") for k in view)
+    adapter.consolidate(network, 2)  # the next firing
+    head = network.backbone.head
+    torch.testing.assert_close(view["backbone.head.weight"], head.weight.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(view["backbone.head.bias"], head.bias.detach(), rtol=0, atol=0)
+
+
+@requires_pilot
+def test_sets_are_unbounded_and_resume(pilot_on_path):
+    """Every firing adds a set, past any former cap (12 firings: 13 sets); the loop adopts each
+    new set (the head in a group at 0.1 x the LR) and a resume into a fresh network rebuilds them
+    all from the checkpoint."""
+    config = smoke_config("mos_online", num_classes=6, ca_epochs=0)
+    adapter = get_method("mos_online")(args=config)
+    loop = build_loop(adapter, build_network(adapter, config), config, 6)
+    lrs = {g["lr_scale"]: g["lr"] for g in loop.optimizer.param_groups}
+    assert lrs == pytest.approx({1.0: config["init_lr"], 0.1: 0.1 * config["init_lr"]})
+    head = {id(p) for p in loop.network.backbone.head.parameters()}
+    grouped = {g["lr_scale"]: {id(p) for p in g["params"]} for g in loop.optimizer.param_groups}
+    assert grouped[0.1] == head
+    for firing in range(12):
+        loop.adapter.consolidate(loop.network, firing)
+        loop._adopt_new_parameters()
+    sets = loop.network.backbone.adapter_list
+    assert len(sets) == 13
+    optimised = {id(p) for g in loop.optimizer.param_groups for p in g["params"]}
+    assert {id(p) for p in sets[12].parameters()} <= optimised
+    with torch.no_grad():
+        for s, group in enumerate(sets):
+            for p in group.parameters():
+                p.fill_(s / 10)
+    state = loop.state_dict()
+    fresh = get_method("mos_online")(args=config)
+    resumed = build_loop(fresh, build_network(fresh, config), config, 6)
+    resumed.load_state_dict(state)
+    again = resumed.network.backbone.adapter_list
+    assert len(again) == 13 and all(p.requires_grad for p in again[12].parameters())
+    assert not any(p.requires_grad for p in again[11].parameters())
+    for a, b in zip(sets.parameters(), again.parameters()):
+        assert torch.equal(a, b)
+    assert resumed.network.class_slot_counts.shape == (6, 13)
+    with pytest.raises(ValueError, match="former port"):  # a checkpoint of the capped sets
+        fresh.load_extra_state(resumed.network, {"active": 2, "alignments": 0})
+
+
+@requires_pilot
 def test_the_loop_consolidates_at_the_trigger_only(pilot_on_path):
     """In a loop, consolidate runs at each new_classes firing and never otherwise: with 2 new
     classes per firing, labels first seen at steps 0 (0, 1), 2 (2, 3) and 3 (4): firings before
@@ -279,6 +352,6 @@ def test_the_loop_consolidates_at_the_trigger_only(pilot_on_path):
     active = []
     for i, labels in enumerate(steps):
         loop.train_step(IMAGES[4 * i : 4 * i + 4], torch.tensor(labels))
-        active.append(loop.network.mos_active)
+        active.append(len(loop.network.backbone.adapter_list) - 1)
     assert calls == [0, 1] and loop.trigger.firings == [8, 12]
     assert active == [0, 0, 1, 2]

@@ -366,7 +366,9 @@ def test_missing_data_stops_before_any_network(pilot, tmp_path, dataset):
         DRIVER, [str(pilot), str(config_path), str(report_path), "0"], tmp_path, tmp_path
     )
     assert done.returncode != 0
-    assert f"DatasetUnavailableError: dataset '{dataset}' could not be loaded" in done.stderr
+    # The message alone (issue 30): no traceback, no chained errors before it.
+    assert f"pilot-online: dataset '{dataset}' could not be loaded" in done.stderr
+    assert "Traceback" not in done.stderr
     train_dir, test_dir = IMAGE_FOLDERS[dataset]
     assert str(tmp_path / train_dir) in done.stderr and str(tmp_path / test_dir) in done.stderr
     if dataset == "cub":

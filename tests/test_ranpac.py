@@ -17,17 +17,18 @@ from torch import nn
 
 from pilot_online.engine.config import ConfigError, resolve_config
 from pilot_online.engine.loop import build_loop
-from pilot_online.methods.ranpac import RIDGES, RanPACOnline, select_ridge
+from pilot_online.methods.ease import attach_cosine_head
+from pilot_online.methods.ranpac import RIDGES, UNSEEN_LOGIT, RanPACOnline, select_ridge
 
 DIM, M = 4, 6
 
 
 def stand_in(config: dict, num_classes: int) -> tuple[RanPACOnline, nn.Module]:
-    """The adapter attached to an identity backbone with a linear first-session head."""
+    """The adapter attached to an identity backbone with a cosine first-session head."""
     network = nn.Module()
     network.backbone = nn.Identity()
     network.feature_dim = DIM
-    network.fc = nn.Linear(DIM, num_classes)
+    attach_cosine_head(network, DIM, num_classes)
     adapter = RanPACOnline(args=config)
     torch.manual_seed(0)
     return adapter, adapter.attach(network, config)
@@ -97,9 +98,11 @@ def test_statistics_ridge_and_head_equal_numpy_on_stacked_features(sizes: list[i
     w = np.linalg.solve(h.T @ h + ridge * np.eye(M), h.T @ onehot).T
     hn = h[:5] / np.linalg.norm(h[:5], axis=1, keepdims=True)
     cosine = hn @ (w / np.linalg.norm(w, axis=1, keepdims=True)).T
-    logits = adapter.forward(loop.network, x[:5], train=False).logits
+    with loop.evaluation_view():
+        logits = adapter.forward(loop.network, x[:5], train=False).logits
     np.testing.assert_allclose(logits.numpy(), cosine, atol=1e-5)
-    assert adapter.train_head is None  # no firing: evaluation's solve is not training's
+    # No firing: evaluation's solve is not training's, which stays unsolved.
+    assert not loop.network.analytic_weight.any()
 
 
 def test_first_session_trains_until_the_first_firing_then_freezes() -> None:
@@ -112,11 +115,22 @@ def test_first_session_trains_until_the_first_firing_then_freezes() -> None:
     for step in range(2):  # classes 0 and 1 only: the first session goes on
         loop.train_step(x[4 * step : 4 * step + 4], y[4 * step : 4 * step + 4])
         assert adapter.trains and network.fc.weight.requires_grad
-        assert adapter.train_head is None and loop.trigger.firings == []
+        assert not network.analytic_weight.any() and loop.trigger.firings == []
     assert loop.optimizer_steps == 2 and not torch.equal(network.fc.weight, fc_start)
-    # Before the firing, evaluation uses the first session's linear head.
-    logits = adapter.forward(network, x[:3], train=False).logits
-    torch.testing.assert_close(logits, network.fc(x[:3]))
+    # Before the firing, evaluation already uses the analytic head of the 8 samples so far (as
+    # upstream evaluates its analytic head after its first task), not the first session's head.
+    h8 = project(x[:8], network)
+    onehot8 = np.eye(4)[y[:8].numpy()]
+    ridge8, _ = numpy_ridge(h8, onehot8, np.arange(8) % 5 == 4)
+    w8 = np.linalg.solve(h8.T @ h8 + ridge8 * np.eye(M), h8.T @ onehot8).T
+    with loop.evaluation_view():
+        logits = adapter.forward(network, x[:3], train=False).logits
+    hn = h8[:3] / np.linalg.norm(h8[:3], axis=1, keepdims=True)
+    cosine = hn @ (w8[:2] / np.linalg.norm(w8[:2], axis=1, keepdims=True)).T  # classes 0, 1
+    sigma = float(network.fc_sigma.detach())  # upstream's head keeps the trained sigma
+    np.testing.assert_allclose(logits[:, :2].numpy(), sigma * cosine, atol=1e-5)
+    unseen = UNSEEN_LOGIT + network.fc(x[:3]).detach()[:, 2:]  # below the seen: by the fc head
+    torch.testing.assert_close(logits[:, 2:], unseen)
     fc_trained = network.fc.weight.detach().clone()
     # Class 2 is beyond the first 2 classes: the first session ends before this batch trains.
     loop.train_step(x[8:12], y[8:12])
@@ -128,18 +142,19 @@ def test_first_session_trains_until_the_first_firing_then_freezes() -> None:
     onehot = np.eye(4)[y[:8].numpy()]
     ridge, _ = numpy_ridge(h, onehot, np.arange(8) % 5 == 4)
     w = np.linalg.solve(h.T @ h + ridge * np.eye(M), h.T @ onehot).T
-    np.testing.assert_allclose(adapter.train_head["weight"].numpy(), w, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(network.analytic_weight.numpy(), w, rtol=1e-4, atol=1e-6)
     assert adapter.report()["ridge"] == ridge
     loop.train_step(x[12:], y[12:])  # class 3: one new class of 2, no firing
     assert loop.optimizer_steps == 2 and torch.equal(network.fc.weight, fc_trained)
     assert loop.trigger.firings == [8] and adapter.samples == 16
-    np.testing.assert_allclose(adapter.train_head["weight"].numpy(), w, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(network.analytic_weight.numpy(), w, rtol=1e-4, atol=1e-6)
     # Training logits come from that head; evaluation's solve covers all 16 samples.
     h16 = project(x, network)
     onehot16 = np.eye(4)[y.numpy()]
     ridge16, _ = numpy_ridge(h16, onehot16, np.arange(16) % 5 == 4)
     w16 = np.linalg.solve(h16.T @ h16 + ridge16 * np.eye(M), h16.T @ onehot16).T
-    np.testing.assert_allclose(adapter.eval_head()["weight"].numpy(), w16, rtol=1e-4, atol=1e-6)
+    view = adapter.evaluation_view(network)["analytic_weight"]
+    np.testing.assert_allclose(view.numpy(), w16, rtol=1e-4, atol=1e-6)
 
 
 def test_checkpoint_round_trip_restores_statistics_and_head() -> None:
@@ -180,7 +195,7 @@ def test_state_bytes_counts_the_float64_grams() -> None:
 def test_pilot_network_tunes_only_the_adapters_and_head(pilot_on_path: Path) -> None:
     _, network, config = build_smoke_method("ranpac_online")
     tuned = {n for n, p in network.named_parameters() if p.requires_grad}
-    assert tuned and all("adaptmlp" in n or n.startswith("fc.") for n in tuned)
-    assert {"fc.weight", "fc.bias"} <= tuned
+    assert tuned and all("adaptmlp" in n or n.startswith("fc") for n in tuned)
+    assert {"fc.weight", "fc_sigma"} <= tuned
     assert network.W_rand.shape == (network.feature_dim, config["M"])
     assert "W_rand" in dict(network.named_buffers())

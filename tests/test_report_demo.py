@@ -3,6 +3,7 @@ core-only demo."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -75,7 +76,8 @@ def _table_rows(table: str) -> list[list[str]]:
     """Split a format_table output into cells (columns are separated by >= 2 spaces)."""
     lines = table.splitlines()
     assert set(lines[1].replace(" ", "")) == {"-"}  # the rule under the header
-    return [re.split(r"\s{2,}", line.strip()) for line in [lines[0], *lines[2:]]]
+    rows = [line for line in lines[2:] if not line.startswith("note: ")]
+    return [re.split(r"\s{2,}", line.strip()) for line in [lines[0], *rows]]
 
 
 def test_grouped_table_gives_mean_and_std_over_seeds(runs) -> None:
@@ -104,11 +106,40 @@ def test_grouped_table_gives_mean_and_std_over_seeds(runs) -> None:
 def test_per_seed_table_has_one_row_per_run(runs) -> None:
     folder, paths = runs
     header, *lines = _table_rows(format_table(collect([folder]), group=False))
+    assert header[5] == "seed" and header[-1] == "results file"
     assert len(lines) == 3
-    by_seed = {dict(zip(header, line))["runs"]: dict(zip(header, line)) for line in lines}
-    assert set(by_seed) == {"seed 0", "seed 1", "seed 2"}
+    by_seed = {dict(zip(header, line))["seed"]: dict(zip(header, line)) for line in lines}
+    assert set(by_seed) == {"0", "1", "2"}
     for seed, path in zip(SEEDS, paths):
-        assert by_seed[f"seed {seed}"]["AP"] == f"{load_results(path)['metrics']['AP']:.2f}"
+        assert by_seed[str(seed)]["AP"] == f"{load_results(path)['metrics']['AP']:.2f}"
+        assert by_seed[str(seed)]["results file"] == path.name
+
+
+def test_a_seed_run_twice_counts_once_with_a_note(tmp_path, runs) -> None:
+    """The issue's case: seed 0 run again under another prefix. Before, report said "runs 4" and
+    its per-seed rows could not be told apart; tables counted 3."""
+    folder, paths = runs
+    again = json.loads(paths[0].read_text())
+    again["created_utc"] = "9999-01-01T00:00:00Z"  # the newer run of seed 0 counts
+    copy = tmp_path / "rerun_0.results.json"
+    copy.write_text(json.dumps(again))
+    rows = collect([folder, copy])
+    table = format_table(rows)
+    header, *lines = _table_rows(table)
+    assert dict(zip(header, lines[0]))["runs"] == "3"
+    assert table.splitlines()[-1].startswith("note: AP is the paper's metric")
+    assert table.splitlines()[-2] == (
+        f"note: 1 run(s) set aside ({paths[0].name}): a seed run more than once with the same "
+        "hyperparameters counts once, by its newest complete run."
+    )
+    per_seed = format_table(rows, group=False)
+    header, *lines = _table_rows(per_seed)
+    files = [
+        dict(zip(header, line))["results file"] for line in lines if not line[0].startswith("note:")
+    ]
+    assert sorted(files) == sorted(
+        [f"{paths[0].name} (set aside: a repeat)", copy.name] + [p.name for p in paths[1:]]
+    )
 
 
 def test_collect_accepts_files_and_separates_variants(tmp_path, runs) -> None:
@@ -172,7 +203,7 @@ def test_gradient_imbalance_plot_is_a_png(tmp_path, runs) -> None:
 
 
 def test_cli_report(tmp_path, runs, capsys) -> None:
-    folder, _ = runs
+    folder, paths = runs
     assert cli.main(["report", str(folder)]) == 0
     out = capsys.readouterr().out
     header = ["method", "dataset", "stream", "lr", "variant", "runs"]
@@ -182,7 +213,7 @@ def test_cli_report(tmp_path, runs, capsys) -> None:
     plot = tmp_path / "cli.png"
     assert cli.main(["report", str(folder), "--per-seed", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
-    assert all(f"seed {seed}" in out for seed in SEEDS)
+    assert all(path.name in out for path in paths)
     assert plot.read_bytes()[:8] == PNG_MAGIC
 
     empty = tmp_path / "empty"
@@ -203,7 +234,15 @@ def test_demo_runs_both_variants(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setattr(demo, "make_synthetic", small_test_set)
     summaries = demo.run_demo(train_per_class=10, output=tmp_path)
     out = capsys.readouterr().out
-    assert "AP" in out and "A_T" in out
+    assert out.startswith(demo.DEFINITIONS)  # AP and A_T defined before anything runs
+    assert "AP (average performance, the paper's metric)" in out and "A_T: A_l after" in out
+    assert "demo: 1/10 tasks" in out and "left" in out and "demo: 10/10 tasks" in out
+    # The printed matrix is the figure's orientation: row l = after task l, column k = task k,
+    # i.e. the transpose of the results file's acc[task][after].
+    acc = load_results(tmp_path / "demo_base_0.results.json")["metrics"]["accuracy_matrix"]
+    lines = out.split("base: accuracy matrix")[1].splitlines()
+    second = lines[3].split()  # header, "after \ task" line, after task 1, after task 2
+    assert second == ["2", f"{acc[0][1]:.1f}", f"{acc[1][1]:.1f}", "--", "--", "--"]
     assert set(summaries) == {"base", "+ P + FGH"}
     files = sorted(tmp_path.glob("*.results.json"))
     assert [f.name for f in files] == ["demo_base_0.results.json", "demo_p_fgh_0.results.json"]

@@ -140,6 +140,12 @@ def test_dry_run_lists_every_run_of_table_2_with_its_estimate(tmp_path, capsys, 
                for x in lines)  # fmt: skip
     assert any(x.startswith("cub/si_blurry/er/base/5e-3 ") and "95 steps x 2 " in x for x in lines)
     assert "estimate: " in printed
+    # Honest estimates: each priced cell says both figures for all its seeds, and the footer what
+    # they assume (the ideal one is a floor) and that AP is the metric.
+    priced = [x for x in lines if " est. " in x]
+    assert priced and all(" ideal / " in x and " calibrated" in x for x in priced)
+    assert "a floor, not a prediction" in printed and "Quadro RTX 8000" in printed
+    assert "AP, the paper's metric" in printed
     # per row and seed: (500 + 95 + 240) x 3 columns = 2,505 batch passes at 1 pass per step:
     # 9 rows x 10 seeds x 2,505 + ER, ER + LP: 2 x 10 x 5,010 + oLoRA: 3 x 12,525
     # + ConvPrompt: 2 x 3 x 2,505 = 225,450 + 100,200 + 37,575 + 15,030

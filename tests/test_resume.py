@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 import signal
 import subprocess
@@ -464,11 +465,163 @@ def test_a_truncated_checkpoint_is_refused_clearly(tmp_path):
 
 def test_checkpoint_every_is_validated():
     raw = json.loads((EXPS / "smoke_coda_online.json").read_text())
-    assert resolve_config(raw)["checkpoint_every"] is None  # off by default
+    assert resolve_config(raw)["checkpoint_every"] == "auto"  # on by default
     assert resolve_config({**raw, "checkpoint_every": 50})["checkpoint_every"] == 50
-    for bad in (0, -3, 2.5, True, "10"):
-        with pytest.raises(ConfigError, match=r"checkpoint_every must be null .* positive"):
+    assert resolve_config({**raw, "checkpoint_every": None})["checkpoint_every"] is None
+    for bad in (0, -3, 2.5, True, "10", "Auto"):
+        with pytest.raises(ConfigError, match='must be null, "auto" or a positive integer'):
             resolve_config({**raw, "checkpoint_every": bad})
+
+
+def test_every_shipped_config_checkpoints():
+    """The README promises that a rerun resumes an interrupted run: no shipped config may turn
+    checkpoints off (before, the default was null and every config ran without them)."""
+    configs = sorted(EXPS.glob("*.json"))
+    assert configs
+    off = [p.name for p in configs if json.loads(p.read_text()).get("checkpoint_every", 1) is None]
+    assert off == []
+    assert ONLINE_KEYS["checkpoint_every"].default == "auto"
+
+
+def test_auto_checkpoints_at_task_ends_and_on_the_interval(tmp_path, monkeypatch):
+    """``"auto"``: a checkpoint at each task end, and one after any step once the interval has
+    passed since the last; a resume from either ends as the uninterrupted run."""
+    from pilot_online.engine import session as session_module
+
+    run = p_fgh_run()
+    run.config = {**run.config, "checkpoint_every": "auto"}
+    straight = run.straight(tmp_path / "straight")
+    # A long interval: only task ends. Killed in task 1 after 1 batch: resumes at its start.
+    session = run.session(tmp_path / "long", kill_after=5)
+    with pytest.raises(Killed):
+        session.run()
+    assert run.session(tmp_path / "long").resume_position == (1, 0)
+    # An interval already passed at every step: a checkpoint after each one.
+    monkeypatch.setattr(session_module, "AUTO_CHECKPOINT_SECONDS", 0.0)
+    resumed = run.killed_then_resumed(tmp_path / "short", [5])
+    assert resumed[1]["extra"]["resumed_from"] == [{"task": 1, "step": 1, "samples_seen": 40}]
+    assert_same_run(straight, resumed)
+
+
+def test_auto_without_a_results_path_keeps_the_run_in_memory():
+    run = p_fgh_run()
+    config = {**run.config, "checkpoint_every": "auto"}
+    adapter, network = run.setup(config)
+    loop = build_loop(adapter, network, config, C)
+    session = OnlineSession(loop, run.stream, NoisySource(*run.data), config, None, progress=False)
+    assert session.checkpoint_path is None
+    assert session.run()["counters"]["optimizer_steps"] == 12
+
+
+# -- SIGINT / SIGTERM: checkpoint, one line, a non-zero exit; the rerun resumes ------------------
+class SignalSource(NoisySource):
+    """Sends ``signum`` to this process while yielding stream batch ``at`` (1-based), as Ctrl-C
+    or a scheduler's SIGTERM would arrive in the middle of a step."""
+
+    def __init__(self, *data, signum: int, at: int) -> None:
+        super().__init__(*data)
+        self.signum, self.at = signum, at
+
+    def train_batches(self, batches):
+        for batch in super().train_batches(batches):
+            if self.batches_yielded == self.at:
+                os.kill(os.getpid(), self.signum)
+            yield batch
+
+
+@pytest.fixture
+def sigterm_is_not_fatal():
+    """Without the session's handler a SIGTERM would end pytest itself: here it raises."""
+
+    def refuse(signum, frame):
+        raise AssertionError("SIGTERM reached the process's own handler: the run did not catch it")
+
+    previous = signal.signal(signal.SIGTERM, refuse)
+    yield refuse
+    signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_checkpoints_says_where_and_the_rerun_resumes(
+    tmp_path, signum, sigterm_is_not_fatal, capsys, caplog
+):
+    from pilot_online.engine.session import RunInterrupted
+
+    run = p_fgh_run()
+    run.config = {**run.config, "checkpoint_every": "auto"}  # task ends only, in this test
+    straight = run.straight(tmp_path / "straight")
+    folder = tmp_path / "resumed"
+    session = run.session(folder)
+    session.data = SignalSource(*run.data, signum=signum, at=6)  # task 1, its second batch
+    with pytest.raises(RunInterrupted) as stopped:
+        session.run()
+    assert stopped.value.code == 128 + signum
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    name = signal.Signals(signum).name
+    checkpoint = session.checkpoint_path
+    assert line == (
+        f"interrupted ({name}) at task 2 of 3, after 2 of its 4 batches (48 stream samples "
+        f"trained); checkpoint {checkpoint}; rerun the same command to resume"
+    )
+    assert checkpoint.exists() and not list(folder.glob("*.results.json"))  # no partial file
+    # The process's own handlers are back once the session's call is over.
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) is sigterm_is_not_fatal
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        rerun = run.session(folder)
+    assert f"resuming from {checkpoint} at task 2 of 3, after 2 of its 4 batches" in caplog.text
+    resumed = (rerun, rerun.run())
+    assert resumed[1]["extra"]["resumed_from"] == [{"task": 1, "step": 2, "samples_seen": 48}]
+    assert_same_run(straight, resumed)
+
+
+def test_a_signal_at_a_task_end_stops_after_its_evaluation(tmp_path, capsys):
+    """A signal during the evaluation: the task-end checkpoint is the whole state to stop at."""
+    from pilot_online.engine.session import RunInterrupted
+
+    run = p_fgh_run()
+    session = run.session(tmp_path)
+    evaluate = session.evaluate_task_end
+
+    def evaluate_then_signal(task):
+        report = evaluate(task)
+        os.kill(os.getpid(), signal.SIGINT)
+        return report
+
+    session.evaluate_task_end = evaluate_then_signal
+    with pytest.raises(RunInterrupted):
+        session.run()
+    assert "interrupted (SIGINT) at the end of task 1 of 3 (32 stream" in capsys.readouterr().err
+    assert run.session(tmp_path).resume_position == (1, 0)
+
+
+def test_a_signal_without_checkpoints_says_the_rerun_starts_over(tmp_path, capsys, caplog):
+    from pilot_online.engine.session import RunInterrupted
+
+    run = p_fgh_run()
+    config = {**run.config, "checkpoint_every": None}
+    session = run.session(tmp_path, config=config)
+    session.data = SignalSource(*run.data, signum=signal.SIGINT, at=2)
+    with pytest.raises(RunInterrupted):
+        session.run()
+    assert "checkpoint_every is null, so nothing was saved; a rerun starts over" in (
+        capsys.readouterr().err
+    )
+    assert not list(tmp_path.glob("*.ckpt.pt"))
+
+
+def test_a_rerun_that_finds_partial_results_but_no_checkpoint_says_it_starts_over(tmp_path, caplog):
+    run = p_fgh_run()
+    session = run.session(tmp_path, kill_after=2)  # before the first checkpoint (batch 3)
+    with pytest.raises(Killed):
+        session.run()
+    partial = tmp_path / "run.partial.results.json"
+    assert partial.exists() and not session.checkpoint_path.exists()
+    with caplog.at_level("WARNING"):
+        assert run.session(tmp_path).resume_position == (0, 0)
+    assert f"starting over from the first batch: {partial} is an earlier attempt's" in caplog.text
+    assert "it stopped before its first checkpoint" in caplog.text
 
 
 def test_checkpoint_path_sits_beside_the_results_file(tmp_path):
@@ -487,7 +640,7 @@ def test_checkpoint_every_null_leaves_a_checkpoint_alone(tmp_path, caplog):
     before = path.read_bytes()
     session = run.session(tmp_path, config={**run.config, "checkpoint_every": None})
     assert session.checkpoint_path is None and session.resume_position == (0, 0)
-    assert "not resuming from the checkpoint" in caplog.text
+    assert "starting over: checkpoint_every is null" in caplog.text
     assert path.read_bytes() == before
 
 

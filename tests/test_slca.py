@@ -1,6 +1,7 @@
 """SLCA online: the loop's per-group learning rates (the slow learner), the online class
-Gaussians, and classifier alignment at consolidation firings only. Tiny networks, no PILOT (the
-contract suite runs the PILOT network)."""
+Gaussians, and classifier alignment as an evaluation view once a firing closed the first session
+(upstream: backup, align, evaluate, recall). Tiny networks, no PILOT (the contract suite runs the
+PILOT network; tests/test_upstream_slca.py compares with upstream's own code)."""
 
 from __future__ import annotations
 
@@ -125,12 +126,16 @@ ARGS = {
     "ca_samples_per_class": 64,
     "ca_lr": 0.1,
     "ca_with_logit_norm": 0.1,
+    "ca_weight_decay": 5e-4,
     "weight_decay": 0.0,
     "seed": [1993],
 }
 
 
-def test_alignment_removes_a_head_bias_with_its_own_optimiser():
+def test_the_view_aligns_a_copy_and_training_keeps_its_head_and_optimiser():
+    """Upstream backs the head up, aligns, evaluates and recalls: the view is the aligned head,
+    the training head and the loop's optimiser state of it are untouched, and a firing changes
+    nothing trained."""
     adapter = TinySLCA(args=dict(ARGS))
     torch.manual_seed(0)
     loop = build_loop(adapter, adapter.build_network(adapter.args), {"optimizer": "adam"}, C)
@@ -145,29 +150,94 @@ def test_alignment_removes_a_head_bias_with_its_own_optimiser():
     with torch.no_grad():
         head.weight.copy_(torch.eye(C, 3))
         head.bias.copy_(torch.tensor([0.0, 0.0, 10.0, 0, 0, 0]))  # everything reads class 2
+    trained = head.weight.detach().clone(), head.bias.detach().clone()
     assert (head(means)[:, :3].argmax(1) == 2).all()
     assert list(adapter.consolidate(loop.network, 2)) == []  # nothing restarted
-    assert head(means)[:, :3].argmax(1).tolist() == [0, 1, 2]
+    assert adapter.sessions_closed == 3
+    assert torch.equal(head.weight, trained[0]) and torch.equal(head.bias, trained[1])
+    view = adapter.evaluation_view(loop.network)
+    assert set(view) == {"fc.weight", "fc.bias"}
+    aligned = torch.nn.functional.linear(means, view["fc.weight"], view["fc.bias"])
+    assert aligned[:, :3].argmax(1).tolist() == [0, 1, 2]
+    assert torch.equal(head.weight, trained[0]) and torch.equal(head.bias, trained[1])
     for key, value in loop.optimizer.state[head.weight].items():
         assert torch.equal(value, moments[key]), key
-    assert head.weight.grad is None and adapter.sessions_closed == 3
+    # Unseen classes' rows are not aligned (upstream's head has none).
+    assert torch.equal(view["fc.weight"][3:], trained[0][3:])
+    assert torch.equal(view["fc.bias"][3:], trained[1][3:])
+    # The view is a function of the training state: asked again, the same tensors.
+    again = adapter.evaluation_view(loop.network)
+    assert all(torch.equal(view[k], again[k]) for k in view)
 
 
-def test_alignment_runs_at_firings_after_the_first_and_never_otherwise(monkeypatch):
+def test_the_view_aligns_once_the_first_session_is_closed(monkeypatch):
+    """Upstream aligns from its second task on: no view before the first firing; after firing f
+    the view aligns with the current session f (the newest session's means undecayed)."""
     adapter = TinySLCA(args=dict(ARGS))
     calls: list[int] = []
-    monkeypatch.setattr(adapter, "align", lambda head, firing: calls.append(firing))
+    monkeypatch.setattr(adapter, "align", lambda head, firing, samples=0: calls.append(firing))
     torch.manual_seed(0)
     network = adapter.build_network(adapter.args)
-    config = {"optimizer": "adam", "consolidation": "every_n_samples"}
-    loop = build_loop(adapter, network, {**config, "consolidation_every_n_samples": 20}, C)
-    for step in range(9):
-        loop.train_step(torch.randn(10, 5), torch.tensor([step % C] * 5 + [(step + 1) % C] * 5))
-    assert loop.trigger.firings == [20, 40, 60, 80]
-    assert calls == [1, 2, 3]  # firing 0 closes the first session only (upstream: no CA at task 0)
-    assert adapter.sessions_closed == 4
+    config = {"optimizer": "adam", "consolidation": "new_classes", "consolidation_new_classes": 2}
+    loop = build_loop(adapter, network, config, C)
+    views = []
+    for step in range(9):  # classes {0, 1}, then {2, 3}, then {4, 5}: three steps each
+        first = 2 * (step // 3)
+        loop.train_step(torch.randn(10, 5), torch.tensor([first] * 5 + [first + 1] * 5))
+        views.append(adapter.evaluation_view(loop.network))
+    assert loop.trigger.firings == [30, 60]
+    assert calls == [1, 1, 1, 2, 2, 2]
+    assert [len(v) for v in views] == [0, 0, 0, 2, 2, 2, 2, 2, 2]
+    assert adapter.sessions_closed == 2
     # A class's session is the number of firings before its first sample.
-    assert adapter.stats.session.tolist() == [0, 0, 0, 1, 1, 2]
+    assert adapter.stats.session.tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def test_evaluations_change_nothing_trained():
+    """The same stream with an evaluation after every step and without: identical weights and
+    statistics (the view is derived under a forked RNG and never written back)."""
+    data = [(torch.randn(8, 5), torch.tensor([s % 3, 3 + s % 3] * 4)) for s in range(6)]
+    config = {"optimizer": "adam", "consolidation": "new_classes", "consolidation_new_classes": 2}
+    runs = []
+    for evaluate in (False, True):
+        adapter = TinySLCA(args=dict(ARGS))
+        torch.manual_seed(0)
+        loop = build_loop(adapter, adapter.build_network(adapter.args), config, C)
+        for x, y in data:
+            loop.train_step(x, y)
+            if evaluate:
+                loop.predict([(x, y)], torch.ones(C, dtype=torch.bool), 1)
+        runs.append((loop, adapter))
+    (a, sa), (b, sb) = runs
+    assert sa.sessions_closed == sb.sessions_closed == 2  # firings before steps 1 and 2
+    for (name, p), (_, q) in zip(a.named_parameters, b.named_parameters):
+        assert torch.equal(p, q), name
+    for key, value in sa.stats.state_dict().items():
+        assert torch.equal(value, sb.stats.state_dict()[key]), key
+
+
+def test_on_a_20_task_cub_sized_stream_every_task_end_evaluation_is_aligned(monkeypatch):
+    """20 clear tasks of 2 classes and about 47 samples (CUB's 470 at a tenth): the default
+    trigger fires at every task boundary, so each task-end evaluation from the second task on
+    aligns with the sessions as upstream's tasks (its t-th evaluation: session t)."""
+    assert SLCAOnline.default_consolidation == "new_classes"
+    classes = 40
+    adapter = TinySLCA(args={**ARGS, "nb_classes": classes})
+    calls: list[int] = []
+    monkeypatch.setattr(adapter, "align", lambda head, firing, samples=0: calls.append(firing))
+    torch.manual_seed(0)
+    network = adapter.build_network(adapter.args)
+    network.fc = nn.Linear(3, classes)
+    config = {"optimizer": "adam", "consolidation": "new_classes", "consolidation_new_classes": 2}
+    loop = build_loop(adapter, network, config, classes)
+    for task in range(20):
+        labels = torch.tensor([2 * task, 2 * task + 1]).repeat(24)[:47]
+        for batch in labels.split(24):
+            loop.train_step(torch.randn(len(batch), 5), batch)
+        with loop.evaluation_view():  # the task-end evaluation
+            pass
+    assert len(loop.trigger.firings) == 19
+    assert calls == list(range(1, 20))
 
 
 def test_the_slow_learner_scales_backbone_parameters_only():

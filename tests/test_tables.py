@@ -143,7 +143,7 @@ def test_main_table_means_stds_bold_flags_and_missing(results):
 
     md = tables.to_markdown(table)
     assert _md_row(md, "CODA") == ["20.00 ± 8.16", "**75.00 ± 5.00** †(n=2)", "—"]
-    assert _md_row(md, "&nbsp;&nbsp;↳ + ours") == ["**50.00 ± 8.16**", "—", "**61.00 ± 1.41**"]
+    assert _md_row(md, "↳ + ours") == ["**50.00 ± 8.16**", "—", "**61.00 ± 1.41**"]
 
 
 def test_a_t_and_per_task_tables(results):
@@ -198,7 +198,7 @@ def test_time_table_formats_minutes_and_megabytes(tmp_path):
     assert time.bold and memory.bold  # the smallest is the best here
     md = tables.to_markdown(table)
     assert _md_row(md, "CODA") == ["**3m0s ± 1m0s**", "**2,048 ± 1,024**"]
-    assert _md_row(md, "&nbsp;&nbsp;↳ + ours")[0] == "1h0m0s ± 0s †(n=1)"
+    assert _md_row(md, "↳ + ours")[0] == "1h0m0s †(n=1)"  # one run: no "± 0s"
 
 
 def test_latex_has_booktabs_bold_pm_and_daggers(results):
@@ -339,7 +339,7 @@ def test_a_best_hp_cell_of_two_settings_is_flagged_not_averaged(paper_results):
     md = tables.to_markdown(table)
     assert "‡ mixed HP (n=3)" in md and "66.67" not in md  # never the average of both settings
     notes = " ".join(table.notes)
-    assert "CODA + ours, CIFAR100 Best HP: LR 0.005, γ 1 (n=1: 60.00 ± 0.00)" in notes
+    assert "CODA + ours, CIFAR100 Best HP: LR 0.005, γ 1 (n=1: 60.00)" in notes
     assert "LR 0.01, γ 0.1 (n=2: 71.00 ± 1.00)" in notes
     assert r"$\ddagger$ mixed HP (n=3)" in tables.to_latex(table)
 
@@ -402,3 +402,30 @@ def test_cli_vs_paper_says_what_a_cell_needs_when_none_matches(tmp_path, capsys)
     assert "no cell matches one of the paper's" in printed
     assert "cifar224, cub, imagenetr" in printed and "5e-5, 5e-3" in printed
     assert not (tmp_path / "t" / "vs_paper.md").exists()
+
+
+def test_one_seed_shows_no_std_and_plain_markdown_files_anyone_can_read(tmp_path):
+    """Before: "60.00 ± 0.00", "Mean ± std over 1 seeds", raw "&nbsp;&nbsp;↳" in the Markdown,
+    and files of mode 600."""
+    folder = tmp_path / "one"
+    write_run(folder, seed=0, ap=60.0)
+    write_run(folder, row="ours", seed=0, ap=62.0)
+    (table, *_) = tables.build_tables(tables.load_rows([folder]))
+    md = tables.to_markdown(table)
+    assert _md_row(md, "CODA")[1] == "60.00"
+    assert _md_row(md, "↳ + ours")[1] == "**62.00**"
+    assert "±" not in md.split("\n- ")[0] and "&nbsp;" not in md
+    assert table.notes[0] == "One seed per entry: its value, no std."
+    assert "over 1 seeds" not in md and "pm$0.00" not in tables.to_latex(table)
+    ablation = tables.ablation_table(
+        tables.load_rows([folder]) + tables.load_rows([write_run(folder, row="p", ap=61.0)]),
+        "clear",
+    )
+    assert "\u2003↳ + P + FGH" in tables.to_markdown(ablation)  # depth 2: one em space
+    out = tmp_path / "tables"
+    old = os.umask(0o022)
+    try:
+        written = tables.write_tables([table], out)
+    finally:
+        os.umask(old)
+    assert written and all(path.stat().st_mode & 0o777 == 0o644 for path in written)

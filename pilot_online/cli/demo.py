@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -23,6 +24,7 @@ from ..engine.adapter import MethodAdapter, StepOutput
 from ..engine.config import ONLINE_KEYS, VARIANTS
 from ..engine.loop import build_loop
 from ..engine.session import ArrayDataSource, OnlineSession
+from .estimate import progress_line
 from .report import variant_label
 
 logger = logging.getLogger(__name__)
@@ -62,17 +64,34 @@ class TimmViTAdapter(MethodAdapter):
 DEMO_VARIANTS = {"base": "base", "p_fgh": "fgh"}
 
 
+#: What the demo's two numbers mean, printed before it runs (paper Sec. 4.1).
+DEFINITIONS = (
+    "a[l][k]: accuracy (%) on task k's classes after training through task l (rows: after task "
+    "l, columns: task k, as the accuracy_matrix figure draws it).\n"
+    "AP (average performance, the paper's metric): the mean over task ends l of A_l, where A_l "
+    "is the mean of a[l][k] over the tasks k seen so far.\n"
+    "A_T: A_l after the last task (final average accuracy)."
+)
+
+
 def run_demo(
     train_per_class: int = 100, seed: int = 0, output: Path = Path("runs/demo")
 ) -> dict[str, dict]:
-    """Run both variants on the same stream and print their accuracy matrices, AP and A_T."""
+    """Run both variants on the same stream and print their accuracy matrices, AP and A_T, with
+    a progress line (and the whole demo's ETA) after each task."""
     torch.manual_seed(seed)
     arrays = make_synthetic(seed=seed, num_classes=50, train_per_class=train_per_class)
     stream = clear_stream(arrays["train_y"], init_cls=10, increment=10, batch_size=100, seed=seed)
     data = ArrayDataSource(arrays["train_x"], arrays["train_y"], arrays["test_x"], arrays["test_y"])
     num_classes = int(arrays["train_y"].max()) + 1
     output.mkdir(parents=True, exist_ok=True)
+    print(DEFINITIONS, flush=True)
     summaries = {}
+    total_tasks, done_tasks, demo_start = (
+        len(DEMO_VARIANTS) * stream.num_tasks,
+        0,
+        time.perf_counter(),
+    )
     for name, row in DEMO_VARIANTS.items():
         torch.manual_seed(seed)
         variant = copy.deepcopy(VARIANTS[row])
@@ -95,17 +114,30 @@ def run_demo(
         path.unlink(missing_ok=True)  # the demo overwrites its own previous output
         session = OnlineSession(loop, stream, data, config, path, progress=False)
         start = time.perf_counter()
-        results = session.run()
+        print(f"\n{label}: training on {stream.num_tasks} tasks...", flush=True)
+        for task in range(stream.num_tasks):
+            session.train_task(task)
+            session.complete_task(task)
+            done_tasks += 1
+            elapsed = time.perf_counter() - demo_start
+            print(
+                f"  {progress_line(label, task + 1, stream.num_tasks, time.perf_counter() - start)}"
+                f" | {progress_line('demo', done_tasks, total_tasks, elapsed)}",
+                flush=True,
+            )
+        results = session.finish()
         summaries[label] = results
-        matrix = results["metrics"]["accuracy_matrix"]
-        print(f"\n{label}: accuracy matrix a[l][k] (rows: task l, columns: after task k)")
-        for row in matrix:
-            print("  " + " ".join("   -- " if v is None else f"{v:6.1f}" for v in row))
+        matrix = np.array(results["metrics"]["accuracy_matrix"], dtype=float).T  # [after][task]
+        print(f"{label}: accuracy matrix a[l][k] (rows: after task l, columns: task k)")
+        print("  after \\ task " + " ".join(f"{k:>6}" for k in range(1, len(matrix) + 1)))
+        for after, values in enumerate(matrix, start=1):
+            cells = " ".join("    --" if np.isnan(v) else f"{v:6.1f}" for v in values)
+            print(f"  {after:>12} {cells}")
         print(
             f"{label}: AP {results['metrics']['AP']:.2f}  A_T {results['metrics']['A_T']:.2f}  "
             f"({time.perf_counter() - start:.0f} s, results {path})"
         )
-    print("\nvariant      AP      A_T")
+    print("\nvariant      AP      A_T   (AP: the paper's metric; A_T: after the last task)")
     for label, results in summaries.items():
         print(f"{label:<10} {results['metrics']['AP']:6.2f}  {results['metrics']['A_T']:6.2f}")
     return summaries

@@ -15,13 +15,16 @@ Checks, in order:
 - **weights**: ``pretrained: false``; or ``pretrained_path`` readable in a form we load; or the
   file timm 0.6 downloads already in its cache (``$TORCH_HOME/hub/checkpoints``); else whether
   the download host answers (offline: the fix says what to fetch where);
-- **dataset**: the folders PILOT will read, relative to the working directory
-  (``pilot/data.py`` ``check_dataset_folders``: both folders, every class folder);
+- **dataset**: the folders PILOT will read, relative to the working directory, as every run
+  reads them (``pilot/data.py`` ``dataset_root``, ``check_dataset_folders``: both folders, every
+  class folder); a CIFAR folder that is missing fails when its download host cannot be reached;
 - **gpu memory** / **host memory** / **disk**: free against rough needs (below);
 - **data path**: the run's training transform timed on a few images (the dataset's own files
   when present, else generated JPEGs), per worker and for the run's workers, against the images
   per second the GPU consumes at the FLOP model's rate (a warning when slower);
-- **compute**: the FLOP model's GPU time for the run (``cli/estimate.py``), per seed and in all.
+- **compute**: the FLOP model's GPU time for the run (``cli/estimate.py``): the ideal floor and
+  the figure calibrated to the paper's time table, each with what it assumes; unknown without a
+  CUDA device.
 
 Needs are rough and stated as such: GPU memory is the paper's measured footprint of the method on
 CUB at batch 100 (its time table; fp32 on a Quadro RTX 8000), scaled by the batch size, or 20 GB
@@ -290,32 +293,27 @@ def check_weights(cfg: dict[str, Any]) -> list[Check]:
     ]
 
 
-def data_root(pilot_root: str | None) -> Path | None:
-    """The PILOT checkout the run starts from (``--pilot-root``, else ``$PILOT_ROOT``), whose
-    ``data/`` PILOT reads; ``None`` when neither is given."""
-    given = pilot_root or os.environ.get("PILOT_ROOT")
-    return Path(given).resolve() if given else None
+#: Where torchvision downloads CIFAR from (``torchvision.datasets.CIFAR10.url``'s host).
+CIFAR_HOST = "https://www.cs.toronto.edu/~kriz/"
 
 
-def check_dataset(cfg: dict[str, Any], pilot_root: str | None = None) -> list[Check]:
-    """The dataset's folders where the run will read them: PILOT reads ``./data/...`` relative
-    to where ``python main.py`` runs, the PILOT checkout (``--pilot-root``/``$PILOT_ROOT``);
-    without one, relative to this directory, and the item says the run must start here."""
+def check_dataset(cfg: dict[str, Any]) -> list[Check]:
+    """The dataset's folders where the run will read them, by the one rule for every entry point
+    (``pilot/data.py`` ``dataset_root``: ``data/`` in the folder the run starts in, so run doctor
+    from there; ``--pilot-root`` only says where PILOT's code is). A dataset that is neither in
+    place nor downloadable from here fails: the run could not get it."""
     if not cfg:
         return []
     from ..core.datasets import DATASETS, PILOT_DATASETS
-    from ..pilot.data import ARRAY_DATASETS, check_dataset_folders
+    from ..pilot.data import ARRAY_DATASETS, check_dataset_folders, dataset_root
 
     name = str(cfg.get("dataset") or "").lower()
     if name in DATASETS:
         return [Check("dataset", OK, f"{name} is generated in memory (no files)")]
-    given = data_root(pilot_root)
-    root = given or Path.cwd()
+    root = dataset_root()
     note = (
-        ""
-        if given
-        else f" (no PILOT checkout given: these are relative to {root}, so the run must start "
-        "from this directory; pass --pilot-root to check the checkout's data/)"
+        f" (relative to {root}, so the run must start from this directory: PILOT reads data/ "
+        "where python main.py or pilot-online run starts)"
     )
     where = PILOT_DATASETS.get(name)
     if name in ARRAY_DATASETS and where is not None:
@@ -323,15 +321,21 @@ def check_dataset(cfg: dict[str, Any], pilot_root: str | None = None) -> list[Ch
         if folder.is_dir():
             return [Check("dataset", OK, f"{folder} in place{note}")]
         download, offline = where.source.split("; offline, ", 1)
+        fix = f"offline, {offline.replace('./data', str(folder.parent))}"
+        if _host_answers(CIFAR_HOST):
+            return [
+                Check("dataset", WARN, f"{folder} does not exist: {download}, when the run starts")
+            ]
         return [
             Check(
                 "dataset",
-                WARN,
-                f"{folder} does not exist: {download}, when the run starts{note}",
-                f"offline, {offline.replace('./data', str(folder.parent))}",
+                FAIL,
+                f"{folder} does not exist and {CIFAR_HOST} cannot be reached from here, so "
+                f"the run cannot download it{note}",
+                fix,
             )
         ]
-    problems = check_dataset_folders(cfg, given)
+    problems = check_dataset_folders(cfg)
     if problems:
         fixes = [p.split("Fix: ", 1)[1] if "Fix: " in p else "" for p in problems]
         details = [p.split(" Fix: ", 1)[0] + note for p in problems]
@@ -499,17 +503,16 @@ def _training_transform(cfg: dict[str, Any], pilot_root: str | None):
     return transforms.Compose(steps), "a ViT training transform (PILOT not importable)"
 
 
-def _sample_images(
-    cfg: dict[str, Any], count: int, root: Path | None = None
-) -> tuple[list[Any], str]:
+def _sample_images(cfg: dict[str, Any], count: int) -> tuple[list[Any], str]:
     """``count`` image sources: CIFAR-sized arrays for CIFAR (PILOT holds them in memory); the
-    dataset's own files when present (under ``root``, the PILOT checkout, else here); else
+    dataset's own files when present (where the run reads them: ``dataset_root``); else
     generated JPEGs (500 x 375, CUB's typical size), as
     encoded bytes so that timing includes the decode."""
     import numpy as np
     from PIL import Image
 
     from ..core.datasets import PILOT_DATASETS
+    from ..pilot.data import dataset_root
 
     name = str(cfg.get("dataset") or "").lower()
     where = PILOT_DATASETS.get(name)
@@ -517,7 +520,7 @@ def _sample_images(
     if name.startswith("cifar"):  # arrays in memory: 32 x 32 images, no decode
         arrays = rng.integers(0, 256, size=(count, 32, 32, 3), dtype=np.uint8)
         return [Image.fromarray(a) for a in arrays], f"{count} CIFAR-sized 32x32 arrays"
-    top = (root or Path.cwd()) / where.folders[0] if where is not None else None
+    top = dataset_root() / where.folders[0] if where is not None else None
     if top is not None and top.is_dir():
         files = []
         for folder, _, names in os.walk(top):
@@ -569,7 +572,7 @@ def check_data_path(cfg: dict[str, Any], pilot_root: str | None, images: int = 1
         transform, what = _training_transform(cfg, pilot_root)
     except ImportError as err:
         return [Check("data path", WARN, f"cannot time it: {err}", "pip install torchvision")]
-    sources, of = _sample_images(cfg, images, data_root(pilot_root))
+    sources, of = _sample_images(cfg, images)
     per_worker = measure_transform_rate(transform, sources)
     workers = cfg.get("num_workers")
     if workers is None:
@@ -608,25 +611,25 @@ def _synthetic_names() -> set[str]:
 
 
 def check_compute(cfg: dict[str, Any]) -> list[Check]:
+    """The FLOP model's two figures for the run (``cli/estimate.py``), each with what it assumes;
+    "unknown" on a machine without a CUDA device, where no GPU time can be had."""
     if not cfg:
         return []
-    from .estimate import DEFAULT_SUSTAINED_TFLOPS, estimate_run_seconds
+    import torch
+
+    from .estimate import estimate_config
 
     try:
-        seconds = estimate_run_seconds(cfg)
+        estimate = estimate_config(cfg)
     except (ValueError, KeyError, OSError) as err:
         return [Check("compute", OK, f"no FLOP estimate: {err}")]
-    seeds = cfg.get("seed", [0])
-    seeds = len(seeds) if isinstance(seeds, list) else 1
-    return [
-        Check(
-            "compute",
-            OK,
-            f"{seconds:.0f} s of GPU compute per seed, {seconds * seeds:.0f} s for {seeds} "
-            f"seed(s), at {DEFAULT_SUSTAINED_TFLOPS:.0f} TFLOP/s (an H100's bf16 peak at 40%; "
-            "the FLOP model's floor, data loading not included)",
-        )
-    ]
+    lines = estimate.describe()
+    if not torch.cuda.is_available():
+        why = "the config runs on the CPU" if not _gpu_run(cfg) else "see cuda above"
+        head = f"unknown on this machine: no CUDA device ({why}); on a GPU, " + lines[0]
+    else:
+        head = f"{lines[0]}; this machine's GPU is {torch.cuda.get_device_name(0)}"
+    return [Check("compute", OK, "\n       ".join([head, *(line.strip() for line in lines[1:])]))]
 
 
 # -- the command ------------------------------------------------------------------------------
@@ -639,7 +642,7 @@ def run_checks(config: Path | None, pilot_root: str | None, data_path: bool = Tr
     checks += check_cuda(cfg)
     checks += check_pilot(pilot_root)
     checks += check_weights(cfg)
-    checks += check_dataset(cfg, pilot_root)
+    checks += check_dataset(cfg)
     checks += check_memory(cfg)
     checks += check_disk(cfg)
     if data_path:

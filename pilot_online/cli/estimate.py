@@ -19,11 +19,20 @@ A run's FLOPs (:func:`run_flops`):
   test image per run and each evaluation runs the rest; ``eval_period`` adds evaluations over
   the average seen share of the test set.
 
-Seconds = FLOPs / sustained throughput: :data:`DEFAULT_SUSTAINED_TFLOPS` is an H100 SXM's dense
-bf16 peak (989.4 TFLOP/s, NVIDIA's datasheet) at 40%, i.e. 395.8 TFLOP/s. It is a floor for the
-GPU's compute, not a wall-clock prediction: data loading, optimiser and FGH element-wise work,
-kernel launches and host syncs are not in it. Other image sizes (``backbone_kwargs.img_size``)
-scale the counts by the ViT's token count, roughly.
+Two figures, each saying what it assumes (:func:`estimate_config`, :meth:`RunEstimate.describe`):
+
+- **ideal**: FLOPs / :data:`DEFAULT_SUSTAINED_TFLOPS`, an H100 SXM's dense bf16 peak
+  (989.4 TFLOP/s, NVIDIA's datasheet) at 40%, i.e. 395.8 TFLOP/s. A floor for the GPU's
+  compute, not a wall-clock prediction: data loading, optimiser and FGH element-wise work,
+  kernel launches and host syncs are not in it.
+- **calibrated**: FLOPs / the throughput that the paper's own measured time table implies
+  (:func:`calibration`: CUB, clear, batch 100, one Quadro RTX 8000, whole runs). That is the
+  median over the paper's methods of (FLOPs of its CUB run / its measured seconds), so it folds
+  in everything the FLOP model leaves out, as the paper's machine paid it. oLoRA (two GPUs) and
+  ConvPrompt (its measured hour is 12 times what its FLOPs explain) are left out of the fit.
+
+Other image sizes (``backbone_kwargs.img_size``) scale the counts by the ViT's token count,
+roughly.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
+from statistics import median
 from typing import Any
 
 #: H100 SXM5 dense bf16 tensor-core peak (TFLOP/s, NVIDIA H100 datasheet; 1,979 with sparsity).
@@ -228,3 +238,170 @@ def predicted_time_table(
             }
         )
     return rows
+
+
+# --- calibration against the paper's measured time table -------------------------------------
+
+#: Quadro RTX 8000 fp32 (non-tensor) peak, TFLOP/s (NVIDIA's datasheet): the paper's GPU.
+QUADRO_RTX_8000_FP32_PEAK_TFLOPS = 16.3
+#: Paper rows left out of the fit, with why.
+CALIBRATION_EXCLUDED = {
+    "oLoRA": "ran on two GPUs",
+    "ConvPrompt": "its measured hour is not in its FLOPs (12 times what they explain)",
+}
+#: What the ideal figure assumes, in one line.
+IDEAL_ASSUMES = (
+    f"an H100 at {SUSTAINED_FRACTION:.0%} of its bf16 peak "
+    f"({DEFAULT_SUSTAINED_TFLOPS:.0f} TFLOP/s), GPU compute only"
+)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The throughput that fits the paper's time table, and the per-method points it came from."""
+
+    tflops: float
+    #: paper method name -> (registered name, mean measured seconds of its rows, run TFLOP)
+    points: dict[str, tuple[str, float, float]]
+    excluded: dict[str, str]
+    hardware: str
+
+    @property
+    def share_of_peak(self) -> float:
+        """The fitted throughput as a share of the paper GPU's fp32 peak."""
+        return self.tflops / QUADRO_RTX_8000_FP32_PEAK_TFLOPS
+
+    def assumes(self) -> str:
+        """What the calibrated figure assumes, in one line."""
+        return (
+            f"the paper's Quadro RTX 8000 at the {self.tflops:.2f} TFLOP/s its time table implies "
+            f"(median over {len(self.points)} methods' CUB runs, {self.share_of_peak:.0%} of the "
+            "fp32 peak; data loading and overheads included as the paper paid them)"
+        )
+
+
+def calibration(table: Mapping[str, Any] | None = None) -> Calibration:
+    """Fit one sustained throughput to the paper's time table (``time_consumption``: CUB, clear,
+    batch 100, Quadro RTX 8000): per paper method, the FLOPs of its CUB run over the mean
+    measured seconds of its rows (P and FGH add no FLOPs); the median over methods."""
+    from ..engine.paper import registered_names, time_consumption
+
+    paper = time_consumption()
+    names = registered_names()
+    counted = (table or load_flops())["methods"]
+    seconds: dict[str, list[float]] = {}
+    for row in paper["rows"]:
+        seconds.setdefault(row["method"], []).append(float(row["seconds"]))
+    points: dict[str, tuple[str, float, float]] = {}
+    for method, measured in seconds.items():
+        name = names.get(method)
+        if method in CALIBRATION_EXCLUDED or name not in counted:
+            continue
+        config = paper_run_config(name, str(paper["dataset"]), stream=str(paper["stream"]))
+        flops = run_flops(config, table)["total"]
+        points[method] = (name, sum(measured) / len(measured), flops / 1e12)
+    if not points:
+        raise ValueError("no method of the paper's time table has FLOP counts to calibrate with")
+    rate = median(tflop / secs for _, secs, tflop in points.values())
+    return Calibration(rate, points, dict(CALIBRATION_EXCLUDED), str(paper["hardware"]))
+
+
+def paper_measured_seconds(cfg: Mapping[str, Any]) -> tuple[float, str] | None:
+    """The paper's measured time of this config's method and ablation row on CUB (clear, one
+    Quadro RTX 8000), with the row it is, or None where the table has no such row."""
+    from ..engine.config import variant_of
+    from ..engine.paper import time_consumption
+    from ..engine.registry import get_method
+
+    try:
+        paper_name = get_method(str(cfg.get("model_name"))).paper_name
+    except ValueError:
+        return None
+    row = variant_of(cfg)
+    row = "ours" if row == "fgh" else row
+    for entry in time_consumption()["rows"]:
+        if entry["method"] == paper_name and entry["row"] == row:
+            return float(entry["seconds"]), f"{paper_name} {row}"
+    return None
+
+
+def duration(seconds: float) -> str:
+    """``4.9 s``, ``4m40s``, ``1h12m24s``: the paper's time table's style above a minute."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return (f"{hours}h{minutes:02d}m" if hours else f"{minutes}m") + f"{secs:02d}s"
+
+
+@dataclass(frozen=True)
+class RunEstimate:
+    """One config's estimate: per-seed ideal and calibrated seconds, the seed count, and the
+    paper's measured time of the same method and row on CUB (when the table has it)."""
+
+    method: str
+    dataset: str
+    seeds: int
+    ideal_seconds: float
+    calibrated_seconds: float
+    calibration: Calibration
+    paper: tuple[float, str] | None
+
+    def describe(self) -> list[str]:
+        """Lines that say each figure and what it assumes."""
+        per = "per seed" if self.seeds == 1 else f"per seed, x {self.seeds} seeds"
+        total = (
+            ""
+            if self.seeds == 1
+            else f" = {duration(self.ideal_seconds * self.seeds)} / "
+            f"{duration(self.calibrated_seconds * self.seeds)}"
+        )
+        lines = [
+            f"{self.method} on {self.dataset}: ideal {duration(self.ideal_seconds)}, "
+            f"calibrated {duration(self.calibrated_seconds)} ({per}{total}; training and "
+            "every evaluation of one run, which gives AP, A_T and, with eval_period, A_auc)",
+            f"  ideal: {IDEAL_ASSUMES}: a floor, not a prediction",
+            f"  calibrated: {self.calibration.assumes()}",
+        ]
+        if self.paper is not None:
+            seconds, row = self.paper
+            lines.append(
+                f"  paper: {row} on CUB measured {duration(seconds)} on one Quadro RTX 8000 "
+                "(time_consumption table)"
+            )
+        return lines
+
+
+def estimate_config(cfg: Mapping[str, Any], table: Mapping[str, Any] | None = None) -> RunEstimate:
+    """Ideal and calibrated seconds of one seed of ``cfg``, with the seed count and the paper's
+    measured time where it has one (see the module docstring)."""
+    flops = run_flops(cfg, table)["total"]
+    fit = calibration(table)
+    seeds = cfg.get("seed", [0])
+    paper = paper_measured_seconds(cfg) if str(cfg.get("dataset")) == "cub" else None
+    return RunEstimate(
+        method=str(cfg["model_name"]),
+        dataset=str(cfg.get("dataset")),
+        seeds=len(seeds) if isinstance(seeds, list) else 1,
+        ideal_seconds=flops / (DEFAULT_SUSTAINED_TFLOPS * 1e12),
+        calibrated_seconds=flops / (fit.tflops * 1e12),
+        calibration=fit,
+        paper=paper,
+    )
+
+
+# --- progress of a run in flight ----------------------------------------------------------------
+
+
+def progress_line(what: str, done: int, total: int, elapsed: float, unit: str = "tasks") -> str:
+    """``what: 3/5 tasks, 12 s elapsed, about 8 s left``: the ETA assumes the rest goes at the
+    pace so far (a whole run's or a whole sweep's; no FLOP model involved)."""
+    if total <= 0:
+        raise ValueError(f"total must be >= 1, got {total}")
+    text = f"{what}: {done}/{total} {unit}, {duration(elapsed)} elapsed"
+    if 0 < done < total:
+        text += f", about {duration(elapsed / done * (total - done))} left"
+    elif done >= total:
+        text += ", done"
+    return text

@@ -4,7 +4,12 @@ Each figure function takes loaded results dicts (one run or many) and an output 
 out the plotted numbers first, draws them, writes ``<stem>.png`` and ``<stem>.pdf``, and returns
 the numbers (:class:`FigureData`), so tests compare data, not pixels. Runs are grouped by
 configuration (method, dataset, stream, learning rate, variant); a group's curve is the mean over
-its seeds, with the standard deviation where there are several.
+its seeds, with the standard deviation where there are several. Runs are counted by the rule
+``report`` and ``tables`` use (:func:`report.one_run_per_seed`): a seed run twice with the same
+hyperparameters counts once, and ``write_figures`` says which files it set aside.
+
+Task-wise gradient norms are written G^(k) (task k in parentheses: not a power). Fonts are
+embedded as TrueType (``pdf.fonttype`` 42), never Type 3, which some publishers reject.
 
 ========================  ===========================================  ==========================
 figure (``--which``)      what it shows                                paper
@@ -41,7 +46,15 @@ from ..core.fgh import validate_options
 from ..core.metrics import task_gradient_trace
 from ..core.results import find_results, load_results
 from ..engine.config import FGH_FORMS, PAPER_FGH
-from .report import FORM_KEYS, fgh_label, method_label, variant_label
+from .report import (
+    FORM_KEYS,
+    duplicates_note,
+    fgh_label,
+    hyperparameters,
+    method_label,
+    one_run_per_seed,
+    variant_label,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +72,12 @@ STEMS = {
     "heatmap": "accuracy_matrix",
 }
 PLOTS_HINT = 'pip install -e ".[plots]" (or pip install matplotlib)'
+#: The key ``load_runs`` adds to each results dict: the file it came from (for the run rule).
+RESULTS_FILE = "results_file"
+#: Fonts as TrueType in PDF and PS (Type 3 fonts are refused by some publishers).
+RC_PARAMS = {"pdf.fonttype": 42, "ps.fonttype": 42}
+#: The legend entry of the dotted vertical guide lines.
+TASK_END_LABEL = "task boundary (end of a task)"
 
 
 class FigureSkipped(RuntimeError):
@@ -108,6 +127,7 @@ def load_runs(paths: Iterable[Path | str]) -> list[dict[str, Any]]:
         if "task_grad_norm_trace" not in imbalance and sidecar and sidecar.is_file():
             task_classes = [t["new_classes"] for t in results["stream"]["tasks"]]
             imbalance["task_grad_norm_trace"] = task_gradient_trace(np.load(sidecar), task_classes)
+        results[RESULTS_FILE] = str(file)
         runs.append(results)
     return runs
 
@@ -131,9 +151,25 @@ def _key(fields: dict[str, Any]) -> tuple:
     return tuple(fields[name] for name in _KEY_FIELDS)
 
 
+def _identity(results: dict[str, Any]) -> tuple:
+    config = results["config"]
+    return (_key(_fields(results)), config.get("seed"), hyperparameters(config))
+
+
+def _recency(results: dict[str, Any]) -> tuple:
+    return (str(results.get("created_utc") or ""), str(results.get(RESULTS_FILE) or ""))
+
+
+def counted_runs(runs: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The runs that count (one per configuration, seed and hyperparameters: the newest), and the
+    files of those set aside, by the rule ``report`` and ``tables`` use."""
+    kept, aside = one_run_per_seed(list(runs), _identity, _recency)
+    return kept, [str(r.get(RESULTS_FILE) or f"seed {r['config'].get('seed')}") for r in aside]
+
+
 def _group(runs: Sequence[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
     groups: dict[tuple, list[dict[str, Any]]] = {}
-    for results in runs:
+    for results in counted_runs(runs)[0]:
         groups.setdefault(_key(_fields(results)), []).append(results)
     return dict(sorted(groups.items(), key=lambda kv: tuple(map(str, kv[0]))))
 
@@ -213,7 +249,8 @@ def gradient_imbalance_data(runs: Sequence[dict[str, Any]]) -> FigureData:
         curves = [_as_float(_imbalance(r)["task_grad_norm_normalized"]) for r in groups[key]]
         mean, std = _mean_std(_stack_truncated(curves))
         series.append(Series(label, np.arange(1, len(mean) + 1), mean, std, len(curves)))
-    return FigureData("imbalance", {"": series})
+    fgh = [groups[key][0]["config"].get("fgh") is not None for key in groups]
+    return FigureData("imbalance", {"": series}, meta={"fgh": fgh})
 
 
 def gradient_trace_data(
@@ -330,7 +367,7 @@ def gamma_sensitivity_data(runs: Sequence[dict[str, Any]], metric: str = "AP") -
     title_of: dict[tuple, str] = {}
     baseline_of: dict[tuple, tuple] = {}  # sweep -> the same configuration without FGH
     baselines: dict[tuple, list[float]] = {}
-    for results in runs:
+    for results in counted_runs(runs)[0]:
         config = results["config"]
         value = results["metrics"].get(metric)
         value = np.nan if value is None else float(value)
@@ -446,31 +483,94 @@ def _pyplot():
     return plt
 
 
-def _save(fig, stem: Path) -> list[Path]:
-    """``<stem>.png`` and ``<stem>.pdf`` (the PDF without a creation date: reruns match)."""
+def task_norm(k: int | str, normalised: bool = False) -> str:
+    """Mathtext of task k's gradient norm, G^(k) (``_n`` normalised): the parentheses keep the
+    task index from reading as a power ("G²")."""
+    return f"$G^{{({k})}}_n$" if normalised else f"$G^{{({k})}}$"
+
+
+def round_half_away(value: float) -> int:
+    """62.5 -> 63 and -62.5 -> -63, as a reader rounds (``format`` rounds half to even: 62)."""
+    return int(math.copysign(math.floor(abs(value) + 0.5), value))
+
+
+def _describe(fig) -> dict[str, Any]:
+    """What a drawn figure shows, for tests: size in inches, each visible panel's title, axis
+    labels and legend entries, colorbar labels, and the figure-level legends and title."""
+    panels = []
+    for ax in fig.axes:
+        if not ax.get_visible():
+            continue
+        legend = ax.get_legend()
+        panels.append(
+            {
+                "title": ax.get_title(),
+                "xlabel": ax.get_xlabel(),
+                "ylabel": ax.get_ylabel(),
+                "legend": [t.get_text() for t in legend.get_texts()] if legend else [],
+            }
+        )
+    return {
+        "size_inches": tuple(float(v) for v in fig.get_size_inches()),
+        "panels": panels,
+        "figure_legend": [t.get_text() for lg in fig.legends for t in lg.get_texts()],
+        "suptitle": fig._suptitle.get_text() if fig._suptitle is not None else "",
+    }
+
+
+def _save(fig, stem: Path, data: FigureData | None = None, tight: bool = True) -> list[Path]:
+    """``<stem>.png`` and ``<stem>.pdf`` (the PDF without a creation date: reruns match; fonts
+    as TrueType, :data:`RC_PARAMS`); what was drawn goes to ``data.meta["drawn"]``. ``tight``:
+    lay the figure out here (False where the drawing did, around a colorbar or a legend)."""
+    import matplotlib
+
     plt = _pyplot()
     stem.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
     paths = [stem.with_name(stem.name + ".png"), stem.with_name(stem.name + ".pdf")]
-    fig.savefig(paths[0], dpi=150, bbox_inches="tight")
-    fig.savefig(paths[1], bbox_inches="tight", metadata={"CreationDate": None})
+    with matplotlib.rc_context(RC_PARAMS):
+        if tight:
+            fig.tight_layout()
+        fig.savefig(paths[0], dpi=150, bbox_inches="tight")
+        fig.savefig(paths[1], bbox_inches="tight", metadata={"CreationDate": None})
+    if data is not None:
+        data.meta["drawn"] = _describe(fig)
     plt.close(fig)  # else pyplot keeps every figure a long session draws
     return paths
 
 
-def _grid(plt, panels: int, width: float = 4.0, height: float = 3.0, max_cols: int = 5):
+def _grid(plt, panels: int, width: float = 4.0, height: float = 3.0, max_cols: int = 5, **kw):
     cols = min(panels, max_cols)
     rows = math.ceil(panels / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False, **kw)
     for ax in axes.flat[panels:]:
         ax.set_visible(False)
     return fig, list(axes.flat[:panels])
 
 
+def _run_label(s: Series) -> str:
+    return s.label if s.runs == 1 else f"{s.label} ({s.runs} runs)"
+
+
 def _line(ax, s: Series, **kwargs) -> None:
-    (line,) = ax.plot(s.x, s.y, label=s.label if s.runs == 1 else f"{s.label} ({s.runs})", **kwargs)
+    (line,) = ax.plot(s.x, s.y, label=_run_label(s), **kwargs)
     if s.std is not None:
         ax.fill_between(s.x, s.y - s.std, s.y + s.std, color=line.get_color(), alpha=0.2, lw=0)
+
+
+def _task_ends(ax, positions: Sequence[float]) -> None:
+    """Dotted grey verticals at the task ends, named once in the legend."""
+    for i, position in enumerate(positions):
+        ax.axvline(position, color="grey", lw=0.6, ls=":", label=TASK_END_LABEL if i == 0 else None)
+
+
+def _imbalance_title(fgh: Sequence[bool]) -> str:
+    """Fig. 1's title: it speaks of FGH's reweighting only over runs that have FGH."""
+    title = "Gradient imbalance of the classifier rows"
+    if fgh and all(fgh):
+        return title + " (after FGH's reweighting)"
+    if any(fgh):
+        return title + " (FGH runs: after FGH's reweighting)"
+    return title
 
 
 def _draw_imbalance(data: FigureData, stem: Path) -> list[Path]:
@@ -480,29 +580,48 @@ def _draw_imbalance(data: FigureData, stem: Path) -> list[Path]:
     width = 0.8 / len(series)
     for i, s in enumerate(series):
         offset = (i - (len(series) - 1) / 2) * width
-        ax.bar(s.x + offset, s.y, width, yerr=s.std, label=s.label, capsize=2)
+        ax.bar(s.x + offset, s.y, width, yerr=s.std, label=_run_label(s), capsize=2)
     ax.set_xticks(series[0].x)
     ax.set_xlabel("task k")
-    ax.set_ylabel("normalised gradient norm $G^k_n$")
-    ax.set_title("Gradient imbalance of the classifier rows (after FGH's reweighting)")
+    ax.set_ylabel(f"normalised gradient norm {task_norm('k', normalised=True)}")
+    ax.set_title(_imbalance_title(data.meta.get("fgh", [])))
     ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
-    return _save(fig, stem)
+    return _save(fig, stem, data)
 
 
 def _draw_trace(data: FigureData, stem: Path) -> list[Path]:
+    """One panel: 8 x 4 in with its own legend. Several: at most 3 panels a row (3.4 x 2.6 in
+    each, shared axes) and one legend for all of them below the grid."""
     plt = _pyplot()
-    fig, axes = _grid(plt, len(data.panels), width=8 if len(data.panels) == 1 else 4)
+    single = len(data.panels) == 1
+    if single:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        axes = [ax]
+    else:
+        fig, axes = _grid(plt, len(data.panels), 3.4, 2.6, max_cols=3, sharex=True, sharey=True)
     for ax, (title, series) in zip(axes, data.panels.items()):
         for s in series:
             _line(ax, s, lw=1)
-        for step in data.markers:
-            ax.axvline(step, color="grey", lw=0.5, ls=":")
+        _task_ends(ax, data.markers)
         k = title.removeprefix("task ")
-        ax.set_title(f"$G^{{{k}}}$ over training")
+        ax.set_title(f"task {k}: {task_norm(k)}", fontsize="medium")
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel(f"$G^{{{k}}}$")
-    axes[0].legend(fontsize="x-small")
-    return _save(fig, stem)
+        ax.set_ylabel(task_norm(k))
+    if single:
+        axes[0].legend(fontsize="small")
+        return _save(fig, stem, data)
+    handles, labels = axes[0].get_legend_handles_labels()
+    free = [ax for ax in fig.axes if not ax.get_visible()]
+    if free:  # the grid's empty slot holds the one legend
+        slot = free[0]
+        slot.set_visible(True)
+        slot.axis("off")
+        slot.legend(handles, labels, loc="center", fontsize="small", frameon=False)
+    else:
+        fig.tight_layout(rect=(0, 0.03 * math.ceil(len(labels) / 2), 1, 1))
+        fig.legend(handles, labels, loc="lower center", ncol=2, fontsize="small", frameon=False)
+        return _save(fig, stem, data, tight=False)
+    return _save(fig, stem, data)
 
 
 def _draw_gamma(data: FigureData, stem: Path) -> list[Path]:
@@ -525,9 +644,9 @@ def _draw_gamma(data: FigureData, stem: Path) -> list[Path]:
         ax = axes[0][column]
         for s in data.panels[title]:
             if s.x[0] == 0:  # gamma = 0 cannot sit on a log axis: a dashed level
-                ax.axhline(s.y[0], ls="--", lw=1, label=s.label, color="grey")
+                ax.axhline(s.y[0], ls="--", lw=1, label=_run_label(s), color="grey")
                 continue
-            ax.errorbar(s.x, s.y, yerr=s.std, marker="o", capsize=3, label=s.label)
+            ax.errorbar(s.x, s.y, yerr=s.std, marker="o", capsize=3, label=_run_label(s))
         ax.set_xscale("log")
         ax.set_ylabel(f"{metric} (%)")
         ax.set_title(title, fontsize="medium")
@@ -541,7 +660,7 @@ def _draw_gamma(data: FigureData, stem: Path) -> list[Path]:
             below.set_ylabel("α at clamp's upper bound\n(fraction, stream mean)")
         axes[rows - 1][column].set_xlabel("FGH γ")
     fig.suptitle(f"Sensitivity to γ ({metric}), by FGH form")
-    return _save(fig, stem)
+    return _save(fig, stem, data)
 
 
 def _draw_accuracy(data: FigureData, stem: Path) -> list[Path]:
@@ -549,33 +668,37 @@ def _draw_accuracy(data: FigureData, stem: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(8, 4))
     for s in data.panels[""]:
         _line(ax, s, marker=".")
-    for samples in data.markers:
-        ax.axvline(samples, color="grey", lw=0.5, ls=":")
+    _task_ends(ax, data.markers)
     ax.set_xlabel("stream samples seen")
     ax.set_ylabel("accuracy on seen classes (%)")
     ax.set_title("Accuracy over the stream (its mean is $A_{auc}$)")
     ax.legend(fontsize="small")
-    return _save(fig, stem)
+    return _save(fig, stem, data)
 
 
 def _draw_heatmap(data: FigureData, stem: Path) -> list[Path]:
+    """One panel per configuration, one colorbar for all (the same 0-100 scale), labelled."""
     plt = _pyplot()
-    fig, axes = _grid(plt, len(data.panels), width=4.5, height=4, max_cols=4)
-    for ax, (title, (s,)) in zip(axes, data.panels.items()):
+    fig, axes = _grid(plt, len(data.panels), width=4.2, height=4, max_cols=3)
+    image = None
+    for ax, (s,) in zip(axes, data.panels.values()):
         matrix = np.ma.masked_invalid(s.y)
         image = ax.imshow(matrix, vmin=0, vmax=100, cmap="viridis")
         if len(s.x) <= 12:
             for (row, col), value in np.ndenumerate(s.y):
                 if np.isfinite(value):
                     color = "white" if value < 50 else "black"
-                    ax.text(col, row, f"{value:.0f}", ha="center", va="center", color=color)
+                    text = str(round_half_away(value))
+                    ax.text(col, row, text, ha="center", va="center", color=color)
         ax.set_xticks(range(len(s.x)), [str(t) for t in s.x])
         ax.set_yticks(range(len(s.x)), [str(t) for t in s.x])
         ax.set_xlabel("accuracy on task k")
         ax.set_ylabel("after task l")
-        ax.set_title(title if s.runs == 1 else f"{title} ({s.runs} runs)", fontsize="small")
-        fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
-    return _save(fig, stem)
+        ax.set_title(_run_label(s), fontsize="small")
+    fig.tight_layout()
+    bar = fig.colorbar(image, ax=axes, fraction=0.046 / max(1, math.ceil(len(axes) / 3)), pad=0.04)
+    bar.set_label("accuracy (%)")
+    return _save(fig, stem, data, tight=False)
 
 
 # -- one call per figure ---------------------------------------------------------------------------
@@ -634,10 +757,12 @@ def write_figures(
     max_steps: int | None = None,
     gamma_metric: str = "AP",
     on_skip: Callable[[str, str], None] = _default_skip,
+    on_note: Callable[[str], None] = lambda note: print(f"figures: note: {note}", file=sys.stderr),
 ) -> list[Path]:
     """Every figure in ``which`` that ``results_list`` (loaded results dicts) supports, into
     ``out_dir`` (file names: ``STEMS``); returns the written paths. A figure without its data is
-    skipped, and ``on_skip(name, reason)`` says why (by default on stderr)."""
+    skipped, and ``on_skip(name, reason)`` says why (by default on stderr); ``on_note`` gets the
+    note naming runs set aside as repeats of a seed."""
     out_dir = Path(out_dir)
     which = list(which)
     unknown = sorted(set(which) - set(FIGURES))
@@ -688,4 +813,7 @@ def write_figures(
             written += job().paths
         except FigureSkipped as reason:
             on_skip(name, str(reason))
+    _, set_aside = counted_runs(results_list)
+    if set_aside:
+        on_note(duplicates_note(set_aside))
     return written

@@ -1,5 +1,6 @@
-"""The ``pilot-online`` command: setup | run | sweep | best | tables | reproduce | doctor |
-check-config | report | figures | demo."""
+"""pilot-online: online, task-free training of LAMDA-PILOT's methods, with online prototypes and
+Fine-Grained Hypergradients. Commands: setup | run | sweep | best | tables | reproduce | doctor |
+check-config | methods | report | figures | demo."""
 
 from __future__ import annotations
 
@@ -28,13 +29,38 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except patching.PatchError as err:
         print(f"pilot-online run: {err}", file=sys.stderr)
         return 2
-    raw = load_json(args.config)
+    raw = {**load_json(args.config), **run_overrides(args)}
     config = {"config": str(args.config), **resolve_config(raw)}
     sys.path.insert(0, str(root))
     from trainer import train  # PILOT's
 
     train(config)
     return 0
+
+
+def _device_list(text: str) -> list:
+    """``--device``: ``cpu`` (or -1), ``cuda`` (the first GPU), ``cuda:N`` or ``N``, as PILOT's
+    ``device`` list."""
+    value = text.strip().lower()
+    if value in ("cpu", "-1"):
+        return [-1]
+    index = value.removeprefix("cuda").removeprefix(":") or "0"
+    if not index.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: give cpu, cuda, cuda:N or a GPU index N")
+    return [index]
+
+
+def run_overrides(args: argparse.Namespace) -> dict:
+    """The config keys ``run``'s flags set: every ``--set KEY=VALUE`` (a JSON value, as in
+    ``sweep``), then ``--seed`` and ``--device``."""
+    from .protocol import parse_sets
+
+    values = parse_sets(args.set)
+    if args.seed is not None:
+        values["seed"] = args.seed
+    if args.device is not None:
+        values["device"] = args.device
+    return values
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
@@ -97,9 +123,37 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``pilot-online --help``'s examples and where the documentation is.
+EPILOG = """examples:
+  pilot-online setup /path/to/LAMDA-PILOT                   patch a PILOT checkout
+  pilot-online doctor --config exps/coda_online_fgh.json    can this machine run it?
+  pilot-online run --config exps/smoke_coda_online.json     a run through PILOT's trainer
+  pilot-online methods prompt                               methods: rows, triggers, keys
+  pilot-online reproduce --table all_acc_blurry --dry-run   the runs and their time
+  pilot-online report runs/ --per-seed                      AP / A_T of each run
+  pilot-online demo                                         P + FGH without PILOT
+
+documentation: README.md and docs/ in the pilot-online checkout (docs/methods.md: every
+method and its keys; docs/protocol.md: the paper's protocol, tables and figures);
+pilot-online COMMAND --help for each command's flags."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pilot-online", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    from ..version import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="pilot-online",
+        description=__doc__,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"pilot-online {__version__}")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log at INFO level, and show a user error's traceback (also PILOT_ONLINE_TRACEBACK=1)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     setup = sub.add_parser("setup", help="patch a PILOT checkout (idempotent; --check, --revert)")
@@ -109,6 +163,17 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a config through PILOT's trainer, like its main.py")
     run.add_argument("--config", required=True, type=Path, help="a PILOT-style JSON config")
     run.add_argument("--pilot-root", help="patched PILOT checkout (default: $PILOT_ROOT, then .)")
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (JSON value; repeatable), e.g. init_lr=0.01",
+    )
+    run.add_argument("--seed", type=int, nargs="+", help="the seeds to run (the config's seed)")
+    run.add_argument(
+        "--device", type=_device_list, help="cpu, cuda, cuda:N or N (the config's device)"
+    )
     run.set_defaults(func=_cmd_run)
 
     sweep = sub.add_parser("sweep", help="a grid of runs (LR, variants, streams...) + table")
@@ -139,6 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("configs", nargs="*", type=Path)
     check.add_argument("--keys", action="store_true", help="print the config-key reference")
     check.set_defaults(func=_cmd_check_config)
+
+    from .methods import add_methods_arguments, run_methods
+
+    methods = sub.add_parser(
+        "methods", help="list methods: paper name, rows, default trigger, keys (filterable)"
+    )
+    add_methods_arguments(methods)
+    methods.set_defaults(func=run_methods)
 
     report = sub.add_parser("report", help="AP / A_T table (mean ± std over seeds) from results")
     report.add_argument("paths", nargs="+", type=Path, help="results files or folders to search")
@@ -184,11 +257,18 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    # A user error (config, dataset, checkpoint, patch) ends in its line alone, before any work
+    # where it can; --verbose or PILOT_ONLINE_TRACEBACK=1 keeps the traceback.
+    from ..pilot.errors import show_tracebacks, user_error_line
+
     try:
         return args.func(args)
-    except ConfigError as err:
-        print(f"pilot-online {args.command}: {err}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as err:
+        line = None if show_tracebacks(args.verbose) else user_error_line(err)
+        if line is None:
+            raise
+        print(line.replace("pilot-online:", f"pilot-online {args.command}:", 1), file=sys.stderr)
+        return 130 if isinstance(err, KeyboardInterrupt) else 2
 
 
 if __name__ == "__main__":

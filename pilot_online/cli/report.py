@@ -3,9 +3,9 @@ in ``figures.py``; ``report --plot`` draws Fig. 1 and 2 through it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -17,6 +17,22 @@ from ..engine.config import FGH_FORMS, PAPER_FGH
 FORM_KEYS = ("granularity", "direction", "apply", "clamp")
 
 METRIC_COLUMNS = ("AP", "A_T", "forgetting", "A_auc")
+
+#: The rule every output (report, tables, figures) states for runs set aside.
+DUPLICATE_RULE = (
+    "a seed run more than once with the same hyperparameters counts once, by its newest "
+    "complete run"
+)
+
+RunT = TypeVar("RunT")
+
+#: Which average is the paper's: PILOT's own log prints another one beside it.
+METRIC_NOTE = (
+    "AP is the paper's metric (Sec. 4.1: the mean over task ends k of A_k, each A_k the mean "
+    "over the tasks seen of their accuracy) and A_T its A_k after the last task; PILOT's log "
+    'line "Average Accuracy (CNN)" is PILOT\'s own average (top-1 over all seen test images, '
+    "sample-weighted, averaged over task ends): not a number of the paper's tables."
+)
 
 #: The paper's method rows (adapters' ``paper_name``), in its tables' order.
 PAPER_ROW_ORDER = (
@@ -92,6 +108,42 @@ def fgh_label(fgh: dict[str, Any]) -> str:
     return text
 
 
+def hyperparameters(config: dict[str, Any]) -> tuple:
+    """What tells two runs of one configuration apart besides the seed: LR and the resolved FGH
+    options (``foreach`` aside, which changes no number)."""
+    lr = config.get("init_lr")
+    fgh = config.get("fgh")
+    options = None
+    if fgh is not None:
+        resolved = validate_options(**fgh)
+        options = tuple((k, resolved[k]) for k in sorted(resolved) if k != "foreach")
+    return (float(lr) if lr is not None else None, options)
+
+
+def one_run_per_seed(
+    runs: Sequence[RunT],
+    identity: Callable[[RunT], tuple],
+    recency: Callable[[RunT], tuple],
+) -> tuple[list[RunT], list[RunT]]:
+    """The one rule by which ``report``, ``tables`` and the figures count runs: of the runs with
+    the same ``identity`` (configuration, seed and :func:`hyperparameters`), the newest complete
+    one (largest ``recency``: ``created_utc``, then the file name) counts; the others are set
+    aside. Returns ``(kept, set_aside)``, each in the input's order."""
+    newest: dict[tuple, RunT] = {}
+    for run in runs:
+        key = identity(run)
+        if key not in newest or recency(run) > recency(newest[key]):
+            newest[key] = run
+    kept = [r for r in runs if newest[identity(r)] is r]
+    return kept, [r for r in runs if newest[identity(r)] is not r]
+
+
+def duplicates_note(set_aside: Sequence[str]) -> str:
+    """The note for runs set aside (their files), as every output words it."""
+    files = ", ".join(Path(f).name for f in set_aside)
+    return f"{len(set_aside)} run(s) set aside ({files}): {DUPLICATE_RULE}."
+
+
 def collect(paths: Iterable[Path]) -> list[dict[str, Any]]:
     """One row per complete results file found in ``paths`` (files or folders, searched deeply)."""
     rows = []
@@ -108,6 +160,8 @@ def collect(paths: Iterable[Path]) -> list[dict[str, Any]]:
                 "lr": config.get("init_lr"),
                 "variant": variant_label(config),
                 "seed": config.get("seed"),
+                "hp": hyperparameters(config),
+                "created": str(results.get("created_utc") or ""),
                 **{m: metrics.get(m) for m in METRIC_COLUMNS},
                 "G_n": imbalance.get("task_grad_norm_normalized"),
                 "trace": file.parent / imbalance["trace_file"]
@@ -137,13 +191,36 @@ def _mean_std(values: list[Any]) -> str:
     return f"{np.mean(finite):.2f}±{np.std(finite):.2f}"
 
 
+def _identity(row: dict[str, Any]) -> tuple:
+    return (*_group_key(row), row["seed"], row["hp"])
+
+
+def _recency(row: dict[str, Any]) -> tuple:
+    return (row["created"], row["file"])
+
+
+def counted_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(kept, set_aside)`` of ``collect``'s rows by :func:`one_run_per_seed`."""
+    return one_run_per_seed(rows, _identity, _recency)
+
+
+def _run_name(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The results file, as short as still tells it from the others: its name, else the path."""
+    name = Path(row["file"]).name
+    same = sum(Path(r["file"]).name == name for r in rows)
+    return name if same == 1 else row["file"]
+
+
 def format_table(rows: list[dict[str, Any]], group: bool = True) -> str:
-    """A fixed-width table; with ``group``, mean±std over seeds of each configuration."""
-    header = ("method", "dataset", "stream", "lr", "variant", "runs", *METRIC_COLUMNS)
+    """A fixed-width table; with ``group``, mean±std over the seeds of each configuration, a
+    repeated seed counted once (:func:`one_run_per_seed`), and a note naming the runs set aside;
+    without, one row per run with its results file, the set-aside ones marked."""
+    kept, set_aside = counted_rows(rows)
+    header = ["method", "dataset", "stream", "lr", "variant", "runs", *METRIC_COLUMNS]
     lines = []
     if group:
         groups: dict[tuple, list[dict[str, Any]]] = {}
-        for row in rows:
+        for row in kept:
             groups.setdefault(_group_key(row), []).append(row)
         for key, members in sorted(groups.items(), key=lambda kv: _sort_key(kv[0])):
             lines.append(
@@ -154,20 +231,28 @@ def format_table(rows: list[dict[str, Any]], group: bool = True) -> str:
                 )
             )
     else:
-        for row in rows:
+        header[5] = "seed"
+        header.append("results file")
+        aside = {id(r) for r in set_aside}
+        for row in sorted(rows, key=lambda r: (_sort_key(_group_key(r)), str(r["seed"]))):
+            name = _run_name(row, rows)
             lines.append(
                 (
                     *map(str, _group_key(row)),
-                    f"seed {row['seed']}",
+                    str(row["seed"]),
                     *(_mean_std([row[c]]) for c in METRIC_COLUMNS),
+                    f"{name} (set aside: a repeat)" if id(row) in aside else name,
                 )
             )
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join(
-        [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
-        + [fmt.format(*line) for line in lines]
-    )
+    table = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    table += [fmt.format(*line).rstrip() for line in lines]
+    if set_aside:
+        table.append("note: " + duplicates_note([r["file"] for r in set_aside]))
+    if group:
+        table.append("note: " + METRIC_NOTE)
+    return "\n".join(table)
 
 
 def _runs_of(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

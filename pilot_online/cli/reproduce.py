@@ -381,10 +381,16 @@ def plan(args: argparse.Namespace) -> tuple[list[CellSpec], dict[CellSpec, tuple
 
 
 def dry_run_listing(cells, configs, tflops: float | None) -> tuple[list[str], float, int]:
-    """Lines listing each cell's runs and estimate, the total seconds of the runs the FLOP model
-    prices, and the total of training batch passes (steps x passes per step, over every run)."""
+    """Lines listing each cell's runs and estimates (ideal and calibrated, for all its seeds),
+    the total ideal seconds of the runs the FLOP model prices, and the total of training batch
+    passes (steps x passes per step, over every run). The footer says what each figure assumes:
+    an ideal figure is a floor, 50-70x below the paper's measured times."""
+    from .estimate import IDEAL_ASSUMES, calibration, duration
+
     estimate, what = estimator(tflops)
+    fit = calibration()
     lines, total_seconds, total_steps = [], 0.0, 0
+    total_calibrated = 0.0
     priced, unpriced, reasons = 0, 0, {}
     for cell in cells:
         paths, why = configs[cell]
@@ -397,9 +403,11 @@ def dry_run_listing(cells, configs, tflops: float | None) -> tuple[list[str], fl
             text += f"  paper {paper.mean:.2f} ± {paper.std:.2f} (n={paper.n})"
         try:  # the seeds' configs differ only in the seed, which costs nothing
             seconds = float(estimate(config)) * seeds
+            calibrated = float(estimate_run_seconds(config, sustained_tflops=fit.tflops)) * seeds
             total_seconds += seconds
+            total_calibrated += calibrated
             priced += seeds
-            text += f"  est. {_duration(seconds)}"
+            text += f"  est. {duration(seconds)} ideal / {duration(calibrated)} calibrated"
         except Exception as err:  # the FLOP model cannot price this config: say why once
             unpriced += seeds
             reason = str(err).replace(str(config.get("model_name")), "<method>")
@@ -410,7 +418,17 @@ def dry_run_listing(cells, configs, tflops: float | None) -> tuple[list[str], fl
             total_steps += round(steps * passes) * seeds
             text += f"  {steps:,} steps x {passes:g} batch passes/run"
         lines.append(text)
-    lines.append(f"estimate: {what}")
+    ideal = IDEAL_ASSUMES if tflops is None else f"{tflops:g} TFLOP/s sustained"
+    lines.append(
+        f"estimate: {what}, for all the seeds of a cell (each run gives AP, the paper's metric, "
+        "and A_T); ideal: " + ideal + ", a floor, not a prediction (it runs 50-70x below the "
+        f"paper's measured times); calibrated: {fit.assumes()}"
+    )
+    if priced:
+        lines.append(
+            f"the priced runs: {duration(total_seconds)} ideal, "
+            f"{duration(total_calibrated)} calibrated"
+        )
     lines.append(f"the FLOP model prices {priced} of {priced + unpriced} runs")
     for reason, methods in reasons.items():
         lines.append(f"no estimate for {', '.join(dict.fromkeys(methods))}: {reason}")
@@ -434,7 +452,7 @@ def run_reproduce(args: argparse.Namespace) -> int:
             say(line)
         total = f"total: {runs} runs, {steps:,} training batch passes"
         if seconds:
-            total += f", estimated {_duration(seconds)} of GPU compute for the priced runs"
+            total += f", at least {_duration(seconds)} of GPU compute for the priced runs (ideal)"
         say(total)
         return 0
     todo = [p for paths, _ in configs.values() for p in paths if not run_finished(p)]

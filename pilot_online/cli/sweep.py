@@ -152,7 +152,9 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
         "--checkpoint-every",
         type=int,
         metavar="N",
-        help="set checkpoint_every=N in every run's config, so a retried run resumes",
+        help="set checkpoint_every=N (stream batches) in every run's config; by default each "
+        'run checkpoints as its config says ("auto": task ends and every 10 minutes), so a '
+        "retried or rerun run resumes",
     )
     add_engine_arguments(parser)
 

@@ -54,7 +54,7 @@ from ..engine.paper import (
     same_cell,
 )
 from ..engine.protocol import FIXED_LRS, HP_COLUMNS, method_short_name
-from .report import method_label
+from .report import DUPLICATE_RULE, hyperparameters, method_label, one_run_per_seed
 
 #: Method blocks of the paper's tables (separated by rules), in its row order.
 PAPER_GROUPS: tuple[tuple[str, ...], ...] = (
@@ -176,17 +176,6 @@ def _paper_fgh(config: dict[str, Any]) -> bool:
     return fgh is None or validate_options(**fgh) == validate_options(**PAPER_FGH)
 
 
-def _hyperparameters(config: dict[str, Any]) -> tuple:
-    """What tells two runs of one cell apart besides the seed: LR and the FGH options."""
-    lr = config.get("init_lr")
-    fgh = config.get("fgh")
-    options = None
-    if fgh is not None:
-        resolved = validate_options(**fgh)
-        options = tuple((k, resolved[k]) for k in sorted(resolved) if k != "foreach")
-    return (float(lr) if lr is not None else None, options)
-
-
 def _hyperparameter_label(hp: tuple) -> str:
     lr, options = hp
     text = "LR ?" if lr is None else f"LR {lr:g}"
@@ -212,7 +201,7 @@ def load_rows(paths: Iterable[Path]) -> list[dict[str, Any]]:
             {
                 "file": str(file),
                 "created": str(results.get("created_utc") or ""),
-                "hp": _hyperparameters(config),
+                "hp": hyperparameters(config),
                 "method": method_label(config.get("model_name")),
                 "method_key": method_short_name(config.get("model_name", "")),
                 "dataset": config.get("dataset"),
@@ -249,15 +238,9 @@ def make_cell(runs: list[dict[str, Any]], value: Any, flag_mixed: bool = True) -
     """A cell from its runs: one run per (seed, hyperparameters), the newest complete one
     (``created_utc``, then the file name); ``value(run)`` gives the number (non-finite ones are
     left out). With ``flag_mixed``, runs of more than one setting mark the cell mixed."""
-    newest: dict[tuple, dict[str, Any]] = {}
-    for run in runs:
-        key = (run["seed"], run["hp"])
-        if key not in newest or (run["created"], run["file"]) > (
-            newest[key]["created"],
-            newest[key]["file"],
-        ):
-            newest[key] = run
-    kept = [r for r in runs if newest[(r["seed"], r["hp"])] is r]
+    kept, _ = one_run_per_seed(
+        runs, lambda r: (r["seed"], r["hp"]), lambda r: (r["created"], r["file"])
+    )
     cell = Cell(set_aside=len(runs) - len(kept))
     settings: dict[str, list[float]] = {}
     for run in kept:
@@ -330,10 +313,7 @@ def _finish(table: Table, better: str = "max", bold_per_block: bool = False) -> 
         table.notes.append(f"{MISSING}: no results for this entry.")
     set_aside = sum(c.set_aside for c in cells)
     if set_aside:
-        table.notes.append(
-            f"{set_aside} run(s) set aside: a seed run more than once with the same "
-            "hyperparameters counts once, by its newest complete run."
-        )
+        table.notes.append(f"{set_aside} run(s) set aside: {DUPLICATE_RULE}.")
     headers = [f"{g} {c}".strip() for g, columns_ in table.groups for c in columns_]
     mixed = [
         f"{_plain_label(row)}, {headers[i]}: "
@@ -357,7 +337,10 @@ def _finish(table: Table, better: str = "max", bold_per_block: bool = False) -> 
             "†: fewer seeds than the other entries (count shown); "
             f"the table's usual count is {modal}."
         )
-    if modal:
+    if modal == 1:
+        runs = "run" if table.kind == "time" else "seed"
+        table.notes.insert(0, f"One {runs} per entry: its value, no std.")
+    elif modal:
         runs = "runs" if table.kind == "time" else "seeds"
         table.notes.insert(0, f"Mean ± std over {modal} {runs} (population std).")
     return table
@@ -369,7 +352,7 @@ def _plain_label(row: Row) -> str:
 
 def _plain_value(table: Table, column: int, values: list[float]) -> str:
     mean, std = _values(table, column, Cell(list(values)))
-    return f"{mean} ± {std}"
+    return mean if len(values) == 1 else f"{mean} ± {std}"
 
 
 def main_table(runs: list[dict[str, Any]], stream: str, metric: str = "AP") -> Table:
@@ -598,7 +581,7 @@ def _md_cell(table: Table, column: int, cell: Cell) -> str:
     if cell.mixed:
         return f"{MIXED} mixed HP (n={cell.n})"
     mean, std = _values(table, column, cell)
-    text = f"{mean} ± {std}"
+    text = mean if cell.n == 1 else f"{mean} ± {std}"  # one seed: no std to show
     if cell.bold:
         text = f"**{text}**"
     if cell.fewer_seeds:
@@ -607,7 +590,9 @@ def _md_cell(table: Table, column: int, cell: Cell) -> str:
 
 
 def _md_label(row: Row) -> str:
-    return row.method if not row.label else "&nbsp;" * 2 * row.depth + "↳ " + row.label
+    """The row name; a sub-row ("+ ours") indented by em spaces, which Markdown keeps and a
+    terminal shows as spaces (not raw ``&nbsp;`` entities)."""
+    return row.method if not row.label else "\u2003" * (row.depth - 1) + "↳ " + row.label
 
 
 def to_markdown(table: Table) -> str:
@@ -665,7 +650,7 @@ def _tex_cell(table: Table, column: int, cell: Cell) -> str:
     if cell.mixed:
         return f"$\\ddagger$ mixed HP (n={cell.n})"
     mean, std = _values(table, column, cell)
-    text = f"{mean}{{\\scriptsize$\\pm${std}}}"
+    text = mean if cell.n == 1 else f"{mean}{{\\scriptsize$\\pm${std}}}"
     if cell.bold:
         text = f"\\textbf{{{text}}}"
     if cell.fewer_seeds:
@@ -869,11 +854,12 @@ def _column_header(column: float | str) -> str:
 
 
 def _comparison_cells(c: Comparison) -> list[str]:
-    ours = (
-        f"{MIXED} mixed HP (n={c.ours.n})"
-        if c.ours.mixed
-        else f"{c.ours.mean:.2f} ± {c.ours.std:.2f} (n={c.ours.n})"
-    )
+    if c.ours.mixed:
+        ours = f"{MIXED} mixed HP (n={c.ours.n})"
+    elif c.ours.n == 1:  # one seed: its value, no std
+        ours = f"{c.ours.mean:.2f} (n=1)"
+    else:
+        ours = f"{c.ours.mean:.2f} ± {c.ours.std:.2f} (n={c.ours.n})"
     paper = f"{c.paper.mean:.2f} ± {c.paper.std:.2f} (n={c.paper.n})"
     diff = "—" if c.difference is None else f"{c.difference:+.2f}"
     return [ours, paper, diff, c.verdict]

@@ -176,13 +176,22 @@ def align_classifier(
     shuffled, one SGD step (momentum 0.9, ``lr`` cosine-annealed per epoch) per batch of
     ``samples_per_class``, CE over the logits of ``classes`` only (normalised over ``blocks``,
     positions in ``classes``, when ``temperature`` > 0). Its own optimiser, made here as
-    upstream's at each alignment: the caller's optimiser state of the head is untouched."""
+    upstream's at each alignment: the caller's optimiser state of the head is untouched. Only the
+    rows of ``classes`` change: upstream's head has no others (its weight decay never reaches a
+    class not yet seen), so the other rows of ``weight`` and ``bias`` are put back afterwards."""
     if temperature > 0 and blocks is None:
         raise ValueError(
             "align_classifier: temperature > 0 normalises logits over blocks: pass them"
         )
     device = head.weight.device
     means, factors, classes = means.to(device), factors.to(device), classes.to(device)
+    others = torch.ones(head.out_features, dtype=torch.bool, device=device)
+    others[classes] = False
+    kept = {
+        name: tensor.detach()[others].clone()
+        for name, tensor in (("weight", head.weight), ("bias", head.bias))
+        if tensor is not None
+    }
     optimizer = torch.optim.SGD(head.parameters(), lr=lr, momentum=0.9, weight_decay=weight_decay)
     targets = torch.arange(len(classes), device=device).repeat_interleave(samples_per_class)
     for epoch in range(epochs):
@@ -207,3 +216,6 @@ def align_classifier(
             loss.backward()
             optimizer.step()
     head.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for name, rows in kept.items():
+            getattr(head, name)[others] = rows

@@ -3,7 +3,9 @@
 The data goes to a hidden temporary file in the same folder (same filesystem, so the rename is
 atomic), is flushed and fsync'ed, then ``os.replace``d onto the target; the folder is fsync'ed so
 the rename survives a power cut. On any error the temporary file is removed and the target is
-untouched. An existing target keeps its permission bits.
+untouched. An existing target keeps its permission bits; a new one gets a plain file's (0o666
+less the umask, 644 as a rule), not the 600 of the temporary file, so that collaborators can read
+results and tables.
 """
 
 from __future__ import annotations
@@ -26,15 +28,14 @@ def write_atomic_with(path: str | os.PathLike[str], writer: Callable[[BinaryIO],
     """Like :func:`write_atomic`, with ``writer`` streaming the bytes into an open binary file
     (``torch.save`` of a large checkpoint, without a second copy in memory)."""
     target = Path(path)
-    mode = target.stat().st_mode & 0o7777 if target.exists() else None
+    mode = target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask()
     handle, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(handle, "wb") as tmp:
             writer(tmp)
             tmp.flush()
             os.fsync(tmp.fileno())
-        if mode is not None:
-            os.chmod(tmp_name, mode)
+        os.chmod(tmp_name, mode)
         os.replace(tmp_name, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -42,6 +43,13 @@ def write_atomic_with(path: str | os.PathLike[str], writer: Callable[[BinaryIO],
         raise
     _fsync_directory(target.parent)
     return target
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it, so set straight back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_directory(directory: Path) -> None:

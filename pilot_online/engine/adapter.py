@@ -96,6 +96,9 @@ class MethodAdapter:
     #: Whether the method keeps training samples (experience replay). A memory-free method
     #: refuses replay unless the config says ``allow_memory: true``.
     memory_based: ClassVar[bool] = False
+    #: Keys the method once had, each with what to do instead: a config that still sets one is
+    #: refused by name with that fix (``resolve_config``), not as an unknown key.
+    removed_keys: ClassVar[Mapping[str, str]] = {}
     #: Keys of the method's own config, with defaults; see :class:`ConfigKey`.
     config_keys: ClassVar[Mapping[str, ConfigKey]] = {}
     #: Whether the method learns by gradient steps. False (SimpleCIL's class means): the loop

@@ -1,6 +1,6 @@
 """Checkpoint files: where they live, what guards them, how they are written and read.
 
-A run with ``checkpoint_every`` set keeps one checkpoint beside its results file,
+Every run (unless its ``checkpoint_every`` is null) keeps one checkpoint beside its results file,
 ``<prefix>_<seed>_<backbone>.ckpt.pt`` (the results file's name with ``.results.json`` replaced),
 rewritten atomically (temporary file, fsync, ``os.replace``) so a kill at any moment leaves the
 previous checkpoint or the new one, never half of one. The session deletes it once the final

@@ -149,9 +149,27 @@ def _logger(name: str, value: Any) -> Any:
     return value
 
 
+_CHECKPOINT_EVERY = 'null, "auto" or a positive integer'
+
+
+def _checkpoint_every(name: str, value: Any) -> Any:
+    """``"auto"`` (task ends and a time interval), a positive batch count, or null (off)."""
+    if value is None or value == "auto":
+        return value
+    try:
+        return integer(1)(name, value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f'{name} must be {_CHECKPOINT_EVERY} ("auto": at each task end and every 10 '
+            f"minutes; N: every N stream batches; null: never), got {value!r}"
+        ) from None
+
+
 described(description_of(_SEED_LIST), _seeds, spec_of(_SEED_LIST))
 described("a list of -1 (the CPU) or CUDA indices", _devices)
 described("null or an object of FGH options", _fgh)
+# Its cases are those of an optional positive integer ("auto" is the default, always valid).
+described(_CHECKPOINT_EVERY, _checkpoint_every, spec_of(optional(integer(1))))
 
 
 #: Keys PILOT's ``main.py``/``trainer.py``/``BaseLearner`` read, with the online defaults.
@@ -343,9 +361,10 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
         check=optional(string("a folder path")),
     ),
     "checkpoint_every": ConfigKey(
-        None,
-        "checkpoint every N stream batches and at each task end, and resume from it; null = off",
-        check=optional(integer(1)),
+        "auto",
+        '"auto": checkpoint at each task end and every 10 minutes of training; N: every N '
+        "stream batches and at each task end; null: off. A rerun resumes from the checkpoint",
+        check=_checkpoint_every,
     ),
 }
 
@@ -449,6 +468,35 @@ def _check_backbone(cfg: dict[str, Any], adapter: Any) -> None:
             )
 
 
+#: PILOT 5240714's own model names (``utils/factory.py``): its offline learners.
+PILOT_MODEL_NAMES = (
+    "simplecil", "aper_finetune", "aper_ssf", "aper_vpt", "aper_adapter", "l2p", "dualprompt",
+    "coda_prompt", "finetune", "icarl", "der", "coil", "foster", "memo", "ranpac", "ease",
+    "slca", "lae", "fecam", "dgr", "mos", "cofima", "duct",
+)  # fmt: skip
+
+
+def unknown_method(name: str) -> str:
+    """Why ``model_name`` names no pilot-online method, in one line with the name to use: for
+    one of PILOT's own (offline) learners, its online port; else the closest registered name."""
+    from .registry import get_method, list_methods
+
+    methods, lower = list_methods(), name.lower()
+    if lower in PILOT_MODEL_NAMES:
+        ports = [m for m in methods if get_method(m).base_model_name == lower]
+        ports = [m for m in ports if m == f"{lower}_online"] or ports
+        use = " or ".join(repr(m) for m in ports) or "one of " + ", ".join(methods)
+        return (
+            f"model_name {name!r} is PILOT's own offline learner (it needs PILOT's epoch and "
+            f"scheduler keys, and trains task by task): for online training set model_name to "
+            f"{use}"
+        )
+    return (
+        f"unknown model_name {name!r}{closest(lower, methods)}; pilot-online methods: "
+        f"{', '.join(methods)}"
+    )
+
+
 def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     """The effective config: defaults filled in, every key known, every value checked.
 
@@ -460,13 +508,18 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError('the config needs "model_name" (e.g. "coda_online")')
     try:
         adapter = get_method(str(raw["model_name"]))
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    except ValueError:
+        raise ConfigError(unknown_method(str(raw["model_name"]))) from None
     schema: dict[str, ConfigKey] = {**PILOT_KEYS, **ONLINE_KEYS, **adapter.config_keys}
 
     for key in raw:
         if key in OFFLINE_KEYS:
             raise ConfigError(f"{key!r} is an offline-only key: {OFFLINE_KEYS[key]}")
+        if key in adapter.removed_keys:
+            raise ConfigError(
+                f"{key!r} was removed from {raw['model_name']}: {adapter.removed_keys[key]}; "
+                "delete the key from the config"
+            )
         if key not in schema and key not in INJECTED_KEYS:
             raise ConfigError(
                 f"unknown config key {key!r}{closest(key, sorted(schema))}. "

@@ -170,10 +170,10 @@ class OnlineLoop:
         )
         # When the adapter's consolidate() runs: decided from the stream alone.
         self.trigger = make_trigger(config, num_classes)
-        # The adapter's evaluation view (``evaluation_view``) and the training step it was
-        # derived at: reused by every evaluation until the training state changes.
-        self._state_version = 0
-        self._view: tuple[int, dict[str, torch.Tensor]] | None = None
+        # The adapter's evaluation view (``evaluation_view``), reused by every evaluation until the
+        # training state changes; dropped then, so a view of a whole backbone (CoFiMA's, DUCT's
+        # merge) is not held while training goes on.
+        self._view: dict[str, torch.Tensor] | None = None
         self.setup()
 
     def attach_samples(self, loader: SampleLoader) -> None:
@@ -276,7 +276,7 @@ class OnlineLoop:
         the prompt vote of L2P/DualPrompt the replayed samples vote too, and MVP counts their key
         use); the loss is the mean over both. Counters, accuracy and ``after_step`` cover the
         stream batch only."""
-        self._state_version += 1  # evaluation views derived before this step are stale
+        self._view = None  # derived from the state this step changes
         self._consolidate_if_triggered(labels)
         replay = self.replay_batch(indices, labels)
         stream_size = len(labels)
@@ -440,7 +440,7 @@ class OnlineLoop:
 
         The adapter's extra state first: a method that added parameters at its firings rebuilds
         them there, and the loop adopts them (in the checkpoint's order) before any value loads."""
-        self._state_version += 1
+        self._view = None
         self.adapter.load_extra_state(self.network, state["adapter"])
         self._adopt_new_parameters(state["parameters"])
         for kind, current in (
@@ -501,16 +501,15 @@ class OnlineLoop:
         tensors swapped in, the training values put back on exit. The view is derived in eval
         mode under a forked RNG, once per training state (cached until the next step, firing or
         restore), so evaluating never changes what training does next."""
-        if self._view is None or self._view[0] != self._state_version:
+        if self._view is None:
             self.adapter.eval_mode(self.network)
             state = capture_rng_state(self.device)
             try:
                 with torch.no_grad():
-                    view = dict(self.adapter.evaluation_view(self.network))
+                    self._view = dict(self.adapter.evaluation_view(self.network))
             finally:
                 restore_rng_state(state, self.device)
-            self._view = (self._state_version, view)
-        view = self._view[1]
+        view = self._view
         if not view:
             yield
             return

@@ -16,6 +16,9 @@ import hashlib
 import io
 import logging
 import resource
+import signal
+import sys
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -42,6 +45,54 @@ from .loop import OnlineLoop
 logger = logging.getLogger(__name__)
 
 Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
+
+#: ``checkpoint_every: "auto"``: seconds of training between two checkpoints, besides the one at
+#: each task end. Ten minutes bound the work a kill without warning loses (a SIGTERM loses
+#: none); a full ViT-B fine-tuning checkpoint (1 GB with Adam) took 20 s to write on a slow
+#: virtual disk (docs/checkpoints.md), under 4% of the interval, and less on a local SSD.
+AUTO_CHECKPOINT_SECONDS = 600.0
+
+
+class RunInterrupted(SystemExit):
+    """SIGINT or SIGTERM stopped the run at a point where its state is whole (after a step, or
+    after a task's evaluation), once that point was checkpointed. A ``SystemExit`` with code 128
+    + the signal's number, so PILOT's ``main.py`` and ``pilot-online run`` exit without a
+    traceback; the session has printed the one line that says where and what to do."""
+
+
+class StopSignals:
+    """While entered (``with``), SIGINT and SIGTERM only note that a stop was asked for; the
+    session then checkpoints at its next whole point and stops (:class:`RunInterrupted`). A
+    second signal stops at once (``KeyboardInterrupt``). Entered around the session's own
+    calls only, so that no handler outlives them; outside them (PILOT's trainer between two
+    calls, where the last task-end checkpoint is current) the process's handlers apply. Signals
+    reach Python's main thread only: elsewhere (a Ray actor's thread) nothing is installed."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._depth = 0
+
+    def __enter__(self) -> StopSignals:
+        self._depth += 1
+        if self._depth == 1 and threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            for signum, handler in self._previous.items():
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+            self._previous.clear()
+
+    def _note(self, signum: int, frame: Any) -> None:
+        if self.received is not None:  # asked twice: stop now, without waiting for a checkpoint
+            raise KeyboardInterrupt
+        self.received = signum
 
 
 class DataSource(Protocol):
@@ -90,11 +141,13 @@ class OnlineSession:
     """Drives an :class:`OnlineLoop` through a :class:`Stream` and records everything measured.
 
     Drive it task by task with :meth:`train_task` then :meth:`complete_task`, and :meth:`finish`
-    after the last task (or all at once with :meth:`run`). With ``checkpoint_every`` set, the
-    session checkpoints every that many stream batches and at every task end but the last, and
-    a new session over the same config resumes from the checkpoint when it is built: the tasks
-    already completed are skipped by :meth:`train_task` (and :meth:`complete_task` returns their
-    stored evaluation), the current one restarts at the saved batch.
+    after the last task (or all at once with :meth:`run`). Unless ``checkpoint_every`` is null,
+    the session checkpoints at every task end but the last, and every ``AUTO_CHECKPOINT_SECONDS``
+    of training (``"auto"``, the default) or every N stream batches (an integer); a new session
+    over the same config resumes from the checkpoint when it is built: the tasks already
+    completed are skipped by :meth:`train_task` (and :meth:`complete_task` returns their stored
+    evaluation), the current one restarts at the saved batch. SIGINT or SIGTERM during its calls
+    checkpoints at the next whole point and stops the run (:class:`StopSignals`).
     """
 
     def __init__(
@@ -152,14 +205,18 @@ class OnlineSession:
         self.batches_trained = 0
         self.resume_position = (0, 0)
         self.resumed_from: list[dict[str, int]] = []
-        self.checkpoint_every = config.get("checkpoint_every") or None
+        self.checkpoint_every = config.get("checkpoint_every", "auto") or None
         self.checkpoint_path = self._checkpoint_location(checkpoint_path)
+        self.stop_signals = StopSignals()
+        self._last_checkpoint = time.monotonic()
         if self.checkpoint_path is not None:
             remove_stale_temporaries(self.checkpoint_path)
             if self.checkpoint_path.exists():
                 self._resume()
                 if self.live_log is not None:  # live curves go on at the resumed stream step
                     self.live_log.step = self.batches_trained
+        if self.resume_position == (0, 0):
+            self._say_why_it_starts_over()
 
     # -- driving -----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -168,6 +225,8 @@ class OnlineSession:
             for task in range(self.stream.num_tasks):
                 self.train_task(task)
                 self.complete_task(task)
+        except RunInterrupted:
+            raise  # checkpointed: the rerun resumes, nothing failed
         except BaseException as err:
             self.write(status="failed", error=f"{type(err).__name__}: {err}")
             raise
@@ -178,20 +237,34 @@ class OnlineSession:
         checkpoint; a task completed before a resume returns its stored report."""
         if task < len(self.task_reports):
             return self.task_reports[task]
-        report = self.evaluate_task_end(task)
-        self.task_reports.append(report)
-        if self.checkpoint_path is not None and task + 1 < self.stream.num_tasks:
-            self.save_checkpoint(task + 1, 0)
+        last = task + 1 == self.stream.num_tasks
+        with self.stop_signals:
+            report = self.evaluate_task_end(task)
+            self.task_reports.append(report)
+            if self.checkpoint_path is not None and not last:
+                self.save_checkpoint(task + 1, 0)
+            if self.stop_signals.received is not None and not last:  # the last: finish() says
+                self._stop(task + 1, 0, saved=True)
         return report
 
     def finish(self) -> dict[str, Any]:
         """Write the final results, then delete the checkpoint: a finished run is not resumed."""
-        results = self.write()
-        if self.checkpoint_path is not None:
-            self.checkpoint_path.unlink(missing_ok=True)
-        close = getattr(self.data, "close", None)
-        if close is not None:  # the data source's persistent loader workers
-            close()
+        with self.stop_signals:
+            results = self.write()
+            if self.checkpoint_path is not None:
+                self.checkpoint_path.unlink(missing_ok=True)
+            close = getattr(self.data, "close", None)
+            if close is not None:  # the data source's persistent loader workers
+                close()
+        received = self.stop_signals.received
+        if received is not None:  # asked to stop as the run ended: it is complete, stop here
+            print(
+                f"interrupted ({signal.Signals(received).name}) as the run ended; its results "
+                f"are complete ({self.written_path}): rerun the same command for any seeds left",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise RunInterrupted(128 + received)
         return results
 
     # -- training ----------------------------------------------------------------------------------
@@ -210,12 +283,38 @@ class OnlineSession:
             disable=not self.progress,
             leave=False,
         )
+        with self.stop_signals:
+            try:
+                self._train_batches(task, batch_indices, first, bar, interval)
+            finally:
+                bar.close()
+        if self.live_log is not None:
+            self.live_log.end_task()
+        self.tasks_trained = task + 1
+
+    def _train_batches(
+        self, task: int, batch_indices: list[np.ndarray], first: int, bar: Any, interval: int
+    ) -> None:
+        """Train on the batches of ``task`` from ``first`` on; stop cleanly when a signal came."""
         loss_sum = torch.zeros((), device=self.loop.device)
         correct_sum = torch.zeros((), device=self.loop.device, dtype=torch.long)
         seen_in_window = steps_in_window = 0
         start = time.perf_counter()
-        batches = self.data.train_batches(batch_indices[first:])
-        for step, (inputs, labels) in enumerate(batches, start=first + 1):
+        batches = iter(self.data.train_batches(batch_indices[first:]))
+        step = first  # batches of the task trained: the position a checkpoint records
+        while True:
+            try:
+                inputs, labels = next(batches)
+            except StopIteration:
+                break
+            except Exception:
+                # A signal sent to the whole process group may have stopped the data workers
+                # first: the state is whole after the last step, so checkpoint that.
+                if self.stop_signals.received is None:
+                    raise
+                self.train_seconds += time.perf_counter() - start
+                self._stop(task, step)
+            step += 1
             stats = self.loop.train_step(inputs, labels, batch_indices[step - 1])
             if self.live_log is not None:
                 self.live_log.on_step(stats)
@@ -237,18 +336,52 @@ class OnlineSession:
                 self._periodic_evaluation()
                 start = time.perf_counter()
             self.batches_trained += 1
-            if (
-                self.checkpoint_path is not None
-                and self.batches_trained % self.checkpoint_every == 0
-            ):
+            if self.stop_signals.received is not None:
+                self.train_seconds += time.perf_counter() - start
+                self._stop(task, step)
+            if self._checkpoint_due():
                 self.train_seconds += time.perf_counter() - start
                 self.save_checkpoint(task, step)
                 start = time.perf_counter()
         self.train_seconds += time.perf_counter() - start
-        bar.close()
+
+    def _checkpoint_due(self) -> bool:
+        """After a step: every N batches (an integer), or once the interval has passed (auto)."""
+        if self.checkpoint_path is None:
+            return False
+        if self.checkpoint_every == "auto":
+            return time.monotonic() - self._last_checkpoint >= AUTO_CHECKPOINT_SECONDS
+        return self.batches_trained % self.checkpoint_every == 0
+
+    def _stop(self, task: int, step: int, saved: bool = False) -> None:
+        """Checkpoint the position (``step`` batches of ``task`` trained) unless ``saved``, say
+        where the run stopped and how to go on, and raise :class:`RunInterrupted`."""
+        received = self.stop_signals.received
+        if self.checkpoint_path is not None and not saved:
+            self.save_checkpoint(task, step)
         if self.live_log is not None:
-            self.live_log.end_task()
-        self.tasks_trained = task + 1
+            self.live_log.close()
+        where = self._position_text(task, step)
+        if self.checkpoint_path is not None:
+            then = f"checkpoint {self.checkpoint_path.resolve()}; rerun the same command to resume"
+        else:
+            then = "checkpoint_every is null, so nothing was saved; a rerun starts over"
+        name = signal.Signals(received).name
+        print(f"interrupted ({name}) at {where}; {then}", file=sys.stderr, flush=True)
+        raise RunInterrupted(128 + received)
+
+    def _position_text(self, task: int, step: int) -> str:
+        """Where ``step`` batches of ``task`` are trained, for people: ``task 2 of 10, after 5 of
+        its 40 batches (1234 stream samples trained)``, or ``the end of task 1 of 10 (...)``."""
+        tasks, samples = self.stream.num_tasks, self.loop.samples_seen
+        if step == 0:
+            where = f"the end of task {task} of {tasks}" if task else "the start of the stream"
+            return f"{where} ({samples} stream samples trained)"
+        batches = sum(1 for _ in self.stream.batches(task))
+        return (
+            f"task {task + 1} of {tasks}, after {step} of its {batches} batches "
+            f"({samples} stream samples trained)"
+        )
 
     def _periodic_evaluation(self) -> None:
         period = int(self.config["eval_period"])
@@ -268,12 +401,14 @@ class OnlineSession:
                 path = checkpoint_path_for(self.results_path)
             if path is not None and path.exists():
                 logger.warning(
-                    "checkpoint_every is null: not resuming from the checkpoint %s (set "
-                    "checkpoint_every to resume it, or delete it)",
+                    "starting over: checkpoint_every is null, so this run is not resuming from "
+                    "the checkpoint %s (remove checkpoint_every: null to resume it, or delete it)",
                     path,
                 )
             return None
         if path is None and self.results_path is None:
+            if self.checkpoint_every == "auto":  # nowhere to put one: a run kept in memory
+                return None
             raise ValueError(
                 "checkpoint_every is set but the session has no results_path or checkpoint_path "
                 "to put the checkpoint beside: give one, or set checkpoint_every to null"
@@ -338,7 +473,29 @@ class OnlineSession:
     def save_checkpoint(self, task: int, step: int) -> None:
         """Write the checkpoint atomically (the previous one stays until the rename)."""
         save_checkpoint(self.checkpoint_path, self.state_dict(task, step), dict(self.config))
+        self._last_checkpoint = time.monotonic()
         logger.info("checkpoint at task %d, batch %d: %s", task, step, self.checkpoint_path)
+
+    def _say_why_it_starts_over(self) -> None:
+        """A rerun that finds what an earlier attempt left, but no checkpoint, says so."""
+        if self.results_path is None:
+            return
+        partial = self.results_path.with_name(
+            self.results_path.name.replace(".results.json", ".partial.results.json")
+        )
+        if not partial.exists():
+            return
+        why = (
+            "checkpoint_every is null"
+            if not self.checkpoint_every
+            else "it stopped before its first checkpoint"
+        )
+        logger.warning(
+            "starting over from the first batch: %s is an earlier attempt's partial results, "
+            "and there is no checkpoint to resume (%s)",
+            partial,
+            why,
+        )
 
     def _resume(self) -> None:
         state = load_checkpoint(self.checkpoint_path, dict(self.config))
@@ -356,11 +513,7 @@ class OnlineSession:
             {"task": task, "step": step, "samples_seen": self.loop.samples_seen}
         )
         logger.warning(
-            "resuming from %s: task %d after %d of its batches (%d stream samples trained)",
-            self.checkpoint_path,
-            task,
-            step,
-            self.loop.samples_seen,
+            "resuming from %s at %s", self.checkpoint_path, self._position_text(task, step)
         )
 
     # -- evaluation --------------------------------------------------------------------------------
@@ -465,6 +618,7 @@ class OnlineSession:
                 "tasks_trained": self.tasks_trained,
                 "skipped_nonfinite_steps": loop.skipped_nonfinite_steps,
                 "trainable_parameters": sum(p.numel() for _, p in loop.named_parameters),
+                "parameters": sum(p.numel() for p in loop.network.parameters()),
                 "skipped_nonfinite_hypergradients": diagnostics.get("fgh", {}).get(
                     "skipped_nonfinite", 0
                 ),

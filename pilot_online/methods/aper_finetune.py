@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..engine.adapter import StepOutput
+from ..engine.adapter import StepOutput, UpstreamDifference
 from ..engine.backbone_names import PLAIN_VIT
 from ..engine.registry import register_method
 from .finetune import FinetuneOnline
@@ -37,6 +37,23 @@ class AperFinetuneOnline(FinetuneOnline):
     #: Substrings of the adapted branch's parameter names that train (PILOT's freezing rule for
     #: the method); empty: every parameter of the adapted branch trains.
     tuned_parameters: ClassVar[tuple[str, ...]] = ()
+    #: The APER family's differences (aper_ssf, aper_vpt and aper_adapter inherit them).
+    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+        UpstreamDifference(
+            "no_first_session_phase",
+            "The adapted branch trains through the whole stream, where upstream tunes it on the "
+            "first task only and then freezes it.",
+            "Online there is no first task boundary at which to stop adapting.",
+        ),
+        UpstreamDifference(
+            "linear_head",
+            "Predictions come from a linear head over the concatenated features, trained by the "
+            "batch-masked cross-entropy, where upstream predicts with a cosine head whose rows are "
+            "the class means (replace_fc).",
+            "P and FGH act on a trained FC layer; P's running class means of the same features "
+            "are replace_fc's prototypes, replayed through that head.",
+        ),
+    )
 
     def build_network(self, args: dict) -> nn.Module:
         from utils.inc_net import MultiBranchCosineIncrementalNet, SimpleVitNet

@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from ..core.checks import integer, real
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, UpstreamDifference
 from ..engine.backbone_names import pilot_backbones
 from ..engine.registry import register_method
+from .finetune import BATCH_LOGIT_MASK
 
 
 def orthogonality_penalty(t: torch.Tensor) -> torch.Tensor:
@@ -49,6 +50,25 @@ class CodaOnline(MethodAdapter):
     paper_name: ClassVar[str] = "CODA"
     base_model_name: ClassVar[str] = "coda_prompt"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("coda_prompt")
+    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+        BATCH_LOGIT_MASK,
+        UpstreamDifference(
+            "one_task_all_components",
+            "The prompt is built for one task, so every component trains at all times, where "
+            "upstream gives each task its own slice of the components and freezes the earlier "
+            "slices (`process_task_count`).",
+            "Slices follow task starts, which a task-free stream never gives (paper appendix: "
+            "100 components, all trained).",
+        ),
+        UpstreamDifference(
+            "penalty_in_adapter",
+            "The orthogonality penalty is added by the adapter, on the prompt's own device, to a "
+            "prompted pass run with `train=False`; upstream adds it inside the backbone's "
+            "`train=True` pass.",
+            "Upstream's pass adds in place to a leaf tensor, which fails on the CPU; with one "
+            "task both passes select the same components.",
+        ),
+    )
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "prompt_param": ConfigKey(
             [100, 8, 0.0],

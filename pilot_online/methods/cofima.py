@@ -15,8 +15,16 @@ A consolidation firing closes a *period* (the stream since the last firing) and 
 end. The Fisher is accumulated at every step of the period from the gradient the step trains on
 (the whole loss, CE plus P's term when on, before FGH reweights it: read in
 :meth:`CoFiMAOnline.transform_gradients`), its mean over the period's steps clamped at
-``cofima_fisher_max``. The weights after the last firing and that period's Fisher are kept
-(``extra_state``) for the next merge.
+``cofima_fisher_max``. The merged and aligned weights after the last firing and that period's
+Fisher are kept (``extra_state``) for the next merge.
+
+Which part of upstream's task end changes training: upstream backs the head up before the merge
+(``fc.backup()``), merges, aligns, evaluates and restores the head (``fc.recall()`` in
+``after_task``), so the merged backbone trains on while the merged, aligned head serves
+evaluation and the next merge. A firing does the same (:meth:`CoFiMAOnline.consolidate`). Online
+that firing comes with the next task's first batch, after the task-end evaluation, so
+:meth:`CoFiMAOnline.evaluation_view` shows evaluation the merged, aligned model a firing now
+would make.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import torch
 from torch import nn
 
 from ..core.checks import boolean, real
-from ..engine.adapter import ConfigKey
+from ..engine.adapter import ConfigKey, UpstreamDifference
 from ..engine.backbone_names import PLAIN_VIT
 from ..engine.registry import register_method
 from .slca import SLCAOnline
@@ -47,14 +55,19 @@ def fisher_average(
     fisher1: Sequence[torch.Tensor],
     alpha: float,
 ) -> list[torch.Tensor]:
-    """Upstream's ``interpolate_weights(..., fisher=True)``: per scalar
-    ``((1-a) F0 t0 + a F1 t1) / ((1-a) F0 + a F1)``. Where both Fishers are 0 upstream divides 0
-    by 0; here the weight keeps ``t1`` (the current value)."""
+    """Upstream's ``interpolate_weights(..., fisher=True)`` on the keys both models hold: per
+    scalar ``((1-a) F0 t0 + a F1 t1) / ((1-a) F0 + a F1)``, in float64 and returned in each
+    ``t1``'s dtype. Why float64: Fishers are mean squared gradients, at times float32 subnormals,
+    whose products with the weights lose their digits or underflow to 0 in float32 and shrink
+    the weight (as would a float32 denominator clamped away from 0); in float64 the formula's
+    value comes out. Where both Fishers are 0 upstream divides 0 by 0 (NaN); here the weight
+    keeps ``t1``, the current value."""
     merged = []
     for t0, f0, t1, f1 in zip(theta0, fisher0, theta1, fisher1):
+        f0, f1 = f0.double(), f1.double()
         denominator = (1 - alpha) * f0 + alpha * f1
-        numerator = (1 - alpha) * f0 * t0 + alpha * f1 * t1
-        merged.append(torch.where(denominator > 0, numerator / denominator.clamp(min=1e-38), t1))
+        numerator = (1 - alpha) * f0 * t0.double() + alpha * f1 * t1.double()
+        merged.append(torch.where(denominator > 0, numerator / denominator, t1.double()).to(t1))
     return merged
 
 
@@ -76,6 +89,38 @@ class CoFiMAOnline(SLCAOnline):
         "ca_samples_per_class": 16,
         "ca_epochs": 1,
     }
+    #: SLCA's (class statistics, sessions, one head: upstream's ``cofima.py`` repeats SLCA's code
+    #: there) and the merge's own.
+    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+        *SLCAOnline.upstream_differences,
+        UpstreamDifference(
+            "fisher_from_training_steps",
+            "A period's Fisher is the mean over its training steps of the squared gradient each "
+            "step trained on (the whole loss, P's term included, as the weights move), where "
+            "upstream passes the task's data once more through the trained model with the CE.",
+            "One pass keeps no data for a second pass; each step's gradient is upstream's "
+            "estimator (a batch's squared CE gradient) at the weights the step saw.",
+        ),
+        UpstreamDifference(
+            "zero_fisher_keeps_current",
+            "Where both Fishers of a scalar are 0 the merge keeps the current value; upstream "
+            "divides 0 by 0 (NaN).",
+            "A NaN weight would make every later prediction NaN.",
+        ),
+        UpstreamDifference(
+            "merge_in_float64",
+            "The Fisher average is computed in float64, where upstream's float32 products of "
+            "subnormal Fishers and weights lose digits or underflow to 0 and shrink the weight.",
+            "A parameter that barely gets gradient has a mean squared gradient below float32's "
+            "normal range (1e-38); float64 gives the formula's value there.",
+        ),
+        UpstreamDifference(
+            "unseen_class_rows_kept",
+            "Head rows of classes never seen keep their current value in the merge.",
+            "The online head holds every class of the stream from the start; upstream has no "
+            "rows for classes to come.",
+        ),
+    )
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         **SLCAOnline.config_keys,
         "wt_lambda": ConfigKey(
@@ -123,41 +168,111 @@ class CoFiMAOnline(SLCAOnline):
             torch._foreach_addcmul_(sums, grads, grads)
             self.fisher_steps += 1
 
-    def period_fisher(self) -> list[torch.Tensor]:
-        """The closing period's Fisher (mean squared gradient, clamped); a fresh sum starts."""
+    def current_fisher(self) -> list[torch.Tensor]:
+        """The open period's Fisher so far: its mean squared gradient, clamped at
+        ``cofima_fisher_max`` (zeros before its first step)."""
         steps = max(self.fisher_steps, 1)
         limit = float(self.args["cofima_fisher_max"])
         sums = self.fisher_sum or [torch.zeros_like(p) for _, p in self._named]
-        fisher = [(s / steps).clamp(max=limit) for s in sums]
+        return [(s / steps).clamp(max=limit) for s in sums]
+
+    def period_fisher(self) -> list[torch.Tensor]:
+        """The closing period's Fisher (:meth:`current_fisher`); a fresh sum starts."""
+        fisher = self.current_fisher()
         self.fisher_sum, self.fisher_steps = None, 0
         return fisher
 
-    # -- the firing ----------------------------------------------------------------------------
+    # -- the merge, the firing and the evaluation view ----------------------------------------
+    @torch.no_grad()
+    def merged(self, network: nn.Module, fisher: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Upstream's ``interpolate_weights`` of the kept model (``t0``: the anchor, with the last
+        period's Fisher) and the current weights (``t1``, with ``fisher``), in the order of the
+        trainable parameters, as new tensors. Keys both models hold: :func:`fisher_average`, or
+        ``(1-a) t0 + a t1`` without ``fisher_weighting``. Upstream's new task head exists only in
+        the current model, and upstream sets such keys to ``F1 t1`` (``t1`` without
+        ``fisher_weighting``): here the head rows of the classes first seen since the last
+        firing. Rows of classes never seen (upstream has none) keep ``t1``."""
+        alpha = float(self.args["wt_lambda"])
+        current = [p.detach() for _, p in self._named]
+        weighted = bool(self.args["fisher_weighting"])
+        if weighted:
+            merged = fisher_average(self.anchor, self.prev_fisher, current, fisher, alpha)
+        else:
+            merged = [(1 - alpha) * t0 + alpha * t1 for t0, t1 in zip(self.anchor, current)]
+        session = self.stats.session.to(current[0].device)
+        new = session == self.sessions_closed
+        unseen = session < 0
+        head = {id(p) for p in self.classifier(network).parameters()}
+        for i, (_, p) in enumerate(self._named):
+            if id(p) in head:
+                t1 = current[i]
+                merged[i][new] = fisher[i][new] * t1[new] if weighted else t1[new]
+                merged[i][unseen] = t1[unseen]
+        return merged
+
+    def aligned(self, network: nn.Module, values: dict[str, torch.Tensor], session: int) -> None:
+        """The head's entries of ``values`` (by parameter name) replaced by a copy of the head
+        holding them, aligned by SLCA's CA (:meth:`~SLCAOnline.align`) as upstream aligns its
+        merged head; with ``ca_epochs`` 0, left as they are."""
+        if self.args["ca_epochs"] <= 0:
+            return
+        head = self.classifier(network)
+        names = {id(p): name for name, p in network.named_parameters()}
+        aligned_head = nn.Linear(
+            head.in_features,
+            head.out_features,
+            bias=head.bias is not None,
+            device=head.weight.device,
+            dtype=head.weight.dtype,
+        )
+        for p, q in zip(head.parameters(), aligned_head.parameters()):
+            q.data.copy_(values[names[id(p)]])
+        self.align(aligned_head, session, int(self.stats.counts.sum()))
+        for p, q in zip(head.parameters(), aligned_head.parameters()):
+            values[names[id(p)]] = q.detach()
+
+    def upstream_task_end(
+        self, network: nn.Module, fisher: Sequence[torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """What upstream's task end makes of the model, by parameter name, changing nothing: the
+        merge (:meth:`merged`), then CA of the merged head (:meth:`aligned`) in the session
+        that closes."""
+        values = dict(zip((n for n, _ in self._named), self.merged(network, fisher)))
+        self.aligned(network, values, self.sessions_closed)
+        return values
+
     @torch.no_grad()
     def consolidate(self, network: nn.Module, firing: int) -> Iterable[nn.Parameter]:
-        """The first firing keeps the weights and the period's Fisher as the previous model
-        (upstream's first task end: no merge, no CA). Each later firing merges the weights with
-        the previous model's (:func:`fisher_average`, or ``(1-a) t0 + a t1`` without
-        ``fisher_weighting``), realigns the head (SLCA's CA), and keeps the result and the
-        period's Fisher as the previous model."""
-        self.sessions_closed = firing + 1  # SLCA's session of a newly seen class
+        """Upstream's task end for training. The first firing keeps the weights and the period's
+        Fisher as the previous model (no merge, no CA). Each later firing makes upstream's task
+        end (:meth:`upstream_task_end`): the merged backbone is the backbone from now on, the
+        merged and aligned model (head included) the next merge's previous model, and the head
+        trains on as it was (upstream backs the head up before the merge and restores it after
+        evaluating: ``fc.backup()``, ``fc.recall()``)."""
         fisher = self.period_fisher()
-        params = [p for _, p in self._named]
-        if self.prev_fisher is not None and self.anchor is not None:
-            alpha = float(self.args["wt_lambda"])
-            current = [p.detach() for p in params]
-            if self.args["fisher_weighting"]:
-                merged = fisher_average(self.anchor, self.prev_fisher, current, fisher, alpha)
-            else:
-                merged = [(1 - alpha) * t0 + alpha * t1 for t0, t1 in zip(self.anchor, current)]
-            for p, value in zip(current, merged):
-                p.copy_(value)
-            if self.args["ca_epochs"] > 0:
-                self.align(self.classifier(network), firing)
+        if self.anchor is None:
+            self.anchor = [p.detach().clone() for _, p in self._named]
+        else:
+            values = self.upstream_task_end(network, fisher)
+            head = {id(p) for p in self.classifier(network).parameters()}
+            for name, p in self._named:
+                if id(p) not in head:
+                    p.copy_(values[name])
+            self.anchor = [values[name] for name, _ in self._named]
             self.merges.append(firing)
-        self.anchor = [p.detach().clone() for p in params]
         self.prev_fisher = fisher
+        self.sessions_closed = firing + 1  # SLCA's session of a newly seen class
         return ()
+
+    def evaluation_view(self, network: nn.Module) -> Mapping[str, torch.Tensor]:
+        """The model upstream evaluates at a task end: the open period merged with the kept model
+        and the merged head aligned, as the next firing would (:meth:`upstream_task_end`), from
+        the Fisher so far; nothing is written back. Online that firing comes with the next
+        task's first batch, after the task-end evaluation. Before the first firing (upstream's
+        first task: no merge, no CA) and without a trigger: nothing."""
+        if self.anchor is None or self.prev_fisher is None:
+            return {}
+        return self.upstream_task_end(network, self.current_fisher())
 
     # -- checkpoints and reports -----------------------------------------------------------------
     def extra_state(self, network: nn.Module) -> dict[str, Any]:

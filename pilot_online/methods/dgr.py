@@ -32,7 +32,7 @@ from torch import nn
 
 from ..core.checks import integer, real
 from ..core.masks import mask_logits
-from ..engine.adapter import ConfigKey, StepOutput
+from ..engine.adapter import ConfigKey, StepOutput, UpstreamDifference
 from ..engine.registry import register_method
 from .finetune import EROnline
 
@@ -98,6 +98,29 @@ class DGROnline(EROnline):
             check=real(0),
         ),
     }
+    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+        UpstreamDifference(
+            "no_distillation",
+            "No distillation from the previous task's network, where upstream adds lambda times "
+            "the KD loss to the loss and ratio_kd times its gradient to the old classes' head "
+            "rows.",
+            "It needs a frozen copy of the network taken at each task end, which the engine "
+            "teacher of the issue on PILOT's classic methods will keep; it is ported there.",
+        ),
+        UpstreamDifference(
+            "running_label_prior",
+            "The logit adjustment's prior counts the labels trained on since the last "
+            "consolidation (stream and replay), batch by batch, where upstream's is the whole "
+            "task's label distribution with its exemplars.",
+            "Online a task's data is not known before it has streamed past.",
+        ),
+        UpstreamDifference(
+            "reservoir_memory",
+            "Replay draws from a reservoir of stream samples of upstream's size (2,000), where "
+            "upstream keeps herding-selected exemplars per class, chosen at each task end.",
+            "There is no task end to select exemplars at; the reservoir is the paper's ER memory.",
+        ),
+    )
     #: The smoke stream's tasks hold 4 classes: a firing at each of its task boundaries.
     smoke_overrides: ClassVar[dict[str, Any]] = {"consolidation_new_classes": 4}
     #: In a clear stream with consolidation_new_classes = a task's classes (10, as CIFAR-100's

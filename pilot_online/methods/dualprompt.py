@@ -26,10 +26,11 @@ from typing import Any, ClassVar
 from torch import nn
 
 from ..core.checks import boolean, check_blocks, integer, list_of
-from ..engine.adapter import ConfigKey
+from ..engine.adapter import ConfigKey, UpstreamDifference
 from ..engine.backbone_names import pilot_backbones
 from ..engine.registry import register_method
-from .l2p import PROMPT_POOL_KEYS, L2POnline
+from .finetune import BATCH_LOGIT_MASK
+from .l2p import NO_BATCH_VOTE_AT_EVALUATION, PROMPT_POOL_KEYS, L2POnline
 
 BLOCKS = "a list of distinct block indices"
 
@@ -82,6 +83,25 @@ class DualPromptOnline(L2POnline):
     base_model_name: ClassVar[str] = "dualprompt"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("dualprompt")
     config_keys: ClassVar[dict[str, ConfigKey]] = DUALPROMPT_KEYS
+    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+        BATCH_LOGIT_MASK,
+        NO_BATCH_VOTE_AT_EVALUATION,
+        UpstreamDifference(
+            "per_sample_prefix_layout",
+            "Each sample gets the key and value prefixes of the E-prompts it selected, where "
+            "upstream's EPrompt reshapes without moving the key/value axis, so a sample reads "
+            "other samples' prefixes (PILOT issue #29).",
+            "Upstream's layout is right for a batch of one only: predictions would change with "
+            "the batch size and order (the forward hook fixes it on our network alone).",
+        ),
+        UpstreamDifference(
+            "no_task_prompt_slots",
+            "E-prompts are selected by key matching at all times, where upstream's config trains "
+            "task t on its own pool slot (`use_prompt_mask`) initialised from task t-1's "
+            "(`shared_prompt_pool`).",
+            "Both need the task identity and task starts, which a task-free stream never gives.",
+        ),
+    )
 
     @classmethod
     def check_config(cls, cfg: Mapping[str, Any]) -> None:

@@ -18,7 +18,14 @@ the anchor: ``b <- a + merge_scalar * s * (b - a)``, and the anchor becomes the 
 (``duct_adjust_ratio``) compares the period's class means under the anchor (an extra no-grad
 forward of each step's batch through the anchor weights) with those under the training backbone
 (the step's own features). The head keeps training on the stream instead of retraining. The
-transport uses running class means of the step's features.
+transport uses running class means of the step's features; upstream's head is a
+``CosineLinear``, so its transport changes only row directions, and on our linear head each
+transported row keeps its norm (:func:`transported_rows`).
+
+Upstream evaluates each task right after its merge and transport, both of which it keeps for
+training. Online the firing comes with the next task's first batch, after the task-end
+evaluation, so :meth:`DUCTOnline.evaluation_view` shows evaluation what a firing now would make
+of the network, and the firing then does the same to the training state.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from torch import nn
 
 from ..core.checks import boolean, real
 from ..core.prototypes import PrototypeBank
-from ..engine.adapter import ConfigKey, StepOutput
+from ..engine.adapter import ConfigKey, StepOutput, UpstreamDifference
 from ..engine.backbone_names import PLAIN_VIT
 from ..engine.registry import register_method
 from .cofima import VIT_B16_FEATURES, VIT_B16_PARAMETERS, _to
@@ -96,26 +103,30 @@ def sinkhorn(
 
 
 @torch.no_grad()
-def transport_head(
-    layer: nn.Linear,
+def transported_rows(
+    weight: torch.Tensor,
     current: torch.Tensor,
     old: torch.Tensor,
     means: torch.Tensor,
     ratio: float,
     reg: float,
-) -> None:
-    """Upstream's ``_stage2_transport_classifier`` for one old group: the plan ``T`` between the
-    ``current`` and ``old`` classes' means (Euclidean costs, uniform marginals) carries the current
-    rows to the old ones, ``W_old <- (1 - ratio) W_old + ratio T^T W_cur`` (upstream's cosine head
-    has weights only; our linear head's bias rows move the same way)."""
+) -> torch.Tensor:
+    """Upstream's ``_stage2_transport_classifier`` for one old group: the new head rows of the
+    ``old`` classes. The plan ``T`` between the ``current`` and ``old`` classes' means (Euclidean
+    costs, uniform marginals) carries the current rows to the old ones; each old row takes the
+    direction of ``(1 - ratio) W_old + ratio T^T W_cur`` at its own norm.
+
+    Why the norm: upstream's head is a ``CosineLinear``, which normalises its rows when it is
+    used, so there the update changes only their directions. On our linear head the raw update
+    would also shrink every old row (x0.75 at ``ratio`` 0.25: the plan's columns sum to 1/n), and
+    with it the old classes' logits, once more at every firing."""
     cost = torch.cdist(means[current].double(), means[old].double())
     a = torch.full((len(current),), 1 / len(current), dtype=torch.float64, device=cost.device)
     b = torch.full((len(old),), 1 / len(old), dtype=torch.float64, device=cost.device)
-    plan = sinkhorn(a, b, cost, reg).to(layer.weight.dtype)
-    for tensor in (layer.weight, layer.bias):
-        if tensor is not None:
-            carried = plan.T @ tensor[current]
-            tensor[old] = (1 - ratio) * tensor[old] + ratio * carried
+    plan = sinkhorn(a, b, cost, reg)
+    rows = weight[old].double()
+    moved = (1 - ratio) * rows + ratio * (plan.T @ weight[current].double())
+    return (F.normalize(moved, dim=1) * rows.norm(dim=1, keepdim=True)).to(weight.dtype)
 
 
 @register_method("duct_online")
@@ -129,6 +140,52 @@ class DUCTOnline(FinetuneOnline):
     default_consolidation: ClassVar[str] = "new_classes"
     #: 4 classes per smoke task: a firing per task.
     smoke_overrides: ClassVar[dict[str, Any]] = {"consolidation_new_classes": 4}
+    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+        UpstreamDifference(
+            "task_vector_from_last_firing",
+            "The backbone is never reset to the pre-trained weights: a firing merges the task "
+            "vector from the last firing's backbone (the anchor), b <- a + merge_scalar * s * "
+            "(b - a), with s from class means under the anchor, where upstream adds the task "
+            "vector from the pre-trained weights to a sum of task vectors.",
+            "A stream has no task start to reset the backbone at, so a period's training starts "
+            "from the last merge and its task vector can only be measured from there.",
+        ),
+        UpstreamDifference(
+            "no_head_retraining",
+            "A firing does not retrain the head on the task (upstream's epc_re epochs at lr_re "
+            "after the merge); the head keeps training on the stream.",
+            "Online there is no second pass over a finished task's data.",
+        ),
+        UpstreamDifference(
+            "class_means_from_training_features",
+            "The transport's class means are running means of the training steps' features as "
+            "the backbone moves, not a pass of the task's data through a fixed backbone.",
+            "Online there is no second pass over a finished task's data.",
+        ),
+        UpstreamDifference(
+            "linear_head_rows_keep_norms",
+            "The transport sets each old row of the linear head to upstream's transported "
+            "direction at the row's own norm and leaves its bias.",
+            "Upstream's CosineLinear head normalises its rows, so its transport changes only "
+            "directions; on a linear head the raw update would shrink the old classes' rows "
+            "and logits (x0.75 per firing at head_merge_ratio 0.25).",
+        ),
+        UpstreamDifference(
+            "groups_from_periods",
+            "The transport's old tasks are the classes grouped by the firing at which each was "
+            "last seen, with uniform marginals over each group's size, not fixed ranges of "
+            "increment classes.",
+            "A stream gives no task ids; the classes a period observed stand for its task.",
+        ),
+        UpstreamDifference(
+            "log_domain_sinkhorn",
+            "Sinkhorn iterates in the log domain instead of POT's ot.sinkhorn, which multiplies "
+            "the kernel exp(-M / reg).",
+            "At ot_reg 0.02 that kernel underflows to 0 in float64 once distances exceed about "
+            "15 (ViT class means can be that far apart) and POT stops with a degenerate plan; "
+            "where it does not underflow, the log domain gives POT's plan.",
+        ),
+    )
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "bcb_lr_scale": ConfigKey(
             0.01,
@@ -238,45 +295,83 @@ class DUCTOnline(FinetuneOnline):
         cos = F.cosine_similarity(self.anchored.means[current], self.trained.means[current])
         return float(cos.mean())
 
-    # -- the firing ----------------------------------------------------------------------------
+    # -- the firing and the evaluation view ----------------------------------------------------
     @torch.no_grad()
-    def consolidate(self, network: nn.Module, firing: int) -> Iterable[nn.Parameter]:
-        """Merges the period's task vector into the anchor, then transports the head rows of the
-        period's classes to each older group's classes; the result is the next anchor."""
-        current = self.periods.close(firing)
-        params = [p for _, p in self._named]
+    def consolidated(
+        self, network: nn.Module, current: torch.Tensor, firing: int
+    ) -> tuple[float, int, dict[str, torch.Tensor]]:
+        """What a firing now makes of the network, computed without changing anything: the
+        adjust ratio, the number of old groups transported, and new values by parameter name:
+        the backbone merged (``a + merge_scalar * s * (b - a)``) and, with older groups, the head
+        weight with their rows transported (:func:`transported_rows`; the bias stays, as upstream's
+        cosine head has none). ``current``: the closing period's classes."""
+        names = {id(p): name for name, p in network.named_parameters()}
         ratio = self.adjust_ratio(current)
         scale = float(self.args["merge_scalar"]) * ratio
-        for p, a in zip(params, self.anchor):
-            p.copy_(a.to(p.device) + scale * (p - a.to(p.device)))
-        self.ratios.append(ratio)
-        self.transport(network, current, firing)
-        self.anchor = [p.detach().clone() for p in params]
-        for bank in (self.trained, self.anchored):
-            bank.means.zero_()
-            bank.counts.zero_()
-        return ()
+        values = {}
+        for (_, p), a in zip(self._named, self.anchor):
+            a = a.to(p.device)
+            values[names[id(p)]] = a + scale * (p.detach() - a)
+        weight = self.classifier(network).weight
+        moved, transports = self.transported(weight.detach(), current, firing)
+        if transports:
+            values[names[id(weight)]] = moved
+        return ratio, transports, values
 
-    def transport(self, network: nn.Module, current: torch.Tensor, firing: int) -> None:
-        layer = self.classifier(network)
-        device = layer.weight.device
+    def transported(
+        self, weight: torch.Tensor, current: torch.Tensor, firing: int
+    ) -> tuple[torch.Tensor, int]:
+        """A copy of ``weight`` with the rows of each older group (the classes last current at an
+        earlier firing, not in ``current``) transported from the ``current`` rows, and how many
+        groups moved."""
+        weight, device = weight.clone(), weight.device
+        current = current.to(device)
         groups = self.periods.group.to(device)
-        current_ids = torch.nonzero(current.to(device)).flatten()
-        if not len(current_ids):
-            return
+        current_ids = torch.nonzero(current).flatten()
         means = self.means.means.to(device)
-        for group in range(firing):
-            old = torch.nonzero((groups == group) & ~current.to(device)).flatten()
+        transports = 0
+        for group in range(firing if len(current_ids) else 0):
+            old = torch.nonzero((groups == group) & ~current).flatten()
             if len(old):
-                transport_head(
-                    layer,
+                weight[old] = transported_rows(
+                    weight,
                     current_ids,
                     old,
                     means,
                     float(self.args["head_merge_ratio"]),
                     float(self.args["ot_reg"]),
                 )
-                self.transports += 1
+                transports += 1
+        return weight, transports
+
+    @torch.no_grad()
+    def consolidate(self, network: nn.Module, firing: int) -> Iterable[nn.Parameter]:
+        """Merges the period's task vector into the anchor and transports the head rows of the
+        period's classes to each older group's classes (:meth:`consolidated`); the merged
+        backbone is the next anchor. Upstream keeps both for training: its next task trains the
+        transported head, and the merged backbone is what its head retrains on."""
+        current = self.periods.close(firing)
+        ratio, transports, values = self.consolidated(network, current, firing)
+        parameters = dict(network.named_parameters())
+        for name, value in values.items():
+            parameters[name].copy_(value)
+        self.ratios.append(ratio)
+        self.transports += transports
+        self.anchor = [p.detach().clone() for _, p in self._named]
+        for bank in (self.trained, self.anchored):
+            bank.means.zero_()
+            bank.counts.zero_()
+        return ()
+
+    def evaluation_view(self, network: nn.Module) -> Mapping[str, torch.Tensor]:
+        """The network as upstream evaluates it at a task end: the period so far merged and
+        transported as a firing now would (:meth:`consolidated`), nothing written back. Online
+        the firing comes with the next task's first batch, after the task-end evaluation; this
+        view shows that evaluation what upstream's would see. Without a trigger, nothing."""
+        if self.args.get("consolidation") == "never":
+            return {}
+        current = self.periods.period_counts > 0
+        return self.consolidated(network, current, len(self.ratios))[2]
 
     # -- checkpoints and reports -----------------------------------------------------------------
     def extra_state(self, network: nn.Module) -> dict[str, Any]:

@@ -12,29 +12,31 @@ subspace 1 and the others ``alpha / (subspaces - 1)`` (``forward_reweight``).
 
 Online, task-free (the choices are in docs/methods.md, "EASE"):
 
-- ``adapter_num`` adapter sets are built up front (the loop's parameter list is fixed); one is
-  active. A consolidation firing (before the step that would start upstream's next task) freezes
-  it and activates the next; at the cap, firings change nothing. The default trigger is
-  ``new_classes``: upstream opens a subspace per set of new classes, and that trigger fires
-  before the batch that brings a class beyond the last ``consolidation_new_classes`` new ones
-  (in a clear stream with that many classes per task, at each task boundary).
+- One adapter set is built with the network; each consolidation firing (before the step that
+  would start upstream's next task) freezes the active set and adds a fresh one (PILOT's
+  ``get_new_adapter``), which the loop then adopts: one subspace per firing, unbounded, as
+  upstream opens one per task. The default trigger is ``new_classes``: upstream opens a subspace
+  per set of new classes, and that trigger fires before the batch that brings a class beyond the
+  last ``consolidation_new_classes`` new ones (in a clear stream with that many classes per task,
+  at each task boundary).
 - Every subspace keeps running class means (``PrototypeBank``, Eq. 1) of the stream batches'
   features through it: the active one from the training forward, the frozen ones from extra
   no-grad passes of the same batch (what upstream's ``replace_fc`` passes through old adapters).
   A class's own ("home") subspace is the one that was active for most of its samples. Means a
   subspace lacks are synthesised at prediction time from the others, as upstream's complement.
-- The gradient-trained head is upstream's proxy head: one ``nn.Linear`` over every class (the
-  loop's batch mask limits its loss to the batch's classes), on the active subspace's features,
-  restarted at each firing that opens a subspace. It is :meth:`classifier` (P replays the loop's
-  prototypes through it, FGH reweights it), so all four rows run; predictions come from the
-  prototype classifier, so P and FGH reach them only through the adapters they help train.
+- The gradient-trained head is upstream's proxy head, an ``EaseCosineLinear`` with a learnable
+  ``sigma`` (:class:`CosineHead`), over every class (the loop's batch mask limits its loss to the
+  batch's classes), on the active subspace's features, restarted at each firing. It is
+  :meth:`classifier` (P replays the loop's prototypes through it, FGH reweights its rows), so
+  all four rows run; predictions come from the prototype classifier, so P and FGH reach them only
+  through the adapters they help train.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -43,10 +45,52 @@ from torch import nn
 
 from ..core.checks import integer, real
 from ..core.prototypes import PrototypeBank
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, UpstreamDifference
 from ..engine.registry import register_method
 
 logger = logging.getLogger(__name__)
+
+
+class CosineHead(nn.Linear):
+    """PILOT's ``CosineLinear`` / ``EaseCosineLinear`` (one proxy per class) as a layer that
+    returns its logits: ``sigma * cos(x, w_c)``; an ``nn.Linear`` without bias to the loop.
+
+    ``sigma`` is a parameter of the network (:func:`attach_cosine_head` registers it beside the
+    head) that the head reads without registering it: the head's own parameters are then its
+    ``[C, D]`` rows alone, the final layer that FGH's class-wise form reweights and the gradient
+    trace reads (a weight and at most a per-class bias). ``bias`` is None, as upstream's."""
+
+    def __init__(self, in_features: int, out_features: int, sigma: nn.Parameter) -> None:
+        self._sigma = (sigma,)  # a tuple, so that nn.Module does not register it a second time
+        super().__init__(in_features, out_features, bias=False)  # draws the rows: upstream's
+
+    @property
+    def sigma(self) -> nn.Parameter:
+        return self._sigma[0]
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Upstream's ``reset_parameters``: rows from U(-1/sqrt(D), 1/sqrt(D)), sigma 1."""
+        bound = 1 / math.sqrt(self.in_features)
+        fresh = torch.empty(self.weight.shape).uniform_(-bound, bound, generator=generator)
+        self.weight.copy_(fresh)
+        self.sigma.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = F.normalize(self.weight, dim=1).to(x.dtype)
+        return self.sigma.to(x.dtype) * F.linear(F.normalize(x, dim=1), weight)
+
+
+def attach_cosine_head(
+    network: nn.Module, in_features: int, classes: int, attr: str = "fc"
+) -> CosineHead:
+    """Give ``network`` a :class:`CosineHead` as ``<attr>`` and its sigma as ``<attr>_sigma``
+    (both trainable), and return the head."""
+    sigma = nn.Parameter(torch.ones(1))
+    setattr(network, f"{attr}_sigma", sigma)
+    head = CosineHead(in_features, classes, sigma)
+    setattr(network, attr, head)
+    return head
 
 
 def complemented_prototypes(
@@ -102,14 +146,12 @@ class EaseOnline(MethodAdapter):
         "vit_base_patch16_224_in21k_ease",
     )
     default_consolidation: ClassVar[str] = "new_classes"
+    removed_keys: ClassVar[dict[str, str]] = {
+        "adapter_num": "EASE adds one adapter subspace per consolidation firing, without a cap "
+        "(upstream: one per task)"
+    }
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "ffn_num": ConfigKey(64, "adapter bottleneck width (PILOT: 64)", check=integer(minimum=1)),
-        "adapter_num": ConfigKey(
-            10,
-            "most adapter subspaces the stream opens, built up front (one per consolidation "
-            "firing; later firings change nothing)",
-            check=integer(minimum=1),
-        ),
         "alpha": ConfigKey(
             0.1, "weight of a class's other subspaces at prediction (PILOT: 0.1)", check=real(0)
         ),
@@ -117,17 +159,50 @@ class EaseOnline(MethodAdapter):
             0.1, "dropout inside the adapters (PILOT hard-codes 0.1)", check=real(0, 1)
         ),
     }
-    #: Two subspaces, no dropout (one step is a function of the state). The second subspace
-    #: opens after 80 samples: in the contract's main.py runs (4 batches of 40) it then trains for
-    #: two steps on both streams. Its adapters' up-projections start at zero (upstream's LoRA
-    #: init), so the down-projections first get a gradient at its second step; with new_classes,
-    #: the Si-Blurry run would open it before the last step only.
+    #: No dropout (one step is a function of the state). The second subspace opens after 80
+    #: samples: in the contract's main.py runs (4 batches of 40) it then trains for two steps on
+    #: both streams. Its adapters' up-projections start at zero (upstream's LoRA init), so the
+    #: down-projections first get a gradient at its second step; with new_classes, the Si-Blurry
+    #: run would open it before the last step only.
     smoke_overrides: ClassVar[Mapping[str, Any]] = {
-        "adapter_num": 2,
         "adapter_dropout": 0.0,
         "consolidation": "every_n_samples",
         "consolidation_every_n_samples": 80,
     }
+    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+        UpstreamDifference(
+            "proxy_head_over_every_class",
+            "The proxy head covers every class of the stream, its loss limited to the batch's "
+            "classes by the loop's mask; upstream builds one over the current task's classes.",
+            "A task-free stream has no current task: the batch's classes stand in for it.",
+        ),
+        UpstreamDifference(
+            "running_class_means",
+            "Class means are running means of the stream batches' training-transform features "
+            "(the active subspace's from the training forward, adapter dropout on), where "
+            "upstream takes them once after the task in eval mode with test transforms.",
+            "Online, each sample is seen once: its features must be folded in when it arrives.",
+        ),
+        UpstreamDifference(
+            "home_subspace_by_majority",
+            "A class's own subspace is the one active for most of its samples, and a missing "
+            "mean is mixed from the classes with a mean both there and in that subspace.",
+            "Without task ids a class may span firings (Si-Blurry), so its subspace is counted.",
+        ),
+        UpstreamDifference(
+            "unseen_classes_score_with_the_proxy_head",
+            "A class with no mean in any subspace scores the cosine of the newest subspace's "
+            "feature with its proxy-head row, where upstream's head has no row for it.",
+            "The online heads cover every class of the stream from the start; evaluation never "
+            "allows such a class, and a network that has seen nothing still ranks classes.",
+        ),
+        UpstreamDifference(
+            "seeded_new_subspace",
+            "A new adapter set and the restarted proxy head are drawn from generators seeded by "
+            "the run's seed and the firing, not from the global random stream.",
+            "A resumed run rebuilds the same sets, and evaluation timing cannot change the draws.",
+        ),
+    )
 
     def backbone_kwargs(self, args: dict) -> dict[str, Any]:
         # vit_ease loads its weights from timm.create_model(..., pretrained=True), hard-coded.
@@ -140,27 +215,41 @@ class EaseOnline(MethodAdapter):
         pilot_args = self.pilot_args(args, use_init_ptm=False, beta=0.0, device=["cpu"])
         network = EaseNet(pilot_args, True)
         network.requires_grad_(False)
-        backbone = network.backbone
-        sets = []
-        for _ in range(int(args["adapter_num"])):
-            backbone.get_new_adapter()  # PILOT's adapter set: one AdaptFormer MLP per block
-            sets.append(backbone.cur_adapter)
-        backbone.cur_adapter = nn.ModuleList()  # the subspaces below replace PILOT's one set
-        network.subspaces = nn.ModuleList(sets).requires_grad_(True)
-        for adapter in network.subspaces.modules():
-            if hasattr(adapter, "down_proj"):
-                adapter.dropout = float(args["adapter_dropout"])  # a float attribute upstream
-        classes, width = int(args["nb_classes"]), int(network.out_dim)
-        network.class_means = nn.ModuleList(
-            PrototypeBank(classes, width) for _ in range(int(args["adapter_num"]))
-        )
-        network.ease_active = 0
+        network.subspaces = nn.ModuleList()
+        network.class_means = nn.ModuleList()
+        self._open_subspace(network, firing=None)
+        attach_cosine_head(network, int(network.out_dim), int(args["nb_classes"]))
         # The method's log for report(), set here (the adapter is a dataclass without
-        # __post_init__): the firing that opened each subspace after the first, and those ignored.
+        # __post_init__): the firing that opened each subspace after the first.
         self.opened_at: list[int] = []
-        self.ignored_firings = 0
-        self.online_head(network, args, in_features=width)
         return network
+
+    def _open_subspace(self, network: nn.Module, firing: int | None) -> None:
+        """Add a fresh adapter set (PILOT's ``get_new_adapter``) and its class-mean bank, on the
+        network's device, trainable. After the first (``firing`` None: PILOT's own draw at build),
+        the set is drawn under a forked RNG seeded by the run's seed and the firing."""
+        backbone = network.backbone
+        if firing is None:
+            adapters = backbone.cur_adapter  # the set PILOT built with the backbone
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self._seed() * 1_000_003 + 7919 * (firing + 1))
+                backbone.get_new_adapter()
+            adapters = backbone.cur_adapter
+        backbone.cur_adapter = nn.ModuleList()  # the subspaces replace PILOT's current set
+        for adapter in adapters.modules():
+            if hasattr(adapter, "down_proj"):
+                adapter.dropout = float(self.args["adapter_dropout"])  # a float upstream
+        device = network.backbone.cls_token.device
+        network.subspaces.append(adapters.to(device).requires_grad_(True))
+        width = int(network.out_dim)
+        network.class_means.append(
+            PrototypeBank(int(self.args["nb_classes"]), width, device=device)
+        )
+
+    def _seed(self) -> int:
+        seed = self.args.get("seed", 0)
+        return int(seed[0] if isinstance(seed, (list, tuple)) else seed)
 
     # -- the forward passes -------------------------------------------------------------------
     @staticmethod
@@ -178,7 +267,7 @@ class EaseOnline(MethodAdapter):
         return backbone.norm(tokens)[:, 0]
 
     def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
-        backbone, active = network.backbone, network.ease_active
+        backbone, active = network.backbone, len(network.subspaces) - 1
         tokens = self._tokens(backbone, x)
         if train:
             features = self._through(backbone, tokens, network.subspaces[active])
@@ -193,7 +282,7 @@ class EaseOnline(MethodAdapter):
                     )
             return StepOutput(network.fc(features), features, extras=extras)
         subspaces = torch.stack(
-            [self._through(backbone, tokens, network.subspaces[i]) for i in range(active + 1)]
+            [self._through(backbone, tokens, adapters) for adapters in network.subspaces]
         )
         logits = self.prototype_logits(network, subspaces)
         return StepOutput(logits, subspaces[active], extras={"subspaces": subspaces})
@@ -203,8 +292,7 @@ class EaseOnline(MethodAdapter):
         features ``[S, B, D]``). A class with no mean yet (never in the stream) scores the cosine
         with its head row instead: evaluation never allows such a class, but a network that has
         seen nothing still ranks classes by something."""
-        count = subspaces.shape[0]
-        banks = network.class_means[:count]
+        banks = network.class_means[: subspaces.shape[0]]
         means = torch.stack([bank.means for bank in banks])
         counts = torch.stack([bank.counts for bank in banks])
         # Bank s counts the samples since subspace s opened: those while s was active are its
@@ -216,24 +304,18 @@ class EaseOnline(MethodAdapter):
         head = F.normalize(subspaces[-1], dim=1) @ F.normalize(network.fc.weight, dim=1).t()
         return torch.where(counts.any(0), logits, head)
 
-    def classifier(self, network: nn.Module) -> nn.Linear:
+    def classifier(self, network: nn.Module) -> CosineHead:
         return network.fc
-
-    def trainable_parameters(self, network: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-        """The head and every adapter set, frozen or not yet active: the loop's list is fixed at
-        build. Only the active set gets gradients; Adam and FGH skip the others."""
-        ours = {id(p) for p in (*network.fc.parameters(), *network.subspaces.parameters())}
-        return ((n, p) for n, p in network.named_parameters() if id(p) in ours)
 
     def train_mode(self, network: nn.Module) -> None:
         network.train()
-        for index, adapters in enumerate(network.subspaces):
-            adapters.train(index == network.ease_active)  # frozen ones: features without dropout
+        for adapters in network.subspaces[:-1]:
+            adapters.eval()  # frozen ones: features without dropout
 
     # -- learning without gradients: the class means ------------------------------------------
     @torch.no_grad()
     def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
-        active = network.ease_active
+        active = len(network.subspaces) - 1
         network.class_means[active].update(out.features, labels, validate=False)
         for index in range(active):
             frozen = out.extras["frozen"][index, : len(labels)]
@@ -241,46 +323,27 @@ class EaseOnline(MethodAdapter):
 
     # -- the task-boundary step ---------------------------------------------------------------
     def consolidate(self, network: nn.Module, firing: int) -> Iterable[nn.Parameter]:
-        """Freeze the active adapter set and open the next with a restarted head (upstream's
-        ``after_task`` and its new proxy head); returns both sets' and the head's parameters."""
-        active = network.ease_active
-        if active + 1 >= len(network.subspaces):
-            self.ignored_firings += 1
-            logger.info("EASE: firing %d at the cap of %d subspaces: ignored", firing, active + 1)
-            return ()
-        old, new = network.subspaces[active], network.subspaces[active + 1]
+        """Freeze the active adapter set and add the next with a restarted head (upstream's
+        ``after_task`` and its new proxy head); the loop adopts the new set. Returns the frozen
+        set's and the head's parameters, whose optimiser state is dropped."""
+        old = network.subspaces[-1]
         old.requires_grad_(False)
-        network.ease_active = active + 1
+        self._open_subspace(network, firing)
         self.opened_at.append(firing)
-        self._restart_head(network.fc, firing)
-        return [*old.parameters(), *new.parameters(), *network.fc.parameters()]
-
-    @torch.no_grad()
-    def _restart_head(self, head: nn.Linear, firing: int) -> None:
-        """nn.Linear's initial distribution, U(-1/sqrt(D), 1/sqrt(D)), from a generator seeded
-        by the run's seed and the firing: the same on every rerun, whatever else drew numbers."""
-        seed = self.args.get("seed", 0)
-        seed = int(seed[0] if isinstance(seed, (list, tuple)) else seed)
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + firing)
-        bound = 1 / math.sqrt(head.in_features)
-        for param in (head.weight, head.bias):
-            fresh = torch.empty(param.shape).uniform_(-bound, bound, generator=generator)
-            param.copy_(fresh)
+        generator = torch.Generator().manual_seed(self._seed() * 1_000_003 + firing)
+        network.fc.reset_parameters(generator)
+        return [*old.parameters(), network.fc.weight, network.fc_sigma]
 
     # -- checkpoints and the report -------------------------------------------------------------
     def extra_state(self, network: nn.Module) -> dict[str, Any]:
-        return {
-            "active": network.ease_active,
-            "opened_at": list(self.opened_at),
-            "ignored_firings": self.ignored_firings,
-        }
+        return {"opened_at": list(self.opened_at)}
 
     def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
-        network.ease_active = int(state["active"])
-        for index, adapters in enumerate(network.subspaces):
-            adapters.requires_grad_(index >= network.ease_active)
+        """Rebuild the subspaces the firings added (their values load afterwards)."""
         self.opened_at = [int(f) for f in state["opened_at"]]
-        self.ignored_firings = int(state["ignored_firings"])
+        for firing in self.opened_at[len(network.subspaces) - 1 :]:
+            network.subspaces[-1].requires_grad_(False)
+            self._open_subspace(network, firing)
 
     def report(self) -> dict[str, Any]:
         if not hasattr(self, "opened_at"):
@@ -288,8 +351,6 @@ class EaseOnline(MethodAdapter):
         return {
             "ease": {
                 "subspaces": 1 + len(self.opened_at),
-                "adapter_num": int(self.args.get("adapter_num", 0)),
                 "opened_at_firings": list(self.opened_at),
-                "ignored_firings": self.ignored_firings,
             }
         }

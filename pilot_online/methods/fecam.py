@@ -10,12 +10,13 @@ Prediction: the class with the least ``(x - mu)' pinv(R) (x - mu)``, ``x`` and `
 L2-normalised.
 
 Online: the first session, its end at the trigger's first firing and the head's timing are those
-of :class:`~pilot_online.methods.ranpac.FirstSessionAnalyticOnline`. The statistics are per-class
-counts, feature sums and sums of outer products (float64), folded in with every stream batch, so
-each class's mean and unbiased covariance equal upstream's over the same features; the head
-repeats upstream's shrinkage, ``corrcoef`` and ``pinv`` on them. Logits are minus the distances;
-a class without samples gets ``UNSEEN_LOGIT`` (evaluation masks it out anyway), and a class with
-one sample a zero covariance (``torch.cov`` would give NaN).
+of :class:`~pilot_online.methods.ranpac.FirstSessionAnalyticOnline` (evaluation always solves the
+head from the current statistics). The statistics are per-class counts, feature sums and sums of
+outer products (float64), folded in with every stream batch's eval-mode features, so each class's
+mean and unbiased covariance equal upstream's over the same features; the head repeats upstream's
+shrinkage, ``corrcoef`` and ``pinv`` on them. Logits are minus the distances; a class without
+samples gets ``ranpac.UNSEEN_LOGIT`` plus the first session's head (evaluation masks it out
+anyway), and a class with one sample a zero covariance (``torch.cov`` would give NaN).
 """
 
 from __future__ import annotations
@@ -28,12 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.checks import real
-from ..engine.adapter import ConfigKey
+from ..engine.adapter import ConfigKey, UpstreamDifference
 from ..engine.registry import register_method
-from .ranpac import FirstSessionAnalyticOnline, Tensors
+from .ranpac import FIRST_SESSION_DIFFERENCES, FirstSessionAnalyticOnline, Tensors
 
-#: The logit of a class with no sample yet: below any distance a seen class can have.
-UNSEEN_LOGIT = -1e4
 #: The feature width of every backbone FeCAM accepts (ViT-B/16), for :meth:`state_bytes`.
 VIT_B_WIDTH = 768
 
@@ -58,10 +57,25 @@ class FeCAMOnline(FirstSessionAnalyticOnline):
         ),
     }
 
+    head_names: ClassVar[tuple[str, ...]] = (
+        "analytic_means",
+        "analytic_precision",
+        "analytic_seen",
+    )
+    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+        *FIRST_SESSION_DIFFERENCES,
+        UpstreamDifference(
+            "single_sample_class_zero_covariance",
+            "A class with one sample gets a zero covariance before shrinkage, where upstream's "
+            "torch.cov gives NaN.",
+            "In a stream a class can be evaluated after its first sample.",
+        ),
+    )
+
     @classmethod
     def state_bytes(cls, args: Mapping[str, Any]) -> int:
         """Per class: a d x d outer-product sum and a d-sum (float64), and two heads' means and
-        d x d precisions (float32)."""
+        d x d precisions (float32: training's buffers and evaluation's view)."""
         c, d = int(args["nb_classes"]), VIT_B_WIDTH
         return c * (d * d + d + 1) * 8 + 2 * c * (d * d + d) * 4
 
@@ -88,6 +102,14 @@ class FeCAMOnline(FirstSessionAnalyticOnline):
             xc = x[labels == c]
             self.stats["outer"][c] += xc.T @ xc
 
+    def new_head(self, network: nn.Module, args: Mapping[str, Any]) -> Tensors:
+        c, d = int(args["nb_classes"]), int(network.feature_dim)
+        return {
+            "analytic_means": torch.zeros(c, d),
+            "analytic_precision": torch.zeros(c, d, d),
+            "analytic_seen": torch.zeros(c, dtype=torch.bool),
+        }
+
     def solve(self) -> Tensors:
         count, total, outer = self.stats["count"], self.stats["sum"], self.stats["outer"]
         seen = count > 0
@@ -106,15 +128,19 @@ class FeCAMOnline(FirstSessionAnalyticOnline):
             corr = row_corrcoef(cov + self.alpha * eye)
             precision[idx] = torch.linalg.pinv(corr, hermitian=True).float()
             means[idx] = mu
-        return {"means": F.normalize(means, dim=1).float(), "precision": precision, "seen": seen}
+        return {
+            "analytic_means": F.normalize(means, dim=1).float(),
+            "analytic_precision": precision,
+            "analytic_seen": seen,
+        }
 
-    def head_logits(self, network, features, head) -> torch.Tensor:
+    def head_logits(self, network, features) -> torch.Tensor:
         """Minus the Mahalanobis distance of the normalised feature to each normalised mean."""
-        if head is None:
-            return features.new_zeros(len(features), network.fc.out_features)
-        diff = F.normalize(features.float(), dim=1)[:, None, :] - head["means"][None]  # B C d
-        dist = torch.einsum("bcd,cde,bce->bc", diff, head["precision"], diff)
-        return torch.where(head["seen"][None], -dist, torch.full_like(dist, UNSEEN_LOGIT))
+        means, precision = network.analytic_means, network.analytic_precision
+        diff = F.normalize(features.float(), dim=1)[:, None, :] - means[None]  # B C d
+        dist = torch.einsum("bcd,cde,bce->bc", diff, precision, diff)
+        seen = network.analytic_seen[None]
+        return torch.where(seen, -dist, self.unseen_logits(network, features.float()))
 
     def report(self) -> dict[str, Any]:
         return {"first_session_done": self.first_session_done}

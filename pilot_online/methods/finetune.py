@@ -2,11 +2,15 @@
 memory-free lower bound and its memory-based baseline.
 
 The network is PILOT's own plain-ViT class, ``SimpleVitNet`` (``utils/inc_net.py``), on PILOT's
-``vit_base_patch16_224`` backbone; every parameter trains. Two things differ from upstream:
+``vit_base_patch16_224`` backbone; every parameter trains. Upstream's fine-tuning learner
+(``models/finetune.py``) builds an ``IncrementalNet`` on the same backbone, whose forward is the
+same: the backbone's pooled token, then a linear head. Two things differ from upstream:
 
-- PILOT grows a ``CosineLinear`` head task by task (``update_fc``, which returns a dict). Online
-  there are no tasks, so the head is one ``nn.Linear`` over all classes, set once at build:
-  prototypes are replayed through it and FGH's class mode reweights its rows.
+- Upstream grows its linear head (``SimpleLinear``) task by task (``update_fc``). Online there
+  are no tasks, so the head is one ``nn.Linear`` over all classes, set once at build:
+  prototypes are replayed through it and FGH's class mode reweights its rows. The loss masks the
+  classes absent from the batch where upstream masks those outside the task
+  (:attr:`FinetuneOnline.upstream_differences`).
 - PILOT's factory builds the plain ViT with ``pretrained=True`` and no dropout arguments
   hard-coded; :meth:`FinetuneOnline.backbone_kwargs` forces the config's ``pretrained``, ``drop``
   and ``drop_path`` onto that ``timm.create_model`` call instead.
@@ -23,9 +27,19 @@ import torch
 from torch import nn
 
 from ..core.checks import integer
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, UpstreamDifference
 from ..engine.backbone_names import PLAIN_VIT
 from ..engine.registry import register_method
+
+#: The training loss's mask, shared by the ports whose upstream masks by task (L2P, DualPrompt,
+#: CODA-Prompt, fine-tuning).
+BATCH_LOGIT_MASK = UpstreamDifference(
+    "batch_logit_mask",
+    "The cross-entropy masks the logits of the classes absent from the training batch, where "
+    "upstream's masks those outside the current task.",
+    "Online there is no task to mask by; the paper trains every method with the batch-wise mask "
+    "(its appendix, `logit_mask: batch`).",
+)
 
 #: The paper's replay settings: 1,000 samples in memory, 100 replayed per step.
 REPLAY_KEYS: dict[str, ConfigKey] = {
@@ -40,6 +54,15 @@ class FinetuneOnline(MethodAdapter):
     paper_name: ClassVar[str] = "Fine-tuning"
     base_model_name: ClassVar[str] = "finetune"  # PILOT's transforms for its fine-tuning learner
     backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
+    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+        BATCH_LOGIT_MASK,
+        UpstreamDifference(
+            "one_linear_head_over_every_class",
+            "The head is one linear layer over every class of the stream, made at build, where "
+            "upstream's update_fc grows it by each task's classes at the task's start.",
+            "Online the classes of the stream are known up front but no task start is seen.",
+        ),
+    )
 
     def backbone_kwargs(self, args: dict) -> dict[str, Any]:
         return {
@@ -69,6 +92,7 @@ class FinetuneOnline(MethodAdapter):
 class EROnline(FinetuneOnline):
     """Fine-tuning plus experience replay (the loop's ``ReplayMixin``, on by default here)."""
 
+    upstream_model: ClassVar[str] = ""  # not a PILOT model (PILOT has no replay row)
     paper_name: ClassVar[str] = "ER"
 
     memory_based: ClassVar[bool] = True

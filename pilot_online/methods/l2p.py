@@ -19,9 +19,19 @@ import torch
 from torch import nn
 
 from ..core.checks import boolean, integer, list_of, real, text
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, UpstreamDifference
 from ..engine.backbone_names import pilot_backbones
 from ..engine.registry import register_method
+from .finetune import BATCH_LOGIT_MASK
+
+#: At evaluation each sample picks its own prompts (L2P and DualPrompt).
+NO_BATCH_VOTE_AT_EVALUATION = UpstreamDifference(
+    "no_batch_vote_at_evaluation",
+    "At evaluation each sample selects its own prompts, where upstream keeps the training batch's "
+    "majority vote (`batchwise_prompt`).",
+    "PILOT's test batches are sorted by class, so a vote would hand the model the batch's task; "
+    "`batchwise_prompt_eval: true` restores upstream.",
+)
 
 #: The prompt-pool options PILOT's ``backbone/prompt.py`` recognises (others leave the pool
 #: uninitialised or the query undefined).
@@ -68,6 +78,10 @@ class L2POnline(MethodAdapter):
     base_model_name: ClassVar[str] = "l2p"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("l2p")
     config_keys: ClassVar[dict[str, ConfigKey]] = PROMPT_POOL_KEYS
+    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+        BATCH_LOGIT_MASK,
+        NO_BATCH_VOTE_AT_EVALUATION,
+    )
 
     @classmethod
     def check_config(cls, cfg: Mapping[str, Any]) -> None:

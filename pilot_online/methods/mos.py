@@ -2,62 +2,55 @@
 (Sun et al., AAAI 2025; PILOT's ``models/mos.py``, network ``MOSNet``, backbone
 ``backbone/vit_mos.py``).
 
-Upstream, per task: the ViT's AdaptFormer adapter set (``ffn_num`` wide, parallel to each MLP)
-and the linear head train (SGD, CE on the task's classes plus the orthogonality term ``reg``);
-before every forward and after every step the adapter is pulled towards the mean of the adapters
-of earlier tasks (``adapter_momentum``). At the task end the adapter is stored, each new class's
-feature mean and covariance (+ 1e-4 I) are computed with it, and from the second task on the head
-is realigned by SGD on features drawn from every class's Gaussian (``crct_epochs``); the head of
-adapter 0's class means (``replace_fc``) is updated. The next task's adapter continues from the
-stored one with a fresh optimiser. At inference, adapter 0's prototype head predicts a class, its
-task's adapter re-predicts, and so on until the task is stable (at most 4 passes: "self-refined
-retrieval"); the result is ensembled with the prototype head's softmax.
+Upstream, per task: a new AdaptFormer adapter set (``ffn_num`` wide, parallel to each MLP) and the
+linear head train (SGD, the head at 0.1 x the LR, CE on the task's classes plus the orthogonality
+term ``reg``). The training forward (``forward_features`` with ``train=True``) calls
+``reweight_adapter`` before each of the D blocks, and each call pulls every layer of the adapter
+towards the mean of the stored ones (``adapter_momentum`` m): block l runs with its layer pulled
+l + 1 times, the backward reads the values after D pulls, and ``adapter_merge`` pulls once more
+after the step. At the task end the adapter is stored; ``_compute_mean`` takes each new class's
+feature mean and covariance (+ 1e-4 I) in eval mode with ``train=True``, so every forward of that
+pass pulls the adapter D more times towards the mean of the *earlier* stored sets (the next task's
+adapter continues from there); from the second task on the head is realigned on features drawn
+from every class's Gaussian (``crct_epochs``) and kept; adapter 0's class means become the
+prototype head (``replace_fc``). Evaluation pulls each stored set s >= 1 in place, D times per
+batch, towards the mean of sets 0..s-1; then adapter 0's prototype head predicts a class, its
+task's adapter re-predicts, and so on until stable (at most 4 passes), ensembled with the
+prototype head's softmax.
 
-Online, a consolidation firing stands for upstream's task end and the next task's start. The
-default trigger is ``new_classes``: MOS's adapters and its retrieval are organised by classes
-(upstream: one adapter per task of new classes, each class retrieved through its task's), and
-this trigger fires before the batch that brings a class beyond the ``consolidation_new_classes``
-first seen since the last firing: in a clear stream of 10-class tasks, at each task boundary.
-``plateau`` and ``every_n_samples`` tie adapters to no class group; they work, but retrieval
-then maps classes to whatever sets saw them most.
+Online, a consolidation firing stands for upstream's task end and the next task's start (default
+trigger ``new_classes``: MOS organises adapters and retrieval by classes).
 
-* **Preallocated adapters.** ``mos_max_adapters`` adapter sets exist from the start (the loop's
-  parameter list is fixed when it is built, so it lists them all); only the active one has
-  ``requires_grad`` and is used in training, so the others get no gradient (Adam and FGH skip
-  them). A firing freezes the active set and activates
-  the next, copied from it (upstream's warm start); its optimiser and FGH state are dropped (it
-  has none: upstream's fresh optimiser). Once the cap is reached the last set keeps training.
-* **Merge.** After every optimiser step the active set becomes ``(1 - m)^2 A + (1 - (1 - m)^2)
-  mean(frozen sets)``: upstream's two merges per step (after the step and before the next
-  forward) at once, ``m`` = ``adapter_momentum``. Upstream also reweights the stored adapters in
-  place at every evaluation batch (so its evaluation changes its weights); we evaluate with them
-  as stored.
-* **Class statistics** (:class:`~pilot_online.core.class_stats.ClassGaussians`, shared with
-  SLCA): running means and scatter matrices of the training features (the active set's, before
-  the step's update, training transforms), every sample of a class whichever set was active;
-  upstream's per-task pass with test transforms cannot run online.
-  ``ca_storage_efficient_method``: ``covariance`` or ``variance`` (upstream's ``multi-centroid``
-  needs k-means over all of a class's features: refused).
+* **Adapter sets, unbounded.** The network starts with one set; each firing freezes the active set
+  and adds a new one (the loop adopts its parameters), starting where upstream's next adapter
+  starts: the active set pulled ``D x sum_c ceil(n_c / (3 batch_size))`` times (upstream's
+  statistics forwards over the set's classes) towards the mean of the sets before it.
+* **Merge**, as upstream's per step: D pulls inside the training forward (one before each block,
+  on the parameters' storage, so the backward reads the pulled values as upstream's does) and one
+  after the optimiser step. Retention of the active set per step: ``(1 - m)^(D + 1)``.
+* **Head** at ``lr_scale`` 0.1 (upstream's second parameter group).
+* **Class statistics** (:class:`~pilot_online.core.class_stats.ClassGaussians`) and the prototype
+  head (set 0's class means): running over the stream batches, each batch passed once more in
+  eval mode without gradient; classes of set a >= 1 through the mean of sets 0..a-1 (the limit of
+  upstream's statistics pulls). ``ca_storage_efficient_method``: ``covariance`` or ``variance``.
 * **Classifier alignment** (:func:`~pilot_online.core.class_stats.align_classifier`) at each
-  firing from the second on (upstream: from the second task on), on the head P and FGH act on,
-  with its own SGD (momentum 0.9, ``ca_lr`` cosine-annealed over ``ca_epochs``,
-  ``ca_weight_decay``): the loop's optimiser and FGH state of the head are kept.
-* **Orthogonality term**: upstream's, against the class means as they stood at the last firing
-  (upstream: the means of earlier tasks' classes).
-* **Retrieval.** Each class's adapter is the set that saw most of its samples
-  (``class_slot_counts``; upstream: its task's). The prototype head is the running mean of set
-  0's features per class (after the first firing set 0 is frozen and each training batch passes
-  through it once more, without gradient). Evaluation is per sample: every used set's features,
-  the self-refined loop, and (``ensemble``) ``softmax(final) + softmax(prototype cosine x sets
-  used)``, as upstream's ``softmax(orig / (1 / (task + 1)))``.
+  firing from the second on, kept for training as upstream keeps it.
+* **Evaluation view** (:meth:`MOSOnline.evaluation_view`): what upstream evaluates at a task end,
+  derived from the training state without changing it: the head aligned as the next firing will
+  align it, and each set s >= 1 replaced by the mean of sets 0..s-1 (the limit of upstream's
+  evaluation pulls).
+* **Retrieval.** Each class's set is the one that saw most of its samples (``class_slot_counts``;
+  upstream: its task's); self-refined retrieval per sample over every set, ensembled as upstream's
+  ``softmax(orig / (1 / (task + 1)))``.
 
-One learning rate for adapters and head (upstream: head at 0.1 x), as the loop has one group.
+Deliberate differences: :attr:`MOSOnline.upstream_differences`.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator, Mapping
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -68,7 +61,7 @@ from ..core.checks import boolean, integer, real
 from ..core.class_stats import ClassGaussians, align_classifier
 from ..core.prototypes import PrototypeBank
 from ..core.rng import key_seed
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, UpstreamDifference
 from ..engine.mixins import _run_seed
 from ..engine.registry import register_method
 
@@ -78,6 +71,39 @@ CA_STATISTICS = ("covariance", "variance")
 RETRIEVAL_PASSES = 4
 #: Upstream's temperature of the orthogonality term.
 ORTH_TEMPERATURE = 0.8
+#: Upstream's head learns at 0.1 x the adapters' LR (``get_optimizer``'s second group).
+HEAD_LR_SCALE = 0.1
+#: Upstream's statistics pass loads ``batch_size * 3`` samples per forward (``_compute_mean``).
+STATISTICS_BATCH_FACTOR = 3
+
+
+def adapter_tensors(adapters: nn.Module) -> list[torch.Tensor]:
+    """The values of every parameter of an adapter set (``.data``: no autograd history)."""
+    return [p.data for p in adapters.parameters()]
+
+
+def prefix_sum(sets: Sequence[nn.Module], count: int) -> list[torch.Tensor]:
+    """The sum of the first ``count`` sets, added in order (upstream's ``sum_adapter_param``)."""
+    total = [t.clone() for t in adapter_tensors(sets[0])]
+    for s in range(1, count):
+        torch._foreach_add_(total, adapter_tensors(sets[s]))
+    return total
+
+
+def pull_term(sets: Sequence[nn.Module], count: int, momentum: float) -> list[torch.Tensor]:
+    """``momentum * sum / count`` over the first ``count`` sets, in upstream's order of operations
+    (``momentum * self.down_weight_sum[layer_idx][idx-1] / idx``)."""
+    return torch._foreach_div(torch._foreach_mul(prefix_sum(sets, count), momentum), count)
+
+
+def pull(params: list[nn.Parameter], term: list[torch.Tensor], momentum: float) -> None:
+    """One of upstream's ``reweight_adapter`` calls on every layer: ``p <- (1 - m) p + term``,
+    assigned to ``.data`` as upstream assigns it: a new tensor, so a graph built before the pull
+    keeps the values it ran with (the backward differentiates the forward as it ran), and the
+    optimiser then updates the pulled values."""
+    pulled = torch._foreach_add(torch._foreach_mul([p.data for p in params], 1 - momentum), term)
+    for p, value in zip(params, pulled):
+        p.data = value
 
 
 def self_refined(
@@ -98,14 +124,6 @@ def self_refined(
         slot = torch.where(stop, slot, nxt)
         done = stop
     return final, slot
-
-
-def merge_toward_mean(active: list[torch.Tensor], frozen: list[list[torch.Tensor]], weight: float):
-    """``active <- (1 - weight) active + weight mean(frozen)`` in place (upstream's
-    ``reweight_adapter`` with the prefix sums' mean)."""
-    for i, tensor in enumerate(active):
-        mean = torch.stack([group[i] for group in frozen]).mean(0)
-        tensor.mul_(1 - weight).add_(mean, alpha=weight)
 
 
 def orth_loss(features: torch.Tensor, old_means: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
@@ -131,13 +149,16 @@ class MOSOnline(MethodAdapter):
         "vit_base_patch16_224_in21k_mos",
     )
     default_consolidation: ClassVar[str] = "new_classes"
-    #: The synthetic stream's groups of 4 classes, 3 adapter sets, and a short CA (CI time).
+    #: The synthetic stream's groups of 4 classes and a short CA (CI time).
     smoke_overrides: ClassVar[Mapping[str, Any]] = {
         "adapter_dropout": 0.0,
         "consolidation_new_classes": 4,
-        "mos_max_adapters": 3,
         "ca_epochs": 2,
         "ca_samples_per_class": 16,
+    }
+    removed_keys: ClassVar[dict[str, str]] = {
+        "mos_max_adapters": "MOS adds one adapter set per consolidation firing, without a cap "
+        "(upstream: one per task)"
     }
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "ffn_num": ConfigKey(
@@ -146,15 +167,10 @@ class MOSOnline(MethodAdapter):
         "adapter_dropout": ConfigKey(
             0.1, "dropout inside the adapters (PILOT hard-codes 0.1)", check=real(0, 1)
         ),
-        "mos_max_adapters": ConfigKey(
-            10,
-            "adapter sets preallocated; a firing activates the next until all are used "
-            "(upstream: one per task)",
-            check=integer(1),
-        ),
         "adapter_momentum": ConfigKey(
             0.1,
-            "merge of the active adapter towards the frozen ones' mean (upstream 0.1)",
+            "pull of the active adapter set towards the mean of the earlier ones, D times per "
+            "forward and once per step (upstream 0.1)",
             check=real(0, 1),
         ),
         "reg": ConfigKey(0.1, "weight of the orthogonality term (upstream 0.1)", check=real(0)),
@@ -168,7 +184,10 @@ class MOSOnline(MethodAdapter):
         ),
         "ca_lr": ConfigKey(0.005, "classifier-alignment SGD LR (upstream 0.005)", check=real(0)),
         "ca_weight_decay": ConfigKey(
-            5e-4, "classifier-alignment weight decay (upstream weight_decay 5e-4)", check=real(0)
+            5e-4,
+            "classifier-alignment weight decay (upstream: its weight_decay, 5e-4; 5e-3 on "
+            "ImageNet-R)",
+            check=real(0),
         ),
         "ca_samples_per_class": ConfigKey(
             240,
@@ -182,6 +201,43 @@ class MOSOnline(MethodAdapter):
             choices=CA_STATISTICS,
         ),
     }
+    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+        UpstreamDifference(
+            "running_class_statistics",
+            "Class means and covariances and the prototype head fold in each stream batch's "
+            "features as it arrives (eval mode, training transforms), where upstream makes a "
+            "pass over the task's data with test transforms after training it.",
+            "A stream is seen once: there is no task's data to pass over again at a firing.",
+        ),
+        UpstreamDifference(
+            "statistics_at_pull_limit",
+            "The statistics of classes trained with set a >= 1 come through the mean of sets "
+            "0..a-1 for every batch, where upstream's statistics pass pulls the adapter there D "
+            "times per forward, so its first batches see it only partly pulled.",
+            "Online the statistics accumulate during training, before the firing that would "
+            "pull; the limit is what upstream's pass reaches after its first few forwards.",
+        ),
+        UpstreamDifference(
+            "evaluation_at_pull_limit",
+            "Evaluation uses each set s >= 1 as the mean of sets 0..s-1 from its first batch, "
+            "where upstream pulls the stored set there in place, D times per test batch, so its "
+            "first test batches after a task see it partly pulled.",
+            "Evaluation must not change training state nor depend on how often one evaluates; "
+            "the limit is what upstream reaches within its first few test batches.",
+        ),
+        UpstreamDifference(
+            "retrieval_by_majority_set",
+            "A class is retrieved through the adapter set that saw most of its samples, where "
+            "upstream uses its task's adapter.",
+            "A task-free stream has no task ids; in a clear stream the two agree.",
+        ),
+    )
+
+    @classmethod
+    def paper_settings(cls, dataset: str, stream: str) -> dict[str, Any]:
+        """Upstream's alignment weight decay is its config's ``weight_decay``: 5e-3 in
+        ``exps/mos_inr.json`` (ImageNet-R), 5e-4 (the key's default) elsewhere."""
+        return {"ca_weight_decay": 5e-3} if dataset == "imagenetr" else {}
 
     @classmethod
     def state_bytes(cls, args: Mapping[str, Any]) -> int:
@@ -200,68 +256,132 @@ class MOSOnline(MethodAdapter):
         from utils.inc_net import MOSNet  # PILOT, imported lazily
 
         # Built on the CPU (PILOT moves its adapters to args["device"][0]); the loop moves it.
-        network = MOSNet(self.pilot_args(args, device=["cpu"]), True)
+        return self.equip(MOSNet(self.pilot_args(args, device=["cpu"]), True), args)
+
+    def equip(self, network: nn.Module, args: Mapping[str, Any]) -> nn.Module:
+        """Give a network whose ``backbone`` is PILOT's ``vit_mos`` ViT the online state: its
+        initial adapter set becomes set 0 of ``adapter_list`` (the only one until a firing), the
+        rest frozen but the head, and the statistics buffers."""
         backbone = network.backbone
         first = backbone.cur_adapter  # PILOT's initial adapter set (LoRA-style init)
         del backbone.cur_adapter
-        slots = int(args["mos_max_adapters"])
-        backbone.adapter_list = nn.ModuleList(
-            [first] + [copy.deepcopy(first) for _ in range(slots - 1)]
-        )
-        for group in backbone.adapter_list:
-            for adapter in group:
-                adapter.dropout = float(args["adapter_dropout"])  # a float attribute upstream
+        backbone.adapter_list = nn.ModuleList([first])
+        for adapter in first:
+            adapter.dropout = float(args["adapter_dropout"])  # a float attribute upstream
         network.requires_grad_(False)
-        backbone.adapter_list[0].requires_grad_(True)  # the others wait for their firing
+        first.requires_grad_(True)
         backbone.head.requires_grad_(True)
         classes, dim = int(args["nb_classes"]), backbone.embed_dim
         diagonal = args["ca_storage_efficient_method"] == "variance"
         network.class_stats = ClassGaussians(classes, dim, diagonal)
         network.prototypes = PrototypeBank(classes, dim)  # adapter set 0's class means
-        network.register_buffer("class_slot_counts", torch.zeros(classes, slots, dtype=torch.long))
+        # Samples per class and set (one column per set, a column added at each firing).
+        network.register_buffer("class_slot_counts", torch.zeros(classes, 1, dtype=torch.long))
         network.register_buffer("orth_means", torch.zeros(classes, dim))
         network.register_buffer("orth_classes", torch.zeros(classes, dtype=torch.bool))
-        network.mos_active = 0  # the adapter set in training (extra_state keeps it)
-        self.active, self.alignments = 0, 0
+        self.sets_used, self.alignments = 1, 0
         return network
 
     def classifier(self, network: nn.Module) -> nn.Linear:
         return network.backbone.head
 
     def trainable_parameters(self, network: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-        """Every adapter set and the head, frozen or not: the loop's list is built once."""
+        """Every adapter set (frozen or not: a checkpoint lists them all) and the head."""
         for name, p in network.named_parameters():
             if name.startswith(("backbone.adapter_list.", "backbone.head.")):
                 yield name, p
 
+    def lr_scale(self, name: str, parameter: nn.Parameter) -> float:
+        return HEAD_LR_SCALE if name.startswith("backbone.head.") else 1.0
+
     @staticmethod
-    def features(network: nn.Module, x: torch.Tensor, slot: int) -> torch.Tensor:
-        """The [CLS] feature through adapter set ``slot`` (upstream's ``forward_features``
-        without its in-place reweighting)."""
+    def active_set(network: nn.Module) -> int:
+        """The set in training: the newest."""
+        return len(network.backbone.adapter_list) - 1
+
+    @staticmethod
+    def features_through(
+        network: nn.Module,
+        x: torch.Tensor,
+        adapters: nn.ModuleList,
+        before_block: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
+        """The [CLS] feature through the adapter set ``adapters`` (upstream's
+        ``forward_features``; ``before_block`` runs before each block, where upstream's
+        training forward calls ``reweight_adapter``)."""
         backbone = network.backbone
         tokens = backbone.patch_embed(x)
         cls = backbone.cls_token.expand(tokens.shape[0], -1, -1)
         tokens = backbone.pos_drop(torch.cat([cls, tokens], dim=1) + backbone.pos_embed)
-        for block, adapter in zip(backbone.blocks, backbone.adapter_list[slot]):
+        for block, adapter in zip(backbone.blocks, adapters):
+            if before_block is not None:
+                before_block()
             tokens = block(tokens, adapter)
         return backbone.norm(tokens)[:, 0]
+
+    def features(self, network: nn.Module, x: torch.Tensor, slot: int) -> torch.Tensor:
+        """The [CLS] feature through adapter set ``slot`` as it stands (no pulls)."""
+        return self.features_through(network, x, network.backbone.adapter_list[slot])
+
+    def pull_step(self, network: nn.Module) -> Callable[[], None] | None:
+        """One upstream ``reweight_adapter`` call on the active set (towards the mean of every
+        earlier set), or None where upstream's is a no-op (set 0, or momentum 0)."""
+        sets, momentum = network.backbone.adapter_list, float(self.args["adapter_momentum"])
+        active = len(sets) - 1
+        if active == 0 or momentum == 0:
+            return None
+        params, term = list(sets[active].parameters()), pull_term(sets, active, momentum)
+        return lambda: pull(params, term, momentum)
 
     def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
         if not train:
             return self.retrieve(network, x)
-        active = network.mos_active
-        features = self.features(network, x, active)
-        extras = {}
-        if active > 0:  # set 0 is frozen: its features feed the prototype head
-            with torch.no_grad():
-                extras["prototype_features"] = self.features(network, x, 0)
+        sets = network.backbone.adapter_list
+        features = self.features_through(network, x, sets[-1], self.pull_step(network))
+        # Set 0 in training without dropout: its training features are its eval-mode ones.
+        same = len(sets) == 1 and float(self.args["adapter_dropout"]) == 0
+        with torch.no_grad():  # upstream's statistics passes, in eval mode: no dropout
+            extras = self.statistics_features(network, x, features.detach() if same else None)
         aux = self.args["reg"] * orth_loss(features, network.orth_means, network.orth_classes)
         return StepOutput(network.backbone.head(features), features, aux, extras)
 
+    def statistics_features(
+        self, network: nn.Module, x: torch.Tensor, set0: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Eval-mode features of a batch, without gradient: set 0's (``prototype_features``,
+        upstream's ``replace_fc``; ``set0`` if given) and those the class statistics take
+        (``statistics_features``: set 0's while it trains; for set a >= 1, through the mean of
+        sets 0..a-1, where upstream's ``_compute_mean`` pulls it)."""
+        sets = network.backbone.adapter_list
+        prototype = set0
+        if prototype is None:
+            training = sets[0].training
+            sets[0].eval()
+            prototype = self.features_through(network, x, sets[0])
+            sets[0].train(training)
+        active = len(sets) - 1
+        if active <= 1:  # the mean of set 0 alone is set 0
+            return {"prototype_features": prototype, "statistics_features": prototype}
+        statistics = self.features_through(network, x, self.mean_set(network, active))
+        return {"prototype_features": prototype, "statistics_features": statistics}
+
+    def mean_set(self, network: nn.Module, count: int) -> nn.ModuleList:
+        """A scratch adapter set (no parameter of the network, eval mode) holding the mean of the
+        first ``count`` sets."""
+        sets = network.backbone.adapter_list
+        scratch = getattr(self, "_mean_set", None)
+        reference = sets[0][0].down_proj.weight
+        if scratch is None or scratch[0].down_proj.weight.device != reference.device:
+            scratch = copy.deepcopy(sets[0]).requires_grad_(False).eval()
+            self._mean_set = scratch
+        mean = torch._foreach_div(prefix_sum(sets, count), count)
+        torch._foreach_copy_(adapter_tensors(scratch), mean)
+        return scratch
+
     @torch.no_grad()
     def retrieve(self, network: nn.Module, x: torch.Tensor) -> StepOutput:
-        """Upstream's ``_eval_cnn`` over the sets used so far, sample by sample."""
-        head, used = network.backbone.head, network.mos_active + 1
+        """Upstream's ``_eval_cnn`` over every set, sample by sample."""
+        head, used = network.backbone.head, len(network.backbone.adapter_list)
         stacked = torch.stack([self.features(network, x, s) for s in range(used)])
         seen = network.prototypes.counts > 0
         if not bool(seen.any()):  # nothing learnt yet: the first set's head
@@ -278,18 +398,19 @@ class MOSOnline(MethodAdapter):
         return StepOutput(final, stacked[slot, rows])
 
     def train_mode(self, network: nn.Module) -> None:
-        network.eval()  # the frozen ViT: no dropout outside the adapters
-        network.backbone.adapter_list.train()
+        """Dropout in the active set only (upstream's ``backbone.train()`` runs no other set
+        in training, and its ViT has no dropout)."""
+        network.eval()
+        network.backbone.adapter_list[-1].train()
 
     # -- what MOS learns beyond gradients ------------------------------------------------------
     @torch.no_grad()
     def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
         n = len(labels)
-        network.class_stats.update(out.features[:n], labels)
-        prototype = out.extras.get("prototype_features", out.features)[:n]
-        network.prototypes.update(prototype.detach(), labels, validate=False)
+        network.class_stats.update(out.extras["statistics_features"][:n], labels)
+        network.prototypes.update(out.extras["prototype_features"][:n], labels, validate=False)
         ones = torch.ones_like(labels, dtype=torch.long)
-        network.class_slot_counts[:, network.mos_active].index_add_(0, labels, ones)
+        network.class_slot_counts[:, -1].index_add_(0, labels, ones)
 
     @torch.no_grad()
     def after_step(
@@ -299,77 +420,118 @@ class MOSOnline(MethodAdapter):
         labels: torch.Tensor,
         terms: Mapping[str, torch.Tensor],
     ) -> list[nn.Parameter]:
-        active, momentum = network.mos_active, float(self.args["adapter_momentum"])
-        if active > 0 and momentum > 0:
-            sets = network.backbone.adapter_list
-            merge_toward_mean(
-                list(sets[active].parameters()),
-                [list(sets[s].parameters()) for s in range(active)],
-                1 - (1 - momentum) ** 2,  # upstream merges after the step and before the next
-            )
+        step = self.pull_step(network)  # upstream's adapter_merge after optimizer.step()
+        if step is not None:
+            step()
         return []
 
-    def consolidate(self, network: nn.Module, firing: int) -> Iterable[nn.Parameter]:
+    def statistics_pulls(self, network: nn.Module) -> int:
+        """How often upstream's ``_compute_mean`` pulls the adapter at the end of the active
+        set's task: D per forward, ``ceil(n_c / (3 batch_size))`` forwards per class of the set
+        (its classes' samples seen while it trained); none for set 0 (upstream's idx 0)."""
+        if self.active_set(network) == 0:
+            return 0
+        per_forward = STATISTICS_BATCH_FACTOR * int(self.args["batch_size"])
+        counts = network.class_slot_counts[:, -1].tolist()
+        forwards = sum(math.ceil(n / per_forward) for n in counts)
+        return len(network.backbone.blocks) * forwards
+
+    def aligned_head(self, network: nn.Module, firing: int, head: nn.Linear) -> bool:
+        """Upstream's ``classifer_align`` on ``head`` as firing ``firing`` runs it (from the
+        second on, once a class was seen), seeded by the run's seed and the firing; whether it
+        ran."""
+        if firing == 0 or self.args["ca_epochs"] == 0:
+            return False
         stats = network.class_stats
-        if firing > 0 and self.args["ca_epochs"] > 0:  # upstream aligns from the second task on
-            head = self.classifier(network)
-            classes = stats.seen()
-            generator = torch.Generator(device=head.weight.device)
-            generator.manual_seed(key_seed(_run_seed(self.args.get("seed", 0)), firing))
-            align_classifier(
-                head,
-                classes,
-                stats.means[classes],
-                stats.factors(classes),
-                epochs=int(self.args["ca_epochs"]),
-                lr=float(self.args["ca_lr"]),
-                weight_decay=float(self.args["ca_weight_decay"]),
-                samples_per_class=int(self.args["ca_samples_per_class"]),
-                generator=generator,
-            )
-            self.alignments += 1
+        classes = stats.seen()
+        if len(classes) == 0:
+            return False
+        generator = torch.Generator(device=head.weight.device)
+        generator.manual_seed(key_seed(_run_seed(self.args.get("seed", 0)), firing))
+        align_classifier(
+            head,
+            classes,
+            stats.means[classes],
+            stats.factors(classes),
+            epochs=int(self.args["ca_epochs"]),
+            lr=float(self.args["ca_lr"]),
+            weight_decay=float(self.args["ca_weight_decay"]),
+            samples_per_class=int(self.args["ca_samples_per_class"]),
+            generator=generator,
+        )
+        return True
+
+    def consolidate(self, network: nn.Module, firing: int) -> Iterable[nn.Parameter]:
+        """Upstream's task end and next start: align the head (kept for training), snapshot the
+        class means for the orthogonality term, freeze the active set and add the next, started
+        where upstream's statistics pass leaves the adapter."""
+        self.alignments += self.aligned_head(network, firing, self.classifier(network))
+        stats = network.class_stats
         with torch.no_grad():
             network.orth_means.copy_(stats.means)
             network.orth_classes.copy_(stats.counts > 0)
-        sets = network.backbone.adapter_list
-        active = network.mos_active
-        if active + 1 >= len(sets):
-            return []  # the cap: the last set keeps training
-        with torch.no_grad():
-            for new, old in zip(sets[active + 1].parameters(), sets[active].parameters()):
-                new.copy_(old)
-        self._activate(network, active + 1)
-        return list(sets[active + 1].parameters())
+            sets = network.backbone.adapter_list
+            new = copy.deepcopy(sets[-1])
+            active, momentum = len(sets) - 1, float(self.args["adapter_momentum"])
+            pulls = self.statistics_pulls(network) if momentum > 0 else 0
+            if pulls:
+                params, term = list(new.parameters()), pull_term(sets, active, momentum)
+                for _ in range(pulls):
+                    pull(params, term, momentum)
+        self.add_set(network, new)
+        return []
 
-    def _activate(self, network: nn.Module, active: int) -> None:
-        """Set ``active`` trains; the others (frozen, or not yet used) do not."""
-        for s, group in enumerate(network.backbone.adapter_list):
-            group.requires_grad_(s == active)
-        network.mos_active = self.active = active
+    def add_set(self, network: nn.Module, new: nn.ModuleList) -> None:
+        """Append ``new`` as the active set: the others frozen, a column of class counts."""
+        sets = network.backbone.adapter_list
+        sets.requires_grad_(False)
+        sets.append(new.requires_grad_(True))
+        counts = network.class_slot_counts
+        network.class_slot_counts = torch.cat([counts, torch.zeros_like(counts[:, :1])], dim=1)
+        self.sets_used = len(sets)
+
+    # -- what evaluation sees ------------------------------------------------------------------
+    def evaluation_view(self, network: nn.Module) -> Mapping[str, torch.Tensor]:
+        """Upstream evaluates after its task-end step: the head aligned as the next firing will
+        align it (upstream keeps that head, and so does :meth:`consolidate`, later), and each set
+        s >= 1 as the mean of sets 0..s-1 (where upstream's in-place evaluation pulls take it)."""
+        view: dict[str, torch.Tensor] = {}
+        sets = network.backbone.adapter_list
+        if len(sets) > 1:
+            total = [t.clone() for t in adapter_tensors(sets[0])]
+            for s in range(1, len(sets)):
+                mean = torch._foreach_div(total, s)
+                for (name, _), tensor in zip(sets[s].named_parameters(), mean):
+                    view[f"backbone.adapter_list.{s}.{name}"] = tensor
+                torch._foreach_add_(total, adapter_tensors(sets[s]))
+        head = copy.deepcopy(self.classifier(network))
+        if self.aligned_head(network, len(sets) - 1, head):  # the next firing's index
+            view["backbone.head.weight"] = head.weight.detach()
+            view["backbone.head.bias"] = head.bias.detach()
+        return view
 
     # -- checkpoints and report ----------------------------------------------------------------
     def extra_state(self, network: nn.Module) -> dict[str, Any]:
-        """The active set and the count of alignments; the statistics are buffers."""
-        return {"active": network.mos_active, "alignments": self.alignments}
+        """The number of adapter sets (to rebuild them) and of alignments; the rest is buffers."""
+        return {"sets": len(network.backbone.adapter_list), "alignments": self.alignments}
 
     def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
-        active = int(state["active"])
-        if not 0 <= active < len(network.backbone.adapter_list):
+        if "sets" not in state:
             raise ValueError(
-                f"the checkpoint's active adapter set is {active}, but this network has "
-                f"{len(network.backbone.adapter_list)} (mos_max_adapters): resume with the config "
-                "that wrote it"
+                "this MOS checkpoint was written by the former port (preallocated adapter sets, "
+                "mos_max_adapters), whose merge and sets differ: start the run again"
             )
-        self._activate(network, active)
+        count, sets = int(state["sets"]), network.backbone.adapter_list
+        if count < len(sets):
+            raise ValueError(
+                f"the checkpoint has {count} adapter sets but this network already has "
+                f"{len(sets)}: load it into a freshly built network"
+            )
+        while len(sets) < count:  # values come with the checkpoint's parameters
+            self.add_set(network, copy.deepcopy(sets[-1]))
         self.alignments = int(state["alignments"])
 
     def report(self) -> dict[str, Any]:
-        if not hasattr(self, "active"):
+        if not hasattr(self, "sets_used"):
             return {}
-        return {
-            "mos": {
-                "adapter_sets_used": self.active + 1,
-                "max_adapter_sets": int(self.args["mos_max_adapters"]),
-                "alignments": self.alignments,
-            }
-        }
+        return {"mos": {"adapter_sets": self.sets_used, "alignments": self.alignments}}

@@ -2,33 +2,40 @@
 with FeCAM (``fecam.py``): tune a PETL module in a first session, freeze, then classify with an
 analytic head built from statistics of the features.
 
-Upstream (PILOT's ``models/ranpac.py``, ``exps/ranpac.json``): on the first task the adapter ViT
-(``SimpleVitNet``) and a cosine head train for ``tuned_epoch`` epochs; at its end the backbone is
-frozen for good and a random projection ``W_rand`` (d x M, Gaussian) is drawn. At the end of
-every task, the task's features ``h = relu(f W_rand)`` (one pass, test transforms) are added to
-the Gram matrix ``G = sum h h'`` and the cross matrix ``Q = sum h y'`` (one-hot ``y``); the ridge
+Upstream (PILOT's ``models/ranpac.py``, ``exps/ranpac.json``): on the first task the ViT
+(``SimpleVitNet``) and a ``CosineLinear`` head (learnable ``sigma``) train for ``tuned_epoch``
+epochs, with every parameter in the optimiser (the adapter and VPT backbones freeze all but their
+PETL module when built; the SSF and plain ViTs train whole); at its end the backbone is frozen for
+good and a random projection ``W_rand`` (d x M, Gaussian) is drawn. At the end of every task, the
+task's features ``h = relu(f W_rand)`` (one pass in eval mode, test transforms) are added to the
+Gram matrix ``G = sum h h'`` and the cross matrix ``Q = sum h y'`` (one-hot ``y``); the ridge
 ``lambda`` is chosen from ``10^-8 .. 10^8`` by fitting on the first 80% of the task's features and
-scoring the squared error on the other 20%, and the head is ``W = (G + lambda I)^-1 Q``, used as a
-``CosineLinear`` (the cosine between ``h`` and each row of ``W'``).
+scoring the squared error on the other 20%, and the head is ``W = (G + lambda I)^-1 Q``, used in
+the ``CosineLinear`` (``sigma`` times the cosine between ``h`` and each row of ``W'``), which is
+what upstream evaluates from its first task on.
 
 Online, task-free (docs/methods.md, "RanPAC"):
 
 - The first session ends at the consolidation trigger's first firing (default ``new_classes``):
-  until then the backbone's PETL module (the adapter by default) and an ``nn.Linear`` head train
-  by gradient; at the firing they are frozen and ``trains`` turns False.
-- The statistics accumulate in :meth:`observe` from every stream batch, from the first step on:
-  the first session's samples are gone by its end, so its classes would otherwise have no
-  statistics. Those early features come from a backbone still training (a deviation).
+  until then the backbone's PETL module (the adapter or the VPT prompts; the whole SSF or plain
+  ViT) and upstream's cosine head train by gradient; at the firing they are frozen and ``trains``
+  turns False.
+- The statistics accumulate in :meth:`observe` from every stream batch, from the first step on,
+  from features of an eval-mode pass (no dropout, as upstream's ``replace_fc``): during the first
+  session a no-grad pass beside the training one, afterwards the (eval-mode) training pass
+  itself. The first session's samples are gone by its end, so its classes would otherwise have
+  no statistics; those early features come from a backbone still training (a deviation).
 - Every ``ridge_holdout_every``-th stream sample (by stream position, so batch sizes change
   nothing) goes to held-out statistics ``G_ho``, ``Q_ho``, ``n_ho`` instead of the fitting ones:
   the held-out squared error of a ridge fit is then ``n_ho - 2 tr(W' Q_ho) + tr(W' G_ho W)``
   (``tr(Y'Y) = n_ho`` for one-hot labels), from statistics alone. The head is solved on the sum
   of both, as upstream solves on the whole task.
-- Until the first session ends, the network predicts with its first-session head (as upstream
-  evaluates during its first task). After it, evaluation solves the head from the current
-  statistics (cached until they change), while training logits come from the head solved at the
-  latest firing (upstream's per-task ``replace_fc``): evaluating never changes what training
-  computes.
+- Evaluation always predicts with the analytic head, solved from the current statistics by
+  :meth:`~FirstSessionAnalyticOnline.evaluation_view` (the loop caches it until the next step),
+  also before the first firing: upstream evaluates its analytic head after its first task.
+  Training logits after the first session come from the head solved at the latest firing
+  (upstream's per-task ``replace_fc``), kept in the network's ``analytic_*`` buffers; evaluating
+  never changes what training computes.
 """
 
 from __future__ import annotations
@@ -41,20 +48,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.checks import boolean, integer
-from ..engine.adapter import ConfigKey, StepOutput
+from ..engine.adapter import ConfigKey, StepOutput, UpstreamDifference
 from ..engine.backbone_names import PLAIN_VIT, pilot_backbones
 from ..engine.registry import register_method
 from .aper_adapter import AperAdapterOnline
-from .aper_ssf import AperSSFOnline
 from .aper_vpt import VPT_TYPES, AperVPTOnline
+from .ease import attach_cosine_head
 from .finetune import FinetuneOnline
 
-#: What trains in the first session, by the backbone name's PETL marker (the APER ports' rules,
-#: as upstream's ``get_backbone`` builds the same backbones for RanPAC and FeCAM); a plain ViT
-#: trains whole (upstream's optimiser takes every parameter).
+#: What trains in the first session, by the backbone name's PETL marker: upstream's adapter and
+#: VPT backbones freeze all but their PETL module when built (the APER ports' rules); the SSF and
+#: plain ViTs freeze nothing, and upstream's optimiser takes every parameter, so they train whole.
 TUNED_PARAMETERS: dict[str, tuple[str, ...]] = {
     "_adapter": AperAdapterOnline.tuned_parameters,
-    "_ssf": AperSSFOnline.tuned_parameters,
     "_vpt": AperVPTOnline.tuned_parameters,
 }
 
@@ -64,12 +70,42 @@ RIDGES: tuple[float, ...] = tuple(10.0**k for k in range(-8, 9))
 #: Named tensors: a method's statistics, or a solved head.
 Tensors = dict[str, torch.Tensor]
 
+#: The logit offset of a class without statistics: below any logit of a class with some
+#: (RanPAC's sigma x cosines, FeCAM's minus distances). Evaluation never allows such a class; the
+#: first session's head ranks them among themselves, so a network that has seen nothing still
+#: ranks classes by something (as EASE's unseen classes score with its proxy head).
+UNSEEN_LOGIT = -1e4
+
+#: The differences RanPAC and FeCAM share (their first session and their statistics).
+FIRST_SESSION_DIFFERENCES: tuple[UpstreamDifference, ...] = (
+    UpstreamDifference(
+        "first_session_until_first_firing",
+        "The first session (PETL module and cosine head trained) lasts until the consolidation "
+        "trigger's first firing, in one pass, instead of tuned_epoch epochs over the first task.",
+        "A task-free stream has no first task; the trigger marks where it would end.",
+    ),
+    UpstreamDifference(
+        "statistics_from_the_first_step",
+        "Statistics accumulate from every stream batch as it arrives (training transforms, eval "
+        "mode), the first session's from a backbone still training, where upstream passes each "
+        "task's data again after training with test transforms.",
+        "Online, each sample is seen once: its features must be folded in when it arrives.",
+    ),
+    UpstreamDifference(
+        "unseen_classes_below_seen",
+        "A class without statistics yet scores -1e4 plus the first session's head, where "
+        "upstream's head has no row for a class of a later task.",
+        "The online head covers every class of the stream from the start; evaluation never "
+        "allows such a class, and a network that has seen nothing still ranks classes.",
+    ),
+)
+
 
 class FirstSessionAnalyticOnline(FinetuneOnline):
     """First-session PETL tuning until the trigger's first firing, then an analytic head from
     feature statistics accumulated in :meth:`observe`. Subclasses define the statistics
-    (:meth:`new_statistics`, :meth:`accumulate`), the head (:meth:`solve`) and its logits
-    (:meth:`head_logits`)."""
+    (:meth:`new_statistics`, :meth:`accumulate`), the head's buffers (:meth:`new_head`), its
+    solve from the statistics (:meth:`solve`) and its logits (:meth:`head_logits`)."""
 
     paper_name: ClassVar[str] = ""
     backbone_types: ClassVar[tuple[str, ...]] = (
@@ -88,7 +124,7 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "tune_first_session": ConfigKey(
             True,
-            "train the PETL module and a linear head until the trigger's first firing (upstream: "
+            "train the PETL module and a cosine head until the trigger's first firing (upstream: "
             "tuned_epoch epochs on the first task); false: the backbone stays as built",
             check=boolean,
         ),
@@ -113,24 +149,26 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
                 "would never be used: name a trigger, or set tune_first_session false"
             )
 
+    #: The network buffers that hold the analytic head (:meth:`new_head`'s names).
+    head_names: ClassVar[tuple[str, ...]] = ()
+
     # -- the network -----------------------------------------------------------------------------
-    # The method's state; ``attach`` sets it per instance (these defaults serve an adapter that
-    # only runs forward passes on another's network, as some tests do).
+    # The method's state; ``attach`` sets it per instance.
     first_session_done: bool = False
     samples: int = 0  # stream samples observed
-    train_head: Tensors | None = None  # solved at the latest firing
-    _eval_head: tuple[int, Tensors] | None = None  # (samples, head) of evaluation's solve
 
     def build_network(self, args: dict) -> nn.Module:
         from utils.inc_net import SimpleVitNet
 
         network = SimpleVitNet(self.pilot_args(args), True)
-        self.online_head(network, args)  # the first session's head (upstream: a CosineLinear)
+        # The first session's head: upstream's CosineLinear with its learnable sigma.
+        attach_cosine_head(network, int(network.feature_dim), int(args["nb_classes"]))
         return self.attach(network, args)
 
     def attach(self, network: nn.Module, args: Mapping[str, Any]) -> nn.Module:
-        """Set what trains in the first session and the method's state on a built ``network``
-        (a ``backbone``, a linear ``fc`` and ``feature_dim``: tests pass a stand-in)."""
+        """Set what trains in the first session, the analytic head's buffers and the method's
+        state on a built ``network`` (a ``backbone``, a cosine ``fc`` with ``fc_sigma`` and a
+        ``feature_dim``: tests pass a stand-in)."""
         network.requires_grad_(False)
         tune = bool(args["tune_first_session"])
         if tune:
@@ -140,6 +178,7 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
             for name, param in network.backbone.named_parameters():
                 param.requires_grad_(not markers or any(m in name for m in markers))
             network.fc.requires_grad_(True)
+            network.fc_sigma.requires_grad_(True)
         for block in getattr(network.backbone, "blocks", ()):
             if hasattr(block, "adaptmlp"):
                 block.adaptmlp.dropout = float(args["adapter_dropout"])
@@ -148,18 +187,28 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
         self.first_session_done = not tune
         self.samples = 0
         self.stats: Tensors = self.new_statistics(network, args)
-        self.train_head = None
-        self._eval_head = None
+        for name, zeros in self.new_head(network, args).items():
+            network.register_buffer(name, zeros)  # training's head, solved at each firing
         return network
 
+    def head(self, network: nn.Module) -> Tensors:
+        """The analytic head the network holds (training's, or evaluation's while the loop's
+        view is swapped in)."""
+        return {name: getattr(network, name) for name in self.head_names}
+
     def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
-        if not self.first_session_done:  # upstream evaluates its first session so, too
+        if train and not self.first_session_done:
             features = network.backbone(x)
-            return StepOutput(network.fc(features), features)
+            # The statistics' features: an eval-mode pass, as upstream's replace_fc (no dropout).
+            training = network.backbone.training
+            network.backbone.eval()
+            with torch.no_grad():
+                observed = network.backbone(x)
+            network.backbone.train(training)
+            return StepOutput(network.fc(features), features, extras={"observed": observed})
         with torch.no_grad():
             features = network.backbone(x)
-            head = self.train_head if train else self.eval_head()
-            return StepOutput(self.head_logits(network, features, head), features)
+            return StepOutput(self.head_logits(network, features), features)
 
     def train_mode(self, network: nn.Module) -> None:
         network.train(not self.first_session_done)  # frozen afterwards: a fixed extractor
@@ -167,7 +216,7 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
     # -- learning --------------------------------------------------------------------------------
     @torch.no_grad()
     def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
-        features = out.features.detach()
+        features = out.extras.get("observed", out.features)[: len(labels)].detach()
         self.stats = {k: v.to(features.device) for k, v in self.stats.items()}
         self.accumulate(network, features, labels, self.samples)
         self.samples += len(labels)
@@ -181,15 +230,21 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
             network.requires_grad_(False)
             self.first_session_done = True
             self.trains = False
-        self.train_head = self.solve()
+        for name, value in self.firing_head().items():
+            getattr(network, name).copy_(value)
         return ()
 
-    def eval_head(self) -> Tensors:
-        """The head solved from the current statistics; cached until they change. Training never
-        reads it (see the module docstring)."""
-        if self._eval_head is None or self._eval_head[0] != self.samples:
-            self._eval_head = (self.samples, self.solve())
-        return self._eval_head[1]
+    def firing_head(self) -> Tensors:
+        """The head a firing solves for training (:meth:`solve`; RanPAC also keeps its ridge)."""
+        return self.solve()
+
+    def evaluation_view(self, network: nn.Module) -> Tensors:
+        """The analytic head solved from the current statistics, in the buffers' shapes, dtypes
+        and device: what evaluation predicts with at every evaluation (upstream evaluates its
+        analytic head from its first task on)."""
+        held = self.head(network)
+        solved = self.solve()
+        return {name: solved[name].to(held[name].device, held[name].dtype) for name in held}
 
     # -- state -----------------------------------------------------------------------------------
     def extra_state(self, network: nn.Module) -> dict[str, Any]:
@@ -197,7 +252,6 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
             "samples": self.samples,
             "first_session_done": self.first_session_done,
             "stats": dict(self.stats),
-            "train_head": None if self.train_head is None else dict(self.train_head),
         }
 
     def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
@@ -205,9 +259,6 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
         self.samples = int(state["samples"])
         self.first_session_done = bool(state["first_session_done"])
         self.stats = {k: v.to(device) for k, v in state["stats"].items()}
-        head = state["train_head"]
-        self.train_head = None if head is None else {k: v.to(device) for k, v in head.items()}
-        self._eval_head = None
         if self.first_session_done:
             network.requires_grad_(False)
             self.trains = False
@@ -217,6 +268,10 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
         """Zeroed statistics (float64 sums: they add up a whole stream)."""
         raise NotImplementedError
 
+    def new_head(self, network: nn.Module, args: Mapping[str, Any]) -> Tensors:
+        """The analytic head's buffers, zeroed, by name (``analytic_*``)."""
+        raise NotImplementedError
+
     def accumulate(
         self, network: nn.Module, features: torch.Tensor, labels: torch.Tensor, position: int
     ) -> None:
@@ -224,14 +279,18 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
         raise NotImplementedError
 
     def solve(self) -> Tensors:
-        """The analytic head from the current statistics."""
+        """The analytic head from the current statistics: :meth:`new_head`'s names."""
         raise NotImplementedError
 
-    def head_logits(
-        self, network: nn.Module, features: torch.Tensor, head: Tensors
-    ) -> torch.Tensor:
-        """Logits over all classes from backbone features."""
+    def head_logits(self, network: nn.Module, features: torch.Tensor) -> torch.Tensor:
+        """Logits over all classes from backbone features, with the head in :meth:`head`; the
+        classes without statistics (``analytic_seen`` false) score :meth:`unseen_logits`."""
         raise NotImplementedError
+
+    def unseen_logits(self, network: nn.Module, features: torch.Tensor) -> torch.Tensor:
+        """``UNSEEN_LOGIT`` plus the first session's head: the logits of classes without
+        statistics."""
+        return UNSEEN_LOGIT + network.fc(features)
 
 
 def select_ridge(
@@ -277,15 +336,33 @@ class RanPACOnline(FirstSessionAnalyticOnline):
             check=integer(2),
         ),
     }
+    head_names: ClassVar[tuple[str, ...]] = ("analytic_weight", "analytic_seen")
+    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+        *FIRST_SESSION_DIFFERENCES,
+        UpstreamDifference(
+            "ridge_from_held_out_statistics",
+            "The ridge is chosen on every ridge_holdout_every-th sample of the whole stream so "
+            "far (held-out Gram and cross statistics), where upstream holds out the last 20% of "
+            "the current task's features.",
+            "The features are not kept, so the held-out error must come from statistics.",
+        ),
+        UpstreamDifference(
+            "w_rand_drawn_at_build",
+            "W_rand is drawn when the network is built (a checkpointed buffer), where upstream "
+            "draws it at the first task boundary.",
+            "Statistics accumulate from the first step, which needs the projection; its "
+            "distribution does not depend on when it is drawn.",
+        ),
+    )
 
     @classmethod
     def state_bytes(cls, args: Mapping[str, Any]) -> int:
-        """Two M x M Grams and two M x C cross matrices (float64), two C x M heads (float32)."""
+        """Two M x M Grams and two M x C cross matrices (float64), two C x M heads (float32:
+        training's buffer and evaluation's view)."""
         m, c = int(args["M"]), int(args["nb_classes"])
         return 2 * m * m * 8 + 2 * m * c * 8 + 2 * c * m * 4
 
     def attach(self, network: nn.Module, args: Mapping[str, Any]) -> nn.Module:
-        network = super().attach(network, args)
         if "W_rand" in vars(network):
             del network.W_rand  # PILOT's plain attribute; a buffer here, so checkpoints keep it
         # Upstream draws it at the first boundary; its distribution does not depend on when.
@@ -293,7 +370,7 @@ class RanPACOnline(FirstSessionAnalyticOnline):
         network.RP_dim = int(args["M"])
         self.holdout_every = int(args["ridge_holdout_every"])
         self.ridge: float | None = None  # chosen at the latest firing
-        return network
+        return super().attach(network, args)
 
     def new_statistics(self, network: nn.Module, args: Mapping[str, Any]) -> Tensors:
         m, c = int(args["M"]), int(args["nb_classes"])
@@ -304,6 +381,13 @@ class RanPACOnline(FirstSessionAnalyticOnline):
             "gram_ho": zeros(m, m, dtype=torch.float64),  # the held-out samples alone
             "cross_ho": zeros(m, c, dtype=torch.float64),
             "n_ho": zeros((), dtype=torch.float64),
+        }
+
+    def new_head(self, network: nn.Module, args: Mapping[str, Any]) -> Tensors:
+        classes = int(args["nb_classes"])
+        return {
+            "analytic_weight": torch.zeros(classes, int(args["M"])),
+            "analytic_seen": torch.zeros(classes, dtype=torch.bool),
         }
 
     def project(self, network: nn.Module, features: torch.Tensor) -> torch.Tensor:
@@ -320,7 +404,8 @@ class RanPACOnline(FirstSessionAnalyticOnline):
         self.stats["cross_ho"] += (h * held).T @ y
         self.stats["n_ho"] += held.sum()
 
-    def solve(self) -> Tensors:
+    def select(self) -> float:
+        """The ridge the current statistics choose (:func:`select_ridge`)."""
         s = self.stats
         ridge, _ = select_ridge(
             s["gram"] - s["gram_ho"],
@@ -329,25 +414,36 @@ class RanPACOnline(FirstSessionAnalyticOnline):
             s["cross_ho"],
             float(s["n_ho"]),
         )
+        return ridge
+
+    def solve(self, ridge: float | None = None) -> Tensors:
+        """Upstream's ``W = (G + lambda I)^-1 Q``, transposed; ``ridge`` None: :meth:`select`'s."""
+        s = self.stats
+        ridge = self.select() if ridge is None else ridge
         eye = torch.eye(s["gram"].shape[0], dtype=s["gram"].dtype, device=s["gram"].device)
         weight = torch.linalg.solve(s["gram"] + ridge * eye, s["cross"]).T
-        return {"weight": weight.float(), "ridge": torch.tensor(ridge)}
+        # h >= 0 and a sample's h is never all zero: a class has samples iff its column does.
+        return {"analytic_weight": weight.float(), "analytic_seen": s["cross"].sum(0) > 0}
 
-    def consolidate(self, network: nn.Module, firing: int) -> tuple[nn.Parameter, ...]:
-        restarted = super().consolidate(network, firing)
-        self.ridge = float(self.train_head["ridge"])
-        return restarted
+    def firing_head(self) -> Tensors:
+        self.ridge = self.select()
+        return self.solve(self.ridge)
 
-    def head_logits(self, network, features, head) -> torch.Tensor:
-        """Upstream's ``CosineLinear`` (sigma 1): cosines in [-1, 1]; all zero before a solve."""
+    def head_logits(self, network, features) -> torch.Tensor:
+        """Upstream's ``CosineLinear`` on the projection: ``sigma`` (the first session's, which
+        upstream carries over) times the cosines."""
         h = F.normalize(self.project(network, features), dim=1)
-        if head is None:
-            return h.new_zeros(len(h), network.fc.out_features)
-        return F.linear(h, F.normalize(head["weight"], dim=1))
+        weight = F.normalize(network.analytic_weight, dim=1)
+        logits = network.fc_sigma * F.linear(h, weight)
+        seen = network.analytic_seen[None]
+        return torch.where(seen, logits, self.unseen_logits(network, features))
+
+    def extra_state(self, network: nn.Module) -> dict[str, Any]:
+        return {**super().extra_state(network), "ridge": self.ridge}
 
     def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
         super().load_extra_state(network, state)
-        self.ridge = None if self.train_head is None else float(self.train_head["ridge"])
+        self.ridge = None if state["ridge"] is None else float(state["ridge"])
 
     def report(self) -> dict[str, Any]:
         return {"ridge": self.ridge, "first_session_done": self.first_session_done}

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.prototypes import PrototypeBank
-from ..engine.adapter import StepOutput
+from ..engine.adapter import StepOutput, UpstreamDifference
 from ..engine.registry import register_method
 from .linear_probe import LinearProbeOnline
 
@@ -35,6 +35,15 @@ class SimpleCILOnline(LinearProbeOnline):
     base_model_name: ClassVar[str] = "simplecil"
     trains: ClassVar[bool] = False
     variants: ClassVar[tuple[str, ...]] = ("base",)  # P and FGH act on gradients: none here
+    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+        UpstreamDifference(
+            "running_class_means",
+            "The head's rows are running class means over the stream's training batches, "
+            "refreshed after every batch, where upstream's replace_fc averages the finished "
+            "task's data in one pass with test transforms.",
+            "Online there is no task end and no second pass over the data.",
+        ),
+    )
 
     @classmethod
     def check_config(cls, cfg: Mapping[str, Any]) -> None:

@@ -11,20 +11,23 @@ PILOT's ``models/slca.py``, network ``SLCANet``).
   updated in ``observe`` with the features of the step, computed before its update, under the
   training transforms). Memory: one D x D float32 scatter per class
   (:meth:`SLCAOnline.state_bytes`; 100 classes at D = 768: 236 MB), as upstream keeps them.
-* **Classifier alignment (CA)** at each consolidation firing instead of each task end: for
-  ``ca_epochs`` epochs, ``ca_samples_per_class`` features per seen class drawn from its Gaussian
-  (mean scaled by ``0.9 + 0.1 (s + 1) / (f + 1)``: s the firing count when the class first
-  appeared, f this firing's index, upstream's task-age decay with firings for tasks), shuffled,
-  and one SGD step (momentum 0.9, cosine-annealed ``ca_lr`` per epoch, as upstream) per batch of
-  ``ca_samples_per_class`` on the head alone, with upstream's logit normalisation
-  (``ca_with_logit_norm``: logits over the mean of per-session logit norms, over this
-  temperature). CA has its own optimiser, made afresh at each firing as upstream's: the loop's
-  optimiser (and FGH) state of the head is untouched. Upstream skips CA after the first task;
-  online the first firing only closes the first session.
-
-Upstream restores the pre-CA head after evaluating each task (``fc.recall()``), so CA's head
-serves evaluation only. Online there is no evaluation point to align before (evaluation must not
-change training), so the aligned head is the head: training continues from it.
+* **Classifier alignment (CA)**, an evaluation view (:meth:`SLCAOnline.evaluation_view`), as
+  upstream: at each task end upstream backs the head up (``fc.backup()``), aligns it, evaluates,
+  and restores the unaligned head (``fc.recall()`` in ``after_task``), so CA serves evaluation
+  only and training continues from the head it trained. Online, whenever an evaluation asks,
+  a copy of the head is aligned on the current statistics and evaluation predicts with it; the
+  training head never changes. CA: for ``ca_epochs`` epochs, ``ca_samples_per_class`` features
+  per seen class drawn from its Gaussian (mean scaled by ``0.9 + 0.1 (s + 1) / (f + 1)``: s the
+  session of the class, f the current one, upstream's task-age decay with sessions for tasks),
+  shuffled, and one SGD step (momentum 0.9, weight decay ``ca_weight_decay`` = upstream's 5e-4,
+  cosine-annealed ``ca_lr`` per epoch, as upstream) per batch of ``ca_samples_per_class`` on the
+  head alone, with upstream's logit normalisation (``ca_with_logit_norm``: logits over the mean
+  of per-session logit norms, over this temperature). Upstream aligns from its second task on:
+  the view aligns once a firing has closed the first session.
+* **Sessions.** A consolidation firing (default ``new_classes``: each ``consolidation_new_classes``
+  new classes, a task boundary of a clear stream, on CUB's 20 tasks as on CIFAR's 10) closes a
+  session: a class's session is the number of firings before its first sample. Sessions are
+  upstream's tasks in the mean decay and the logit-norm blocks; a firing changes nothing else.
 
 The class statistics and the alignment step are MOS's too: one copy in
 :mod:`pilot_online.core.class_stats`; the session-age mean decay and the per-session logit
@@ -33,6 +36,7 @@ blocks are SLCA's, passed in from here.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -42,7 +46,7 @@ from torch import nn
 from ..core.checks import integer, real
 from ..core.class_stats import ClassGaussians, align_classifier
 from ..core.rng import key_seed
-from ..engine.adapter import ConfigKey, StepOutput
+from ..engine.adapter import ConfigKey, StepOutput, UpstreamDifference
 from ..engine.mixins import _run_seed
 from ..engine.registry import register_method
 from .finetune import FinetuneOnline
@@ -58,13 +62,13 @@ def mean_scales(sessions: torch.Tensor, firing: int) -> torch.Tensor:
 class SLCAOnline(FinetuneOnline):
     paper_name: ClassVar[str] = "SLCA"
     base_model_name: ClassVar[str] = "slca"
-    #: A regular realignment. Upstream aligns just before it evaluates; online, evaluations come
-    #: at points the method cannot see, and the head's bias towards recent classes grows with
-    #: every step. A ``new_classes`` firing comes just after a task's last batch, i.e. just after
-    #: the protocol's end-of-task evaluation, which would then see the head least recently aligned.
-    default_consolidation: ClassVar[str] = "every_n_samples"
+    #: Sessions are upstream's tasks (the CA's mean decay and logit-norm blocks): a firing per
+    #: ``consolidation_new_classes`` new classes is the stream's sign of a task boundary, on
+    #: CUB-sized tasks as on CIFAR's. CA itself runs at each evaluation (the view), whatever the
+    #: trigger.
+    default_consolidation: ClassVar[str] = "new_classes"
     smoke_overrides: ClassVar[dict[str, Any]] = {
-        "consolidation_every_n_samples": 200,
+        "consolidation_new_classes": 4,  # the smoke tasks' class count: a session per task
         "ca_samples_per_class": 16,
         "ca_epochs": 1,
     }
@@ -85,10 +89,42 @@ class SLCAOnline(FinetuneOnline):
             "CA's SGD learning rate, cosine-annealed over its epochs (upstream 0.01)",
             check=real(positive=True),
         ),
+        "ca_weight_decay": ConfigKey(
+            5e-4,
+            "CA's SGD weight decay (upstream's weight_decay, 5e-4 in its configs; the online "
+            "optimiser's weight_decay is another key)",
+            check=real(0),
+        ),
         "ca_with_logit_norm": ConfigKey(
             0.1, "CA's logit-normalisation temperature (upstream 0.1; 0: plain CE)", check=real(0)
         ),
     }
+    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+        UpstreamDifference(
+            "running_class_statistics",
+            "Each class's mean and covariance are running statistics of the stream batches' "
+            "features (training transforms, the backbone before each step's update) where "
+            "upstream passes the finished task's data once more through the trained backbone "
+            "(test transforms).",
+            "One pass keeps no data for a second pass; the running merge gives upstream's "
+            "numbers (torch.cov + 1e-4 I) for the features it is given.",
+        ),
+        UpstreamDifference(
+            "sessions_from_firings",
+            "A class's task in CA's mean decay and logit-norm blocks is its session (the "
+            "consolidation firings before its first sample), where upstream takes "
+            "class_id // task_size.",
+            "Task-free: no task ids; on a clear stream with a firing per task the sessions are "
+            "upstream's tasks.",
+        ),
+        UpstreamDifference(
+            "old_head_rows_keep_training",
+            "One nn.Linear over every class whose rows all stay trainable (under the loop's "
+            "logit mask), where upstream adds a head per task and freezes the earlier ones.",
+            "No task end to freeze at; with the batch-wise mask an absent class's row gets no "
+            "gradient anyway, and on Si-Blurry old classes recur and need their rows.",
+        ),
+    )
 
     @classmethod
     def state_bytes(cls, args: Mapping[str, Any]) -> int:
@@ -116,15 +152,30 @@ class SLCAOnline(FinetuneOnline):
         self.stats.to(out.features.device).update(out.features, labels, self.sessions_closed)
 
     def consolidate(self, network: nn.Module, firing: int) -> Iterable[nn.Parameter]:
-        if firing > 0 and self.args["ca_epochs"] > 0:
-            self.align(self.classifier(network), firing)
+        """Closes a session; nothing trained changes (upstream's CA is recalled after its
+        evaluation: :meth:`evaluation_view`)."""
         self.sessions_closed = firing + 1
         return ()
 
-    def align(self, head: nn.Linear, firing: int) -> None:
+    def evaluation_view(self, network: nn.Module) -> Mapping[str, torch.Tensor]:
+        """Upstream's ``fc.backup()``, CA, evaluate, ``fc.recall()``: the head aligned
+        (:meth:`align`) on the statistics as they are now, for evaluation only. Upstream aligns
+        from its second task on: here once the first session is closed. Seeded by the run's seed,
+        the session and the samples seen, so a view is a function of the training state."""
+        if self.sessions_closed == 0 or self.args["ca_epochs"] <= 0:
+            return {}
+        head = self.classifier(network)
+        aligned = copy.deepcopy(head)
+        samples = int(self.stats.counts.sum())
+        self.align(aligned, self.sessions_closed, samples)
+        names = {id(p): name for name, p in network.named_parameters()}
+        return {names[id(p)]: q.detach() for p, q in zip(head.parameters(), aligned.parameters())}
+
+    def align(self, head: nn.Linear, firing: int, samples: int = 0) -> None:
         """Classifier alignment (:func:`~pilot_online.core.class_stats.align_classifier`, upstream's
-        ``_stage2_compact_classifier``) on the seen classes, their means decayed by session age,
-        logits normalised over sessions."""
+        ``_stage2_compact_classifier``) of ``head`` in place on the seen classes, their means
+        decayed by session age (``firing``: the current session), logits normalised over
+        sessions. Its draws are seeded by the run's seed, ``firing`` and ``samples``."""
         args = self.args
         self.stats.to(head.weight.device)
         classes = self.stats.seen()
@@ -133,7 +184,7 @@ class SLCAOnline(FinetuneOnline):
             self.stats.means[classes].double() * mean_scales(sessions, firing)[:, None]
         ).float()
         generator = torch.Generator(device=head.weight.device)
-        generator.manual_seed(key_seed(_run_seed(args.get("seed", 0)), firing))
+        generator.manual_seed(key_seed(_run_seed(args.get("seed", 0)), firing, samples))
         align_classifier(
             head,
             classes,
@@ -141,7 +192,7 @@ class SLCAOnline(FinetuneOnline):
             self.stats.factors(classes),
             epochs=int(args["ca_epochs"]),
             lr=args["ca_lr"],
-            weight_decay=args["weight_decay"],
+            weight_decay=float(args["ca_weight_decay"]),
             samples_per_class=int(args["ca_samples_per_class"]),
             generator=generator,
             blocks=[torch.nonzero(sessions == s).flatten() for s in sessions.unique().tolist()],

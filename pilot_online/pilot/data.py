@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -84,8 +85,39 @@ class SyntheticIData:
         self.test_data, self.test_targets = arrays["test_x"], arrays["test_y"]
 
 
+#: Online keys that PILOT 5240714's own configs (``exps/*.json``) set too: they do not mark a
+#: config as meant for pilot-online.
+UPSTREAM_KEYS = {"num_workers"}
+
+
+def check_run(args: dict[str, Any] | None) -> None:
+    """Before any data loads, the checks a run of PILOT's ``main.py`` would otherwise meet only
+    after loading it: the whole config for a pilot-online method, and one line for a method name
+    that is none (a typo, or PILOT's own offline learner given an online config). User errors
+    from here on end in their message alone (:func:`~pilot_online.pilot.errors.install_excepthook`).
+
+    Runs for a run's arguments (PILOT's ``main.py`` and ``pilot-online run`` put the config file
+    under ``config``); a PILOT method with an offline config is left to PILOT."""
+    from .errors import install_excepthook
+
+    install_excepthook()
+    if not args or "config" not in args or not args.get("model_name"):
+        return
+    from ..engine.config import ONLINE_KEYS, PILOT_MODEL_NAMES, ConfigError, resolve_config
+    from ..engine.registry import list_methods
+
+    name = str(args["model_name"]).lower()
+    if name in list_methods():
+        resolve_config(args)
+    elif name not in PILOT_MODEL_NAMES or set(args) & (set(ONLINE_KEYS) - UPSTREAM_KEYS):
+        from ..engine.config import unknown_method
+
+        raise ConfigError(unknown_method(str(args["model_name"])))
+
+
 def get_idata(dataset_name: str, args: dict[str, Any] | None = None) -> SyntheticIData:
     """Resolve a dataset name PILOT does not know (called by the patched ``_get_idata``)."""
+    check_run(args)
     name = dataset_name.lower()
     if name in DATASETS:
         return SyntheticIData(name)
@@ -101,7 +133,9 @@ def prepare(idata: Any, dataset_name: str, args: dict[str, Any]) -> None:
     :func:`check_dataset_folders`), stops here, before PILOT's trainer builds any network. PILOT
     picks some transforms by the literal model name (``coda_prompt`` on cifar224/imagenetr): the
     iData is rebuilt the way upstream's own ``_get_idata`` builds it, with the base method's name.
+    The run's config is checked first (:func:`check_run`).
     """
+    check_run(args)
     try:
         idata.download_data()
     except (AssertionError, OSError, RuntimeError) as err:
@@ -123,7 +157,7 @@ def prepare(idata: Any, dataset_name: str, args: dict[str, Any]) -> None:
 
 
 def _unavailable_message(dataset_name: str, err: BaseException) -> str:
-    cwd = Path.cwd()
+    cwd = dataset_root()
     message = f"dataset {dataset_name!r} could not be loaded (working directory {cwd}): {err}."
     where = PILOT_DATASETS.get(dataset_name.lower())
     if where is None:
@@ -157,7 +191,7 @@ def _class_count_problems(dataset_name: str, idata: Any) -> list[str]:
     }
     if all(count == expected for count in found.values()):
         return []
-    cwd = Path.cwd()
+    cwd = dataset_root()
     where = PILOT_DATASETS[name]
     if getattr(idata, "use_path", False) and name not in USER_FOLDER_DATASETS:
         holds = ", ".join(
@@ -179,10 +213,17 @@ def _class_count_problems(dataset_name: str, idata: Any) -> list[str]:
     ]
 
 
-def check_dataset_folders(args: dict[str, Any], root: Path | None = None) -> list[str]:
+def dataset_root() -> Path:
+    """The one rule for dataset folders: PILOT's ``utils/data.py`` reads ``./data/...``, relative
+    to the working directory the run starts in, whether ``python main.py`` (usually in the PILOT
+    checkout) or ``pilot-online run`` (wherever it is started; ``--pilot-root`` only says where
+    PILOT's code is). ``pilot-online doctor`` checks the folders of the directory it runs in."""
+    return Path.cwd()
+
+
+def check_dataset_folders(args: dict[str, Any]) -> list[str]:
     """Problems, each with its fix, in the folders PILOT will read ``args["dataset"]`` from
-    (relative to the working directory, as PILOT reads them, or to ``root``, the PILOT checkout
-    the run will start from: ``pilot-online doctor --pilot-root``); empty when they are fine.
+    (under :func:`dataset_root`); empty when they are fine.
 
     Checks the ImageFolder datasets without loading an image: both folders exist, each holds the
     :data:`EXPECTED_CLASSES` class folders, and the test folder's classes are the training
@@ -196,12 +237,8 @@ def check_dataset_folders(args: dict[str, Any], root: Path | None = None) -> lis
     where = PILOT_DATASETS.get(name)
     if where is None or name in (*ARRAY_DATASETS, *USER_FOLDER_DATASETS):
         return []
-    cwd, expected = root or Path.cwd(), EXPECTED_CLASSES[name]
-    reads_from = (
-        f"the working directory {cwd}"
-        if root is None
-        else f"the PILOT checkout {cwd}, where python main.py runs"
-    )
+    cwd, expected = dataset_root(), EXPECTED_CLASSES[name]
+    reads_from = f"the working directory {cwd}, where the run starts"
     problems: list[str] = []
     classes: dict[str, list[str]] = {}
     for split, relative in zip(("training", "test"), where.folders):
@@ -210,8 +247,7 @@ def check_dataset_folders(args: dict[str, Any], root: Path | None = None) -> lis
             problems.append(
                 f"dataset {name!r}: the {split} folder {folder} does not exist (PILOT reads it "
                 f"relative to {reads_from}). Fix: "
-                + ("run from the folder that holds data/, or " if root is None else "")
-                + f"put {where.source} there."
+                + f"run from the folder that holds data/, or put {where.source} there."
             )
             continue
         classes[split] = sorted(entry.name for entry in folder.iterdir() if entry.is_dir())
@@ -232,6 +268,21 @@ def check_dataset_folders(args: dict[str, Any], root: Path | None = None) -> lis
             "both folders the same class folders."
         )
     return problems
+
+
+def _exit_quietly(signum: int, frame: Any) -> None:
+    os._exit(0)
+
+
+def quiet_on_stop_signals(worker_id: int) -> None:
+    """In a DataLoader worker: ignore SIGINT, and exit with status 0 on SIGTERM. Ctrl-C and a
+    scheduler's SIGTERM reach the whole process group; a worker killed by a signal makes torch's
+    SIGCHLD handler raise in the training process wherever it stands, possibly mid-step, before
+    the session can checkpoint a whole state. A worker that exits cleanly is noticed only at the
+    next batch fetch, where the session checkpoints the last whole step. (SIGTERM must still end
+    a worker: torch's loader shutdown terminates workers that do not stop in time.)"""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_quietly)
 
 
 def auto_workers() -> int:
@@ -526,6 +577,7 @@ class _Loader:
                 generator=self.generator,
                 persistent_workers=self.workers > 0,
                 prefetch_factor=self.PREFETCH if self.workers > 0 else None,
+                worker_init_fn=quiet_on_stop_signals,
             )
         self.feed.batches = list(batches)
         self.feed.on_start = self._free_all

@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
 from models.base import BaseLearner  # PILOT: this module is imported lazily
 from torch import nn
 
@@ -22,7 +23,7 @@ from ..engine.adapter import MethodAdapter
 from ..engine.checkpoint import CompletedRun, checkpoint_path_for, completed_results
 from ..engine.config import resolve_config
 from ..engine.loop import build_loop
-from ..engine.session import OnlineSession, unique_results_path
+from ..engine.session import OnlineSession, RunInterrupted, unique_results_path
 from .attention import use_sdpa
 from .backbones import timm_overrides
 from .data import PilotDataSource
@@ -34,6 +35,19 @@ def pilot_log_dir(args: dict[str, Any]) -> Path:
     """The folder PILOT's trainer logs this run into (``trainer._train``)."""
     init_cls = 0 if args["init_cls"] == args["increment"] else args["init_cls"]
     return Path("logs", args["model_name"], args["dataset"], str(init_cls), str(args["increment"]))
+
+
+def parameter_counts_only(results: dict[str, Any]) -> nn.Module:
+    """A stand-in network for a seed that is not trained again: PILOT's trainer logs "All
+    params" and "Trainable params" of ``_network`` at every task, and these must be the stored
+    run's, not 0. Its two parameters are on the meta device (no memory) and hold the counts."""
+    counters = results.get("counters", {})
+    trainable = int(counters.get("trainable_parameters", 0))
+    total = int(counters.get("parameters", trainable))
+    network = nn.Module()
+    network.frozen = nn.Parameter(torch.empty(total - trainable, device="meta"), False)
+    network.trainable = nn.Parameter(torch.empty(trainable, device="meta"))
+    return network
 
 
 class OnlineLearner(BaseLearner):
@@ -59,7 +73,7 @@ class OnlineLearner(BaseLearner):
                 path,
             )
             self.results_path = path
-            self._network = nn.Module()  # PILOT's trainer counts its parameters: none
+            self._network = parameter_counts_only(self.completed)
             return
         if len(self._multiple_gpus) > 1:
             logger.warning("online learners use one device: training on %s only", self._device)
@@ -110,6 +124,8 @@ class OnlineLearner(BaseLearner):
             self.session = self._start(data_manager)
         try:
             self.session.train_task(self._cur_task)
+        except RunInterrupted:
+            raise  # checkpointed, and said so: no partial results to write
         except BaseException as err:
             self.session.write(status="failed", error=f"{type(err).__name__}: {err}")
             raise
@@ -119,6 +135,8 @@ class OnlineLearner(BaseLearner):
     def eval_task(self):
         try:
             cnn_accy = self.session.complete_task(self._cur_task)
+        except RunInterrupted:
+            raise
         except BaseException as err:
             self.session.write(status="failed", error=f"{type(err).__name__}: {err}")
             raise

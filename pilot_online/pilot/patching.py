@@ -392,18 +392,31 @@ def revert(root: str | os.PathLike[str]) -> CheckoutState:
     return inspect(state.root)
 
 
+def _some(names: list[str], shown: int = 3) -> str:
+    """``a.json, b.json, c.json and 240 more``: a count, not one line per config."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 def _problems_for_run(state: CheckoutState) -> list[str]:
     problems = _refusals(state)
     problems += [f"{f.path} is not patched yet" for f in state.files if f.state == "upstream"]
-    problems += [f"{PILOT_EXPS}/{name} is not linked yet" for name in state.missing_links]
-    problems += [
-        f"{PILOT_EXPS}/{name} links to an old pilot-online location" for name in state.stale_links
-    ]
+    if state.missing_links:
+        problems.append(
+            f"{len(state.missing_links)} of pilot-online's configs are not linked into "
+            f"{PILOT_EXPS}/ yet ({_some(state.missing_links)})"
+        )
+    if state.stale_links:
+        problems.append(
+            f"{len(state.stale_links)} configs in {PILOT_EXPS}/ link to an old pilot-online "
+            f"location ({_some(state.stale_links)})"
+        )
     return problems
 
 
 def ensure_patched(root: str | os.PathLike[str]) -> None:
-    """Stop a run early, with the fix, unless the checkout is fully set up for pilot-online."""
+    """Stop a run early, with the fix, unless the checkout is fully set up for pilot-online;
+    each problem is one line, however many configs it concerns."""
     state = inspect(root)
     if state.patched:
         return
@@ -445,15 +458,17 @@ def _print_report(state: CheckoutState) -> None:
     print(f"PILOT_ROOT {state.root} (pinned commit {PINNED_COMMIT})")
     for f in state.files:
         print(f"  {f.path:<28} {f.state}")
+    # Configs by state, counted (one line per config was hundreds of lines); conflicts by name.
     link_groups = (
         ("linked", state.linked_configs),
         ("not linked", state.missing_links),
-        ("stale link (setup replaces it)", state.stale_links),
-        ("CONFLICT: not ours", state.foreign_links),
+        ("stale links (setup replaces them)", state.stale_links),
     )
     for label, names in link_groups:
-        for name in names:
-            print(f"  {PILOT_EXPS + '/' + name:<28} {label}")
+        if names:
+            print(f"  {PILOT_EXPS + '/*.json':<28} {len(names)} {label} ({_some(names)})")
+    for name in state.foreign_links:
+        print(f"  {PILOT_EXPS + '/' + name:<28} CONFLICT: not ours")
     print("status: " + ("patched" if state.patched else "not patched"))
 
 

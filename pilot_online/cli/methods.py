@@ -1,0 +1,92 @@
+"""``pilot-online methods``: every registered method with its paper name, the ablation rows it
+runs, its default consolidation trigger and its own config keys; a filter narrows the list.
+
+Methods registered from outside the package (the ``pilot_online.methods`` entry point group,
+``engine/registry.py``) are listed too, with the module they come from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..engine.registry import get_method, list_methods
+
+#: The paper's names of the ablation rows (``engine.config.VARIANTS``).
+ROW_NAMES = {"base": "base", "p": "+P", "fgh_only": "+FGH", "fgh": "+P+FGH"}
+HEADER = ("name", "paper name", "rows", "default trigger", "keys")
+
+
+def method_rows(pattern: str = "") -> list[dict[str, Any]]:
+    """One record per registered method whose name, paper name or key names contain
+    ``pattern`` (case-insensitive; "" matches all), sorted by name."""
+    records = []
+    for name in list_methods():
+        adapter = get_method(name)
+        keys = list(adapter.config_keys)
+        haystack = " ".join([name, adapter.paper_name, *keys]).lower()
+        if pattern.lower() not in haystack:
+            continue
+        records.append(
+            {
+                "name": name,
+                "paper_name": adapter.paper_name or "-",
+                "rows": [ROW_NAMES.get(v, v) for v in adapter.variants],
+                "default_trigger": adapter.default_consolidation,
+                "keys": keys,
+                "module": adapter.__module__,
+            }
+        )
+    return records
+
+
+def format_methods(records: list[dict[str, Any]], with_keys: bool = False) -> str:
+    """An aligned table (keys last, so long lists cannot misalign it); with ``with_keys``, each
+    method's keys below it with their defaults and what they do."""
+    lines = [
+        (
+            r["name"],
+            r["paper_name"],
+            ",".join(r["rows"]),
+            r["default_trigger"],
+            ", ".join(r["keys"]) or "-",
+        )
+        for r in records
+    ]
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(HEADER[:-1])]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths) + "  {}"
+    out = [fmt.format(*HEADER), fmt.format(*("-" * w for w in widths), "-" * len(HEADER[-1]))]
+    for record, line in zip(records, lines):
+        out.append(fmt.format(*line))
+        if with_keys:
+            specs = get_method(record["name"]).config_keys
+            for key, spec in specs.items():
+                out.append(f"    {key:<24} default {json.dumps(spec.default):<14} {spec.doc}")
+    outside = [r for r in records if not r["module"].startswith("pilot_online.")]
+    for record in outside:
+        out.append(
+            f"{record['name']}: from {record['module']} (a pilot_online.methods entry point)"
+        )
+    return "\n".join(out)
+
+
+def add_methods_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "pattern",
+        nargs="?",
+        default="",
+        help="show the methods whose name, paper name or a key contains this (e.g. coda, prompt)",
+    )
+    parser.add_argument(
+        "--keys", action="store_true", help="each key with its default and what it does"
+    )
+
+
+def run_methods(args: argparse.Namespace) -> int:
+    records = method_rows(args.pattern)
+    if not records:
+        print(f"no method matches {args.pattern!r}; `pilot-online methods` lists them all")
+        return 1
+    print(format_methods(records, with_keys=args.keys))
+    return 0
