@@ -36,14 +36,15 @@ setup(
     extras_require={
         # Imported by PILOT, never by pilot_online: models/base.py (scipy, at import, so every
         # PILOT run needs it) and utils/inc_net.py (easydict). Install with PILOT: ".[pilot]".
-        "pilot": ["scipy", "easydict"],
+        "pilot": ["scipy", "easydict", "torchvision"],
         "plots": ["matplotlib"],
         "tensorboard": ["tensorboard"],  # "logger": "tensorboard" (live logging)
         # `pilot-online sweep --engine ray`: on the machine that starts the sweep and every node.
         "ray": ["ray"],
         # "pretrained_path": a .safetensors file (pilot/backbones.py imports it only then).
         "safetensors": ["safetensors"],
-        "test": ["pytest", "ruff", "safetensors"],
+        # matplotlib: tests/test_report_demo.py and test_figures.py render the figures.
+        "test": ["pytest", "ruff", "safetensors", "matplotlib"],
     },
     entry_points={
         "console_scripts": ["pilot-online=pilot_online.cli:main"],

@@ -123,19 +123,22 @@ def pilot_on_path(pilot: Path) -> Iterator[Path]:
             del sys.modules[name]
 
 
+def load_script(name: str) -> Any:
+    """``scripts/<name>.py`` as a module, loaded once per session."""
+    import importlib.util
+
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
 def make_exps() -> Any:
     """``scripts/make_exps.py`` as a module: the one source of every method's smoke config (the
     committed ``exps/`` copies are checked against it by test_config.py)."""
-    import importlib.util
-
-    if "make_exps" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            "make_exps", REPO / "scripts" / "make_exps.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules["make_exps"] = module
-    return sys.modules["make_exps"]
+    return load_script("make_exps")
 
 
 def raw_smoke_config(method: str) -> dict[str, Any]:
@@ -181,6 +184,23 @@ def pilot_main_run(pilot: Path, tmp_path_factory):
         return runs[key]
 
     return run
+
+
+def unit_config(adapter_cls: type[MethodAdapter], num_classes: int, **overrides: Any) -> dict:
+    """A method's own key defaults plus the loop settings its tiny-network tests use: plain SGD
+    at 0.1 without weight decay or logit mask, seed 3, no gradient trace; ``overrides`` last."""
+    cfg = {key: spec.default for key, spec in adapter_cls.config_keys.items()}
+    cfg.update(
+        nb_classes=num_classes,
+        seed=[3],
+        optimizer="sgd",
+        init_lr=0.1,
+        weight_decay=0.0,
+        logit_mask="none",
+        grad_trace=False,
+    )
+    cfg.update(overrides)
+    return cfg
 
 
 def build_smoke_method(name: str, **overrides: Any) -> tuple[MethodAdapter, nn.Module, dict]:

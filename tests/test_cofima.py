@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TinyNet
+from conftest import TinyNet, unit_config
 from torch import nn
 
 from pilot_online.engine.adapter import StepOutput
@@ -37,20 +37,11 @@ class TinyCoFiMA(CoFiMAOnline):
 
 
 def config(**overrides) -> dict:
-    cfg = {key: spec.default for key, spec in CoFiMAOnline.config_keys.items()}
-    cfg.update(
-        nb_classes=NUM_CLASSES,
-        seed=[3],
-        optimizer="sgd",
-        init_lr=0.1,
-        weight_decay=0.0,
-        logit_mask="none",
-        consolidation="every_n_samples",
-        consolidation_every_n_samples=10**6,  # no firing unless a test sets one
-        grad_trace=False,
-    )
-    cfg.update(overrides)
-    return cfg
+    defaults = {
+        "consolidation": "every_n_samples",
+        "consolidation_every_n_samples": 10**6,  # no firing unless a test sets one
+    }
+    return unit_config(CoFiMAOnline, NUM_CLASSES, **{**defaults, **overrides})
 
 
 def make(**overrides):

@@ -83,6 +83,24 @@ def test_offline_key_says_what_to_do():
         resolve_config(smoke(tuned_epoch=5))
 
 
+@pytest.mark.parametrize(
+    ("key", "fix"),
+    [
+        ("epochs", "one pass: remove it"),
+        ("init_epoch", "one pass: remove it"),
+        ("lrate", "set that, and remove lrate"),
+        ("milestones", "constant learning rate"),
+        ("lrate_decay", "constant learning rate"),
+        ("init_weight_decay", "weight_decay: set that, and remove init_weight_decay"),
+    ],
+)
+def test_every_schedule_key_of_pilots_classic_configs_is_answered_alike(key, fix):
+    """exps/icarl.json's schedule keys (upstream PILOT): each is an offline-only key with what to
+    do instead, none an "unknown config key" (the trial port of iCaRL met both answers)."""
+    with pytest.raises(ConfigError, match=f"{key!r} is an offline-only key: .*{fix}"):
+        resolve_config(smoke(**{key: 1}))
+
+
 def test_forced_task_aware_option_is_refused():
     config = load_json(ROOT / "exps" / "smoke_l2p_online.json")
     config["use_prompt_mask"] = True

@@ -12,7 +12,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from conftest import TinyNet
+from conftest import TinyNet, unit_config
 from torch import nn
 
 from pilot_online.engine.loop import build_loop
@@ -37,20 +37,11 @@ class TinyDUCT(DUCTOnline):
 
 
 def config(**overrides) -> dict:
-    cfg = {key: spec.default for key, spec in DUCTOnline.config_keys.items()}
-    cfg.update(
-        nb_classes=NUM_CLASSES,
-        seed=[3],
-        optimizer="sgd",
-        init_lr=0.1,
-        weight_decay=0.0,
-        logit_mask="none",
-        consolidation="every_n_samples",
-        consolidation_every_n_samples=10**6,  # no firing unless a test sets one
-        grad_trace=False,
-    )
-    cfg.update(overrides)
-    return cfg
+    defaults = {
+        "consolidation": "every_n_samples",
+        "consolidation_every_n_samples": 10**6,  # no firing unless a test sets one
+    }
+    return unit_config(DUCTOnline, NUM_CLASSES, **{**defaults, **overrides})
 
 
 def make(**overrides):

@@ -77,6 +77,7 @@ def record_steps(session: OnlineSession) -> list[dict]:
         terms = {name: t.item() for name, t in stats.terms.items()}
         recorded.append({"loss": stats.loss.item(), "correct": stats.correct.item(), **terms})
         recorded[-1]["samples"] = stats.samples
+        recorded[-1]["online"] = stats.online_correct.item()
         return stats
 
     session.loop.train_step = train_step
@@ -97,7 +98,9 @@ def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 def test_event_file_holds_the_runs_own_numbers(tmp_path) -> None:
     pytest.importorskip("tensorboard", reason="pip install tensorboard")
     logs = tmp_path / "tb"
-    session = tiny_session(tmp_path, {"logger": "tensorboard", "logger_dir": str(logs)})
+    session = tiny_session(
+        tmp_path, {"logger": "tensorboard", "logger_dir": str(logs), "online_accuracy": True}
+    )
     recorded = record_steps(session)
     results, evaluations = run_all(session)
     log_dir = logs / "tiny"  # <logger_dir>/<results file stem>
@@ -118,6 +121,11 @@ def test_event_file_holds_the_runs_own_numbers(tmp_path) -> None:
     running = [v for _, v in scalars["train/running_accuracy"]]
     np.testing.assert_allclose(running, 100 * correct / samples, rtol=1e-6)
     assert correct[-1] > 0  # a run that learns something: the check above is not 0 == 0
+    online = np.cumsum([r["online"] for r in recorded])  # A_online: predicted before each step
+    np.testing.assert_allclose(
+        [v for _, v in scalars["online/A_online"]], 100 * online / samples, rtol=1e-6
+    )
+    assert results["metrics"]["A_online"] == pytest.approx(100 * online[-1] / samples[-1])
 
     # FGH's alphas: logged every log_interval (4) steps and at each task end (5, 10, 15); the
     # last point is the final state, whose mean, min and max are worked out from the alphas.
@@ -147,7 +155,7 @@ def test_event_file_holds_the_runs_own_numbers(tmp_path) -> None:
     assert scalars["eval/task_1"][-1] == (15, pytest.approx(evaluations[-1]["grouped"]["task-00"]))
 
     # Logging only reads: the same run without it measures exactly the same.
-    quiet, _ = run_all(tiny_session(tmp_path / "quiet"))
+    quiet, _ = run_all(tiny_session(tmp_path / "quiet", {"online_accuracy": True}))
     assert json.dumps(comparable(quiet)) == json.dumps(comparable(results))
 
 

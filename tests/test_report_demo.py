@@ -47,6 +47,7 @@ def run_session(folder: Path, seed: int, variant: dict | None = None, status="co
         "optimizer": "adam",
         "seed": seed,
         "online_prototypes": False,
+        "online_accuracy": True,
         "fgh": None,
         **(variant or {}),
     }
@@ -87,11 +88,13 @@ def test_grouped_table_gives_mean_and_std_over_seeds(runs) -> None:
     assert sorted(row["seed"] for row in rows) == list(SEEDS)  # the partial run is skipped
     ap = [load_results(path)["metrics"]["AP"] for path in paths]
     a_t = [load_results(path)["metrics"]["A_T"] for path in paths]
+    online = [load_results(path)["metrics"]["A_online"] for path in paths]
     assert len(set(ap)) > 1  # the seeds really differ, so the std is not trivially 0
 
     header, *lines = _table_rows(format_table(rows))
     assert header == [
         "method", "dataset", "stream", "lr", "variant", "runs", "AP", "A_T", "forgetting", "A_auc",
+        "A_online",
     ]  # fmt: skip
     assert len(lines) == 1
     cells = dict(zip(header, lines[0]))
@@ -101,6 +104,7 @@ def test_grouped_table_gives_mean_and_std_over_seeds(runs) -> None:
     assert cells["AP"] == f"{np.mean(ap):.2f}±{np.std(ap):.2f}"
     assert cells["A_T"] == f"{np.mean(a_t):.2f}±{np.std(a_t):.2f}"
     assert cells["A_auc"] == "-"  # no periodic evaluation in these runs
+    assert cells["A_online"] == f"{np.mean(online):.2f}±{np.std(online):.2f}"
 
 
 def test_per_seed_table_has_one_row_per_run(runs) -> None:

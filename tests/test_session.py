@@ -595,3 +595,23 @@ def test_the_results_keep_every_tasks_report(device) -> None:
     reports = [session.complete_task(t) for t in range(3) if session.train_task(t) is None]
     assert session.results()["extra"]["task_reports"] == reports
     assert [r["top1"] for r in reports] == [100.0, 100.0, 100.0]
+
+
+def test_each_task_end_logs_the_whole_runs_progress(caplog) -> None:
+    """After each task the log says how far the whole run is and, at the pace so far, how long
+    the rest takes: with 6 min of training and evaluation after task 1 of 3, about 12 min left
+    (whole seconds, so the milliseconds the real evaluation adds do not show)."""
+    import logging
+
+    session = make_session(three_task_stream())
+    with caplog.at_level(logging.INFO, logger="pilot_online.engine.session"):
+        for task in range(3):
+            session.train_task(task)
+            session.train_seconds, session.eval_seconds = 240.0 * (task + 1), 120.0 * (task + 1)
+            session.complete_task(task)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("run: ")]
+    assert lines == [
+        "run: 1/3 tasks, 6m00s elapsed, about 12m00s left",
+        "run: 2/3 tasks, 12m00s elapsed, about 6m00s left",
+        "run: 3/3 tasks, 18m00s elapsed, done",
+    ]

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import requires_pilot
+from conftest import requires_pilot, unit_config
 from torch import nn
 
 from pilot_online.engine.loop import build_loop
@@ -69,21 +69,12 @@ class Net(nn.Module):
 
 
 def config(**overrides: Any) -> dict[str, Any]:
-    cfg = {key: spec.default for key, spec in CoFiMAOnline.config_keys.items()}
-    cfg.update(
-        nb_classes=NUM_CLASSES,
-        seed=[3],
-        optimizer="sgd",
-        init_lr=0.1,
-        weight_decay=0.0,
-        logit_mask="none",
-        consolidation="new_classes",
-        consolidation_new_classes=TASK,
-        grad_trace=False,
-        ca_epochs=0,
-    )
-    cfg.update(overrides)
-    return cfg
+    defaults = {
+        "consolidation": "new_classes",
+        "consolidation_new_classes": TASK,
+        "ca_epochs": 0,
+    }
+    return unit_config(CoFiMAOnline, NUM_CLASSES, **{**defaults, **overrides})
 
 
 def ours(**overrides: Any) -> tuple[CoFiMAOnline, Net]:

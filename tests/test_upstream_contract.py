@@ -13,12 +13,10 @@ For each registered method whose adapter names a PILOT model (``MethodAdapter.up
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
-import sys
 
 import pytest
-from conftest import PILOT_ROOT, REPO
+from conftest import PILOT_ROOT, REPO, load_script
 
 from pilot_online import get_method, list_methods
 
@@ -26,14 +24,8 @@ PORTS = [name for name in list_methods() if get_method(name).upstream_file() is 
 
 
 def make_docs():
-    if "make_docs" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            "make_docs", REPO / "scripts" / "make_docs.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules["make_docs"] = module
-    return sys.modules["make_docs"]
+    """``scripts/make_docs.py``, which generates the differences and method-keys sections."""
+    return load_script("make_docs")
 
 
 def upstream_test_file(name: str):

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import requires_pilot
+from conftest import requires_pilot, unit_config
 from torch import nn
 
 from pilot_online.engine.loop import build_loop
@@ -86,20 +86,11 @@ class Net(nn.Module):
 
 
 def config(**overrides: Any) -> dict[str, Any]:
-    cfg = {key: spec.default for key, spec in DUCTOnline.config_keys.items()}
-    cfg.update(
-        nb_classes=NUM_CLASSES,
-        seed=[3],
-        optimizer="sgd",
-        init_lr=0.1,
-        weight_decay=0.0,
-        logit_mask="none",
-        consolidation="new_classes",
-        consolidation_new_classes=TASK,
-        grad_trace=False,
-    )
-    cfg.update(overrides)
-    return cfg
+    defaults = {
+        "consolidation": "new_classes",
+        "consolidation_new_classes": TASK,
+    }
+    return unit_config(DUCTOnline, NUM_CLASSES, **{**defaults, **overrides})
 
 
 def ours(**overrides: Any) -> tuple[DUCTOnline, Net]:

@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 from ..core.datasets import make_synthetic
+from ..core.progress import progress_line
 from ..core.streams import clear_stream
 from ..engine.adapter import MethodAdapter, StepOutput
 from ..engine.config import ONLINE_KEYS, VARIANTS
 from ..engine.loop import build_loop
 from ..engine.session import ArrayDataSource, OnlineSession
-from .estimate import progress_line
 from .report import variant_label
 
 logger = logging.getLogger(__name__)

@@ -46,6 +46,8 @@ from importlib import resources
 from statistics import median
 from typing import Any
 
+from ..core.progress import duration, progress_line  # noqa: F401  (the CLI's names)
+
 #: H100 SXM5 dense bf16 tensor-core peak (TFLOP/s, NVIDIA H100 datasheet; 1,979 with sparsity).
 H100_BF16_PEAK_TFLOPS = 989.4
 #: The share of that peak a ViT-B training loop sustains, as assumed here.
@@ -325,16 +327,6 @@ def paper_measured_seconds(cfg: Mapping[str, Any]) -> tuple[float, str] | None:
     return None
 
 
-def duration(seconds: float) -> str:
-    """``4.9 s``, ``4m40s``, ``1h12m24s``: the paper's time table's style above a minute."""
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    whole = round(seconds)
-    hours, rest = divmod(whole, 3600)
-    minutes, secs = divmod(rest, 60)
-    return (f"{hours}h{minutes:02d}m" if hours else f"{minutes}m") + f"{secs:02d}s"
-
-
 @dataclass(frozen=True)
 class RunEstimate:
     """One config's estimate: per-seed ideal and calibrated seconds, the seed count, and the
@@ -389,19 +381,3 @@ def estimate_config(cfg: Mapping[str, Any], table: Mapping[str, Any] | None = No
         calibration=fit,
         paper=paper,
     )
-
-
-# --- progress of a run in flight ----------------------------------------------------------------
-
-
-def progress_line(what: str, done: int, total: int, elapsed: float, unit: str = "tasks") -> str:
-    """``what: 3/5 tasks, 12 s elapsed, about 8 s left``: the ETA assumes the rest goes at the
-    pace so far (a whole run's or a whole sweep's; no FLOP model involved)."""
-    if total <= 0:
-        raise ValueError(f"total must be >= 1, got {total}")
-    text = f"{what}: {done}/{total} {unit}, {duration(elapsed)} elapsed"
-    if 0 < done < total:
-        text += f", about {duration(elapsed / done * (total - done))} left"
-    elif done >= total:
-        text += ", done"
-    return text

@@ -16,7 +16,7 @@ from ..engine.config import FGH_FORMS, PAPER_FGH
 #: The options that make an FGH form (gamma aside): a label names the form, or what differs.
 FORM_KEYS = ("granularity", "direction", "apply", "clamp")
 
-METRIC_COLUMNS = ("AP", "A_T", "forgetting", "A_auc")
+METRIC_COLUMNS = ("AP", "A_T", "forgetting", "A_auc", "A_online")
 
 #: The rule every output (report, tables, figures) states for runs set aside.
 DUPLICATE_RULE = (
@@ -31,7 +31,9 @@ METRIC_NOTE = (
     "AP is the paper's metric (Sec. 4.1: the mean over task ends k of A_k, each A_k the mean "
     "over the tasks seen of their accuracy) and A_T its A_k after the last task; PILOT's log "
     'line "Average Accuracy (CNN)" is PILOT\'s own average (top-1 over all seen test images, '
-    "sample-weighted, averaged over task ends): not a number of the paper's tables."
+    "sample-weighted, averaged over task ends): not a number of the paper's tables. A_online is "
+    "the average online accuracy of Ghunaim et al. (CVPR 2023): each stream batch predicted by "
+    "the model as it stood before training on it (docs/protocol.md)."
 )
 
 #: The paper's method rows (adapters' ``paper_name``), in its tables' order.

@@ -385,7 +385,8 @@ def dry_run_listing(cells, configs, tflops: float | None) -> tuple[list[str], fl
     the total ideal seconds of the runs the FLOP model prices, and the total of training batch
     passes (steps x passes per step, over every run). The footer says what each figure assumes:
     an ideal figure is a floor, 50-70x below the paper's measured times."""
-    from .estimate import IDEAL_ASSUMES, calibration, duration
+    from ..core.progress import duration
+    from .estimate import IDEAL_ASSUMES, calibration
 
     estimate, what = estimator(tflops)
     fit = calibration()

@@ -5,6 +5,9 @@ Tables (file stems; each written as ``.md`` and ``.tex``):
 - ``all_acc_clear`` / ``all_acc_blurry`` (Tables 1-2): AP; rows are methods, each with its
   "+ ours" (+ P + FGH) row under it; columns are dataset x {5e-5, 5e-3, Best HP}.
 - ``total_clear`` / ``total_blurry``: the same layout for A_T (final average accuracy).
+- ``online_clear`` / ``online_blurry``: the same layout for A_online (average online accuracy:
+  each stream batch predicted before training on it, docs/protocol.md); only when some run
+  records it (results files of older versions do not).
 - ``ablation_<stream>``: base, + P, + FGH, + P + FGH per method, dataset x {5e-5, 5e-3}, AP.
 - ``task<k>_<stream>``: accuracy on task k at the end of training (the appendix's clear_t1...).
 - ``time_<dataset>_<stream>``: wall time (train + eval) and peak accelerator memory per row.
@@ -213,6 +216,7 @@ def load_rows(paths: Iterable[Path]) -> list[dict[str, Any]]:
                 "seed": config.get("seed"),
                 "AP": metrics.get("AP"),
                 "A_T": metrics.get("A_T"),
+                "A_online": metrics.get("A_online"),
                 "final_task_accuracies": metrics.get("final_task_accuracies") or [],
                 "seconds": (timing.get("train_seconds") or 0) + (timing.get("eval_seconds") or 0),
                 "peak_memory_bytes": timing.get("peak_memory_bytes"),
@@ -356,8 +360,8 @@ def _plain_value(table: Table, column: int, values: list[float]) -> str:
 
 
 def main_table(runs: list[dict[str, Any]], stream: str, metric: str = "AP") -> Table:
-    """Tables 1-2 (``AP``), the A_T tables (``A_T``), or one per-task table (``task<k>``: the
-    accuracy on task k at the end, 1-based)."""
+    """Tables 1-2 (``AP``), the A_T tables (``A_T``), the A_online tables (``A_online``), or
+    one per-task table (``task<k>``: the accuracy on task k at the end, 1-based)."""
     selected = [r for r in runs if r["stream"] == stream and r["row"] in ("base", "ours")]
     ignored = sum(1 for r in selected if column_of(r) is None)
     selected = [r for r in selected if column_of(r) is not None]
@@ -431,6 +435,14 @@ def _main_names(stream: str, metric: str) -> tuple[str, str, str]:
             f"Final performances $\\mathcal{{A}}_T$ (\\%) of all considered baselines, in the "
             f"{setting} setting. {tail}",
             f"tab:{short}_total",
+        )
+    if metric == "A_online":
+        return (
+            f"online_{short}",
+            "Average online accuracy $\\mathcal{A}_{online}$ (\\%, Ghunaim et al., 2023: each "
+            "stream batch predicted before training on it) of all considered baselines, in the "
+            f"{setting} setting. {tail}",
+            f"tab:{short}_online",
         )
     k = int(metric.removeprefix("task"))
     which = ORDINALS[k - 1] if k <= len(ORDINALS) else f"{k}th"
@@ -539,7 +551,8 @@ def build_tables(runs: list[dict[str, Any]]) -> list[Table]:
     """Every table the runs can fill."""
     tables: list[Table] = []
     streams = [s for s in STREAMS if any(r["stream"] == s for r in runs)]
-    for metric in ("AP", "A_T"):
+    online = ("A_online",) if any(_finite(r.get("A_online")) for r in runs) else ()
+    for metric in ("AP", "A_T", *online):
         tables += [main_table(runs, s, metric) for s in streams]
     for stream in streams:
         if any(r["stream"] == stream and r["row"] in ("p", "fgh_only") for r in runs):
@@ -601,6 +614,7 @@ def to_markdown(table: Table) -> str:
     ]
     caption = table.caption.replace(r"\textit{", "*").replace(r"\textbf{", "**")
     caption = caption.replace("$\\mathcal{A}_T$", "A_T").replace("$\\gamma$", "γ")
+    caption = caption.replace("$\\mathcal{A}_{online}$", "A_online")
     caption = re.sub(r"\$\\gamma=([^$]*)\$", r"γ = \1", caption)
     caption = caption.replace("\\%", "%").replace("\\_", "_")
     caption = _close_markup(caption)

@@ -535,13 +535,7 @@ class FineGrainedHypergradients:
             raise ValueError("a param group holds no parameter with requires_grad=True")
         options = _check_options({key: group.get(key, self.defaults[key]) for key in OPTION_KEYS})
 
-        seen_ids = {id(p) for g in self.param_groups for p in g["params"]}
-        seen_names = {n for g in self.param_groups for n in g["names"]}
-        for name, p in pairs:
-            if id(p) in seen_ids or name in seen_names:
-                raise ValueError(f"parameter {name!r} appears in more than one group (or twice)")
-            seen_ids.add(id(p))
-            seen_names.add(name)
+        self._check_new(pairs)
         names, params = [n for n, _ in pairs], [p for _, p in pairs]
         if options["granularity"] == "class":
             _check_class_group(names, params)
@@ -562,6 +556,13 @@ class FineGrainedHypergradients:
         # Every pair, frozen or not: a resume re-adds, in order, adapters the method has frozen
         # since (they get no gradient, so FGH never touches them).
         pairs = _named_pairs(named_params, "extend_group")
+        self._check_new(pairs)
+        for name, p in pairs:
+            group["params"].append(p)
+            group["names"].append(name)
+
+    def _check_new(self, pairs: list[tuple[str, Tensor]]) -> None:
+        """Each parameter, by identity and by name, in at most one group, once."""
         seen_ids = {id(p) for g in self.param_groups for p in g["params"]}
         seen_names = {n for g in self.param_groups for n in g["names"]}
         for name, p in pairs:
@@ -569,8 +570,6 @@ class FineGrainedHypergradients:
                 raise ValueError(f"parameter {name!r} appears in more than one group (or twice)")
             seen_ids.add(id(p))
             seen_names.add(name)
-            group["params"].append(p)
-            group["names"].append(name)
 
     # ------------------------------------------------------------------ the optimizer hook
 

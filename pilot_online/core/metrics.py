@@ -363,12 +363,24 @@ def _list_or_none(values: np.ndarray) -> list[Any]:
     return [_list_or_none(v) if np.ndim(v) else _number_or_none(v) for v in values]
 
 
+def online_accuracy(correct: int, samples: int) -> float | None:
+    """A_online (%): the stream samples predicted right by the model as it stood before training
+    on them, over the samples scored (sample-weighted, as Avalanche's accuracy metric that
+    Ghunaim et al. report); None when none was scored."""
+    if samples < 0 or not 0 <= correct <= samples:
+        raise ValueError(
+            f"online counts must satisfy 0 <= correct <= samples, got {correct}/{samples}"
+        )
+    return 100.0 * correct / samples if samples else None
+
+
 def summarize(
     acc: Any,
     *,
     periodic: Sequence[float] | None = None,
     per_class_history: Any | None = None,
     end_of_task: Sequence[float] | None = None,
+    online: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """All metrics in one JSON-friendly dict (NaN -> None).
 
@@ -378,6 +390,9 @@ def summarize(
     ``end_of_task``: sample-level accuracy over all exposed classes after each task
     (Si-Blurry ``A_avg`` = mean, ``A_last`` = last). Si-Blurry keys are None when their input
     is not given: they are sample-level numbers and cannot be derived from ``acc`` alone.
+    ``online``: (stream samples predicted right before training on them, samples scored), for
+    ``A_online`` (Ghunaim et al. 2023's average online accuracy, docs/protocol.md); None when
+    not given or nothing was scored.
     """
     matrix = _check_matrix(acc)
     end_values = None if end_of_task is None else np.asarray(end_of_task, dtype=np.float64)
@@ -394,6 +409,7 @@ def summarize(
         "A_auc": None if periodic is None else _number_or_none(area_under_curve(periodic)),
         "A_avg": None if finite_end is None else _number_or_none(_finite_mean(finite_end)),
         "A_last": (None if finite_end is None or not finite_end.size else float(finite_end[-1])),
+        "A_online": online_accuracy(*online) if online is not None else None,
         "F_last": (
             None
             if per_class_history is None

@@ -27,13 +27,18 @@ metrics.forgetting                         num|null      average forgetting (Cha
 metrics.A_auc                              num|null      Si-Blurry: mean of periodic accuracies
 metrics.A_avg                              num|null      Si-Blurry: mean of end-of-task accuracies
 metrics.A_last                             num|null      Si-Blurry: final accuracy
+metrics.A_online                           num|null      online accuracy: stream batches predicted
+                                                         before training on them (protocol.md)
 metrics.F_last                             num|null      Si-Blurry per-class forgetting (note)
 timing.train_seconds                       num           wall-clock seconds spent training
 timing.eval_seconds                        num           wall-clock seconds spent evaluating
+timing.online_eval_seconds                 num           A_online's eval-mode passes (not in
+                                                         train_seconds nor eval_seconds)
 timing.samples_per_second                  num           training throughput
 timing.peak_memory_bytes                   int|null      peak accelerator memory; null if unknown
 counters.optimizer_steps                   int           optimizer steps taken
 counters.samples_seen                      int           stream samples consumed
+counters.online_scored_samples             int           stream samples scored for A_online
 counters.skipped_nonfinite_steps           int           steps skipped: non-finite loss or grads
 counters.skipped_nonfinite_hypergradients  int           FGH updates skipped: non-finite values
 extra                                      object        free-form additions ({} if none)

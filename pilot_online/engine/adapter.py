@@ -115,6 +115,11 @@ class MethodAdapter:
     upstream_model: ClassVar[str | None] = None
     #: Every deliberate difference from upstream's code (:class:`UpstreamDifference`).
     upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = ()
+    #: Whether the training forward's logits on the stream batch are what evaluation would
+    #: predict at that moment (``forward(train=True)`` in train mode equals ``forward(train=False)``
+    #: in eval mode, per sample, with no evaluation view): then A_online costs nothing; otherwise
+    #: (the default: dropout, prompt votes, views) the loop runs an eval-mode pass before the step.
+    train_forward_predicts: ClassVar[bool] = False
     args: dict = field(default_factory=dict)
 
     # -- to override -------------------------------------------------------------------------

@@ -240,6 +240,13 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
         check=_fgh,
     ),
     "logit_mask": ConfigKey("batch", "training-loss logit mask", choices=LOGIT_MASKS),
+    "online_accuracy": ConfigKey(
+        False,
+        "score each stream batch before training on it (A_online, docs/protocol.md): an extra "
+        "eval-mode pass per batch, under the evaluation view, unless the method's training "
+        "forward predicts (train_forward_predicts); off by default for its cost",
+        check=boolean,
+    ),
     "consolidation": ConfigKey(
         None,
         "when a method's task-boundary step runs, from the stream alone (core/triggers.py); "
@@ -432,6 +439,18 @@ OFFLINE_KEYS = {
     "init_milestones": "online training uses a constant learning rate: remove it",
     "init_lr_decay": "online training uses a constant learning rate: remove it",
     "reinit_optimizer": "online training never resets the optimizer (no boundaries): remove it",
+    # The schedule keys of PILOT's classic configs (icarl.json, der.json, ...): one pass at one
+    # learning rate, so each is answered the same way, with what replaces it.
+    "init_epoch": "online training makes one pass: remove it",
+    "init_epochs": "online training makes one pass: remove it",
+    "later_epochs": "online training makes one pass: remove it",
+    "lrate": "online training has one learning rate, init_lr: set that, and remove lrate",
+    "later_lr": "online training has one learning rate, init_lr: set that, and remove later_lr",
+    "milestones": "online training uses a constant learning rate: remove it",
+    "lrate_decay": "online training uses a constant learning rate: remove it",
+    "init_weight_decay": (
+        "online training has one weight decay, weight_decay: set that, and remove init_weight_decay"
+    ),
 }
 
 

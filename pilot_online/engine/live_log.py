@@ -10,8 +10,12 @@ progress bar reads the device there too), so logging adds no per-step host sync:
 
 - ``train/loss``: the step's training loss (the sum of its terms); ``train/loss_<term>``: each
   term (``ce``, ``prototypes`` = L_P, ``method`` = the method's own loss, ...);
-- ``train/batch_accuracy``: accuracy (%) of the step's predictions on its stream batch, made
-  before the update (online accuracy); ``train/running_accuracy``: the same over the stream so far;
+- ``train/batch_accuracy``: accuracy (%) of the training forward on its stream batch (train
+  mode, the training logit mask), before the update; ``train/running_accuracy``: the same over
+  the stream so far;
+- ``online/batch_accuracy``: the batch's accuracy (%) as the model predicted it before training
+  on it (eval mode, classes seen before the batch: docs/protocol.md, A_online);
+  ``online/A_online``: the same over the stream so far (since the session started or resumed);
 - every ``log_interval`` steps and at each task end: ``fgh/alpha_{mean,std,min,max}`` over FGH's
   coefficients (``fgh/group<i>/...`` for several groups), ``gradient_imbalance/G_n/task_<k>``
   (running G^k_n, paper Sec. 5.1, over the tasks whose classes were seen, from the mean
@@ -83,6 +87,7 @@ class TensorBoardLogger:
         self.step = 0  # stream batches consumed
         self.correct = 0
         self.samples = 0
+        self.online_correct = 0
         self._pending: list[tuple[int, StepStats]] = []
         self._summarised_at = 0  # the step of the last alpha / imbalance summary
         self._closed = False
@@ -122,6 +127,7 @@ class TensorBoardLogger:
                 [
                     s.loss.float().reshape(()),
                     s.correct.float().reshape(()),
+                    _online(s).float().reshape(()),
                     *(
                         s.terms[n].float().reshape(())
                         if n in s.terms
@@ -135,7 +141,7 @@ class TensorBoardLogger:
         values = torch.stack(rows).cpu().numpy()  # the one host sync
         for step, s, row in zip(steps, stats, values):
             self.writer.add_scalar("train/loss", row[0], step)
-            for name, value in zip(names, row[2:]):
+            for name, value in zip(names, row[3:]):
                 self.writer.add_scalar(f"train/loss_{name}", value, step)
             self.correct += int(row[1])
             self.samples += s.samples
@@ -143,6 +149,12 @@ class TensorBoardLogger:
             self.writer.add_scalar(
                 "train/running_accuracy", 100.0 * self.correct / self.samples, step
             )
+            if s.online_correct is not None:
+                self.online_correct += int(row[2])
+                self.writer.add_scalar("online/batch_accuracy", 100.0 * row[2] / s.samples, step)
+                self.writer.add_scalar(
+                    "online/A_online", 100.0 * self.online_correct / self.samples, step
+                )
 
     def summarise(self) -> None:
         """FGH's alpha statistics and the gradient-imbalance summary at the current step."""
@@ -187,6 +199,13 @@ class TensorBoardLogger:
         if seen_norms.size and seen_norms.mean() > 0:
             ratio = float(seen_norms.max() / seen_norms.mean())
             self.writer.add_scalar("gradient_imbalance/max_over_mean", ratio, step)
+
+
+def _online(stats: StepStats) -> torch.Tensor:
+    """The step's A_online count, NaN where it was not scored."""
+    if stats.online_correct is None:
+        return stats.loss.new_tensor(math.nan)
+    return stats.online_correct
 
 
 def make_live_logger(

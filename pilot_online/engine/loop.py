@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,10 @@ class StepStats:
     skipped: bool = False
     #: The loss's terms by name (``ce``, ``prototypes``, ``method``, ...), detached.
     terms: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    #: Stream samples the model predicted right BEFORE this step (A_online, docs/protocol.md).
+    online_correct: torch.Tensor | None = None
+    #: Wall seconds of this step's A_online pass (0 on the free route), not training time.
+    online_seconds: float = 0.0
 
 
 #: The constant-LR optimisers of online training, by config name (the ``optimizer`` choices),
@@ -150,6 +155,8 @@ class OnlineLoop:
             lr_scales=[adapter.lr_scale(name, p) for name, p in self.named_parameters],
         )
         self.logit_mask = config.get("logit_mask", "batch")
+        # A_online (docs/protocol.md): each stream batch scored before the step trains on it.
+        self.online_accuracy = bool(config.get("online_accuracy", False))
         self.max_nonfinite_steps = int(config.get("max_nonfinite_steps", 10))
         self.seen = torch.zeros(num_classes, dtype=torch.bool, device=self.device)
         self.optimizer_steps = 0
@@ -275,9 +282,21 @@ class OnlineLoop:
         so for the methods without batch-level state this equals two passes, at less cost; with
         the prompt vote of L2P/DualPrompt the replayed samples vote too, and MVP counts their key
         use); the loss is the mean over both. Counters, accuracy and ``after_step`` cover the
-        stream batch only."""
+        stream batch only. ``online_correct`` is scored before anything of the step changes the
+        model (A_online): from the training forward where the adapter says it predicts
+        (``train_forward_predicts``) and no firing came first, else by :meth:`predict_online`."""
+        scored = self.online_accuracy
+        free = self.adapter.train_forward_predicts
+        online_correct, online_seconds = None, 0.0
+        if scored and not free:
+            online_correct, online_seconds = self._score_online(inputs, labels)
+        fires = self.trigger.update(labels)
+        if scored and fires and online_correct is None:  # the firing changes the model first
+            online_correct, online_seconds = self._score_online(inputs, labels)
+        seen_before = self.seen.clone() if scored and online_correct is None else None
         self._view = None  # derived from the state this step changes
-        self._consolidate_if_triggered(labels)
+        if fires:
+            self._consolidate(len(self.trigger.firings) - 1)
         replay = self.replay_batch(indices, labels)
         stream_size = len(labels)
         inputs = inputs.to(self.device, non_blocking=True)
@@ -305,11 +324,20 @@ class OnlineLoop:
             terms.update(self.loss_terms(out, batch_labels))
             loss = torch.stack([t.reshape(()) for t in terms.values()]).sum()
         correct = (logits[:stream_size].detach().argmax(1) == labels).sum()
+        if seen_before is not None:  # the training forward's raw logits, as evaluation masks them
+            online_correct = online_hits(out.logits[:stream_size], labels, seen_before)
         self.samples_seen += stream_size
         if not self.adapter.trains:  # it learns in observe(): no backward, no optimiser step
             detached = _detached(terms)
             self._observe(out, labels, stream_size, detached)
-            return StepStats(loss.detach(), correct, stream_size, terms=detached)
+            return StepStats(
+                loss.detach(),
+                correct,
+                stream_size,
+                terms=detached,
+                online_correct=online_correct,
+                online_seconds=online_seconds,
+            )
 
         loss.backward()
         # Terms the adapter backpropagates itself, one graph at a time (oLoRA's hard buffer):
@@ -325,7 +353,10 @@ class OnlineLoop:
         if grads:
             finite = finite & torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()
         if not finite:
-            return self._skip_nonfinite(loss, correct, stream_size, terms)
+            skipped = self._skip_nonfinite(loss, correct, stream_size, terms)
+            return dataclasses.replace(
+                skipped, online_correct=online_correct, online_seconds=online_seconds
+            )
         self._nonfinite_streak = 0
         self.transform_gradients()
         self._record_gradient_norms()
@@ -337,7 +368,42 @@ class OnlineLoop:
             self.reset_state(restarted)
             self._adopt_new_parameters()
         self._observe(out, labels, stream_size, detached)
-        return StepStats(loss.detach(), correct, stream_size, terms=detached)
+        return StepStats(
+            loss.detach(),
+            correct,
+            stream_size,
+            terms=detached,
+            online_correct=online_correct,
+            online_seconds=online_seconds,
+        )
+
+    def _score_online(
+        self, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, float]:
+        """:meth:`predict_online` and its wall time, between two device syncs (CUDA), so that
+        the pass's time is told apart from training's (it is evaluation, not the method's cost)."""
+        _synchronize(self.device)
+        start = time.perf_counter()
+        correct = self.predict_online(inputs, labels)
+        _synchronize(self.device)
+        return correct, time.perf_counter() - start
+
+    @torch.no_grad()
+    def predict_online(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """How many of the stream batch's samples the model as it stands predicts right, as
+        evaluation would (eval mode, the evaluation view, classes seen before the batch): the
+        A_online pass. Under no_grad and a forked RNG, so training goes on exactly as without
+        it (the view's tensors are swapped back; eval mode updates no running statistics)."""
+        inputs = inputs.to(self.device, non_blocking=True)
+        labels = labels.to(self.device, non_blocking=True).long()
+        state = capture_rng_state(self.device)
+        try:
+            with self.evaluation_view(), self.autocast():
+                self.adapter.eval_mode(self.network)
+                logits = self.adapter.forward(self.network, inputs, train=False).logits
+        finally:
+            restore_rng_state(state, self.device)
+        return online_hits(logits, labels, self.seen)
 
     def _observe(
         self,
@@ -357,12 +423,9 @@ class OnlineLoop:
         self.adapter.observe(self.network, out, labels)
         self.after_step(out, labels)
 
-    def _consolidate_if_triggered(self, labels: torch.Tensor) -> None:
-        """Before a step on the stream ``labels``: when the trigger fires, the adapter
+    def _consolidate(self, firing: int) -> None:
+        """Before a step, when the trigger fired (``firing``: its index): the adapter
         consolidates, and what it restarted loses its optimiser and FGH state."""
-        if not self.trigger.update(labels):
-            return
-        firing = len(self.trigger.firings) - 1
         logger.info("consolidation %d at stream sample %d", firing, self.samples_seen)
         restarted = list(self.adapter.consolidate(self.network, firing))
         if restarted:
@@ -616,6 +679,19 @@ def matmul_precision(mode: str) -> Iterator[None]:
     finally:
         torch.set_float32_matmul_precision(before[0])
         torch.backends.cudnn.allow_tf32 = before[1]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def online_hits(logits: torch.Tensor, labels: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """Samples whose prediction over the classes ``seen`` before their batch is right (a device
+    count). A class not yet seen cannot be predicted, so its samples count as wrong, and so does
+    every sample of the stream's first batch, when nothing has been seen."""
+    predicted = mask_logits(logits.detach().float(), seen).argmax(1)
+    return ((predicted == labels) & seen[labels]).sum()
 
 
 def _detached(terms: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from ..core import metrics
 from ..core.files import write_atomic
+from ..core.progress import progress_line
 from ..core.results import build_results, to_jsonable, write_results
 from ..core.rng import capture_rng_state, restore_rng_state
 from ..core.streams import Stream
@@ -191,6 +192,12 @@ class OnlineSession:
         self.train_seconds = 0.0
         self.eval_seconds = 0.0
         self.tasks_trained = 0
+        # A_online (docs/protocol.md): stream samples predicted right before training on them,
+        # counted on the device (read at log intervals and for results), and samples scored.
+        self.online_correct = torch.zeros((), device=loop.device, dtype=torch.long)
+        self.online_samples = 0
+        # Wall time of A_online's eval-mode passes: evaluation, kept out of train_seconds.
+        self.online_seconds = 0.0
         period = config.get("eval_period")
         self._next_periodic = period if period else None
         self.live_log = None  # live logging (``logger``): only built when asked for
@@ -241,6 +248,15 @@ class OnlineSession:
         with self.stop_signals:
             report = self.evaluate_task_end(task)
             self.task_reports.append(report)
+            # The whole run's progress, with an ETA at the pace so far (resumed time included).
+            logger.info(
+                progress_line(
+                    "run",
+                    task + 1,
+                    self.stream.num_tasks,
+                    self.train_seconds + self.eval_seconds + self.online_seconds,
+                )
+            )
             if self.checkpoint_path is not None and not last:
                 self.save_checkpoint(task + 1, 0)
             if self.stop_signals.received is not None and not last:  # the last: finish() says
@@ -323,10 +339,19 @@ class OnlineSession:
                 steps_in_window += 1
             correct_sum += stats.correct
             seen_in_window += stats.samples
+            if stats.online_correct is not None:
+                self.online_correct += stats.online_correct
+                self.online_samples += stats.samples
+            self.online_seconds += stats.online_seconds
+            self.train_seconds -= stats.online_seconds  # the step's timer includes the pass
             if step % interval == 0 or step == len(batch_indices):  # the only device reads
+                loss, correct, online = torch.stack(
+                    [loss_sum.float(), correct_sum.float(), self.online_correct.float()]
+                ).tolist()
                 bar.set_postfix(
-                    loss=f"{loss_sum.item() / max(steps_in_window, 1):.3f}",
-                    acc=f"{100.0 * correct_sum.item() / seen_in_window:.1f}",
+                    loss=f"{loss / max(steps_in_window, 1):.3f}",
+                    acc=f"{100.0 * correct / seen_in_window:.1f}",
+                    A_online=f"{100.0 * online / max(self.online_samples, 1):.1f}",
                 )
                 bar.update(step - bar.n)
                 loss_sum.zero_(), correct_sum.zero_()
@@ -442,6 +467,11 @@ class OnlineSession:
             "tasks_trained": self.tasks_trained,
             "train_seconds": self.train_seconds,
             "eval_seconds": self.eval_seconds,
+            "online": {
+                "correct": int(self.online_correct),
+                "samples": self.online_samples,
+                "seconds": self.online_seconds,
+            },
             "resumed_from": list(self.resumed_from),
             "loop": self.loop.state_dict(),
             "rng": capture_rng_state(self.loop.device),
@@ -465,6 +495,10 @@ class OnlineSession:
         self.batches_trained = int(state["batches_trained"])
         self.train_seconds = float(state["train_seconds"])
         self.eval_seconds = float(state["eval_seconds"])
+        online = state["online"]
+        self.online_correct.fill_(int(online["correct"]))
+        self.online_samples = int(online["samples"])
+        self.online_seconds = float(online["seconds"])
         self.resumed_from = list(state["resumed_from"])
         position = state["position"]
         self.resume_position = (int(position["task"]), int(position["step"]))
@@ -583,6 +617,7 @@ class OnlineSession:
             periodic=[p["accuracy"] for p in self.periodic] or None,
             per_class_history=history,
             end_of_task=self.end_of_task or None,
+            online=(int(self.online_correct), self.online_samples),
         )
         gradients = loop.gradient_statistics()
         diagnostics = loop.report()
@@ -606,6 +641,7 @@ class OnlineSession:
             timing={
                 "train_seconds": self.train_seconds,
                 "eval_seconds": self.eval_seconds,
+                "online_eval_seconds": self.online_seconds,
                 "samples_per_second": loop.samples_seen / self.train_seconds
                 if self.train_seconds
                 else None,
@@ -614,6 +650,7 @@ class OnlineSession:
             counters={
                 "optimizer_steps": loop.optimizer_steps,
                 "samples_seen": loop.samples_seen,
+                "online_scored_samples": self.online_samples,
                 "stream_length": len(self.stream),
                 "tasks_trained": self.tasks_trained,
                 "skipped_nonfinite_steps": loop.skipped_nonfinite_steps,

@@ -144,7 +144,8 @@ class OnlineLearner(BaseLearner):
         if self._cur_task == self.data_manager.nb_tasks - 1:
             results = self.session.finish()
             logger.info(
-                "AP %.2f  A_T %.2f  (results: %s)",
+                "AP %.2f  A_T %.2f  (AP is the paper's metric; PILOT's \"Average Accuracy "
+                '(CNN)" below is its own sample-weighted average; results: %s)',
                 results["metrics"]["AP"],
                 results["metrics"]["A_T"],
                 self.session.written_path,
