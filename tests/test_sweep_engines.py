@@ -112,6 +112,10 @@ def test_local_engine_gives_each_run_one_gpu(tmp_path, monkeypatch):
     finally:
         engine.close()
     assert lines[0] == "engine local: 2 run(s) at a time on GPUs 3,5"
+    # The whole sweep's progress after each run, with an ETA until the last.
+    progress = [line.rsplit("[", 1)[1] for line in lines[1:]]
+    assert [p.split(",")[0] for p in progress] == [f"sweep: {i}/4 runs" for i in range(1, 5)]
+    assert all("left" in p for p in progress[:3]) and progress[3].endswith(", done]")
     for job in jobs:
         seen = [line for line in job.log.read_text().splitlines() if line.startswith("GPU=")]
         assert seen in (["GPU=3"], ["GPU=5"])

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..core.progress import progress_line
+
 ENGINES = ("local", "ray")
 USAGE_ERROR = 2  # argparse / `pilot-online run` refusals: deterministic, never retried
 LOST = -1  # the engine lost the run (a Ray task that died on every try): no exit status
@@ -266,6 +268,7 @@ def run_jobs(
     """Every job through ``engine`` (all submitted at once; the engine bounds concurrency), each
     failure run again up to ``retries`` times; returns the last exit code of each job."""
     codes: dict[int, int] = {}
+    started = time.monotonic()
     pending: dict[concurrent.futures.Future[Attempt], tuple[int, int]] = {}
     for index, job in enumerate(jobs):
         pending[engine.start(job, 1)] = (index, 1)
@@ -285,5 +288,9 @@ def run_jobs(
                 continue
             codes[index] = code
             outcome = "done" if code == 0 else f"failed (exit {code}); log: {job.log}"
-            say(f"    {job.name}: {outcome} ({where}) [{len(codes)}/{len(jobs)} finished]")
+            # The whole sweep's progress, with an ETA at the pace so far.
+            sweep = progress_line(
+                "sweep", len(codes), len(jobs), time.monotonic() - started, "runs"
+            )
+            say(f"    {job.name}: {outcome} ({where}) [{sweep}]")
     return [codes[index] for index in range(len(jobs))]
