@@ -348,11 +348,13 @@ class OnlineSession:
                 loss, correct, online = torch.stack(
                     [loss_sum.float(), correct_sum.float(), self.online_correct.float()]
                 ).tolist()
-                bar.set_postfix(
-                    loss=f"{loss / max(steps_in_window, 1):.3f}",
-                    acc=f"{100.0 * correct / seen_in_window:.1f}",
-                    A_online=f"{100.0 * online / max(self.online_samples, 1):.1f}",
-                )
+                shown = {
+                    "loss": f"{loss / max(steps_in_window, 1):.3f}",
+                    "acc": f"{100.0 * correct / seen_in_window:.1f}",
+                }
+                if self.online_samples:  # scored only with online_accuracy on
+                    shown["A_online"] = f"{100.0 * online / self.online_samples:.1f}"
+                bar.set_postfix(**shown)
                 bar.update(step - bar.n)
                 loss_sum.zero_(), correct_sum.zero_()
                 seen_in_window = steps_in_window = 0
