@@ -327,17 +327,11 @@ class OnlineLoop:
         if seen_before is not None:  # the training forward's raw logits, as evaluation masks them
             online_correct = online_hits(out.logits[:stream_size], labels, seen_before)
         self.samples_seen += stream_size
+        online = {"online_correct": online_correct, "online_seconds": online_seconds}
         if not self.adapter.trains:  # it learns in observe(): no backward, no optimiser step
             detached = _detached(terms)
             self._observe(out, labels, stream_size, detached)
-            return StepStats(
-                loss.detach(),
-                correct,
-                stream_size,
-                terms=detached,
-                online_correct=online_correct,
-                online_seconds=online_seconds,
-            )
+            return StepStats(loss.detach(), correct, stream_size, terms=detached, **online)
 
         loss.backward()
         # Terms the adapter backpropagates itself, one graph at a time (oLoRA's hard buffer):
@@ -354,9 +348,7 @@ class OnlineLoop:
             finite = finite & torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()
         if not finite:
             skipped = self._skip_nonfinite(loss, correct, stream_size, terms)
-            return dataclasses.replace(
-                skipped, online_correct=online_correct, online_seconds=online_seconds
-            )
+            return dataclasses.replace(skipped, **online)
         self._nonfinite_streak = 0
         self.transform_gradients()
         self._record_gradient_norms()
@@ -368,14 +360,7 @@ class OnlineLoop:
             self.reset_state(restarted)
             self._adopt_new_parameters()
         self._observe(out, labels, stream_size, detached)
-        return StepStats(
-            loss.detach(),
-            correct,
-            stream_size,
-            terms=detached,
-            online_correct=online_correct,
-            online_seconds=online_seconds,
-        )
+        return StepStats(loss.detach(), correct, stream_size, terms=detached, **online)
 
     def _score_online(
         self, inputs: torch.Tensor, labels: torch.Tensor
