@@ -9,7 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pilot_online.core.memory import ReservoirMemory
+from pilot_online.core.memory import (
+    ClassBalancedMemory,
+    ReservoirMemory,
+    herding_order,
+    make_memory,
+    normalized,
+)
 
 
 class ScriptedDraws:
@@ -127,3 +133,113 @@ def test_bad_input_is_rejected_clearly():
         ReservoirMemory(2.5)
     with pytest.raises(ValueError, match="same length"):
         ReservoirMemory(2).add(np.arange(3), np.arange(2))
+
+
+# -- the class-balanced memories (upstream's exemplar quota, online) ---------------------------
+
+
+def test_the_quota_is_upstreams_samples_per_class():
+    """fixed_memory false: memory_size // classes seen; fixed: memory_per_class, never more than
+    the memory's size allows (10 // 3 = 3 < 4)."""
+    memory = ClassBalancedMemory(10, num_classes=5, seed=0)
+    memory.add(np.arange(4), np.array([0, 0, 1, 1]))
+    assert memory.quota == 5
+    memory.add(np.arange(4, 6), np.array([2, 2]))
+    assert memory.quota == 3
+    fixed = ClassBalancedMemory(10, num_classes=5, per_class=4, seed=0)
+    fixed.add(np.arange(4), np.array([0, 0, 1, 1]))
+    assert fixed.quota == 4
+    fixed.add(np.arange(4, 6), np.array([2, 2]))
+    assert fixed.quota == 3
+
+
+def test_a_class_share_is_a_reservoir_of_that_class():
+    """Class 0's stream samples 100..105 with quota 2 (capacity 4, two classes): 100 and 101
+    fill the share; sample n = 2 draws j in [0, 2] (high 3): 1 -> slot 1 := 102; n = 3: 3 >= 2,
+    dropped; n = 4: 0 -> slot 0 := 104; n = 5: 5, dropped. Class 1 never exceeds its quota."""
+    draws = ScriptedDraws([1, 3, 0, 5])
+    memory = ClassBalancedMemory(4, num_classes=3, rng=draws)
+    memory.add(np.array([100, 200, 101, 102, 103]), np.array([0, 1, 0, 0, 0]))
+    memory.add(np.array([104, 105, 201]), np.array([0, 0, 1]))
+    assert draws.highs == [3, 4, 5, 6]
+    assert memory.stored[0].tolist() == [104, 102]
+    assert memory.stored[1].tolist() == [200, 201]
+    assert memory.class_histogram(3).tolist() == [2, 2, 0]
+    assert memory.size == 4 and memory.num_seen == 8
+
+
+def test_a_new_class_trims_every_share_to_the_new_quota():
+    memory = ClassBalancedMemory(6, num_classes=4, seed=0)
+    memory.add(np.arange(8), np.array([0, 0, 0, 0, 1, 1, 1, 1]))
+    assert memory.class_histogram(4).tolist() == [3, 3, 0, 0]
+    memory.add(np.array([8]), np.array([2]))  # a third class: 6 // 3 = 2 each
+    assert memory.class_histogram(4).tolist() == [2, 2, 1, 0]
+    assert set(memory.stored[0].tolist()) <= {0, 1, 2, 3}
+
+
+def test_herding_order_by_hand():
+    """Target (1, 0): the first pick is the row nearest it, (1, 0.2); the second minimises
+    |target - (pick1 + x) / 2|: (1, -0.2) gives the mean (1, 0) exactly."""
+    vectors = np.array([[0.0, 1.0], [1.0, 0.2], [0.6, 0.0], [1.0, -0.2]])
+    assert herding_order(vectors, np.array([1.0, 0.0]), 2).tolist() == [1, 3]
+    assert herding_order(vectors, np.array([1.0, 0.0]), 9).tolist()[:2] == [1, 3]  # all four
+
+
+def test_herding_keeps_the_herding_selection_and_trims_to_its_prefix():
+    """Unit vectors at angles 0, 10, 80 and 90 degrees of one class, quota 2 (capacity 2, one
+    class): the class mean points at 45 degrees, 0.76 long; 10 and 80 degrees are nearest it (0.58
+    each, 0.71 for the others), and the tie goes to the earlier row, as upstream's argmin; then
+    80 degrees (the pair's mean lies 0.06 from the class mean). A second class halves the quota
+    to 1 and keeps the first pick."""
+    angles = np.deg2rad([0.0, 10.0, 80.0, 90.0])
+    features = np.stack([np.cos(angles), np.sin(angles)], 1) * 3.0  # normalised by the memory
+    memory = ClassBalancedMemory(2, num_classes=2, selection="herding", seed=0)
+    memory.add(np.array([10, 11, 12, 13]), np.zeros(4, dtype=int), features)
+    mean = normalized(features).mean(0)
+    assert herding_order(normalized(features), mean, 2).tolist() == [1, 2]
+    assert memory.stored[0].tolist() == [11, 12]
+    memory.add(np.array([20]), np.array([1]), np.array([[0.0, 1.0]]))
+    assert memory.stored[0].tolist() == [11] and memory.stored[1].tolist() == [20]
+
+
+def test_herding_chooses_among_the_stored_exemplars_and_the_new_samples():
+    """Two batches of one class give the same selection as one batch of both when every sample
+    stays a candidate (quota >= samples)."""
+    rng = np.random.default_rng(0)
+    features = rng.normal(size=(6, 3))
+    one = ClassBalancedMemory(8, num_classes=1, selection="herding", seed=0)
+    one.add(np.arange(6), np.zeros(6, dtype=int), features)
+    two = ClassBalancedMemory(8, num_classes=1, selection="herding", seed=0)
+    two.add(np.arange(3), np.zeros(3, dtype=int), features[:3])
+    two.add(np.arange(3, 6), np.zeros(3, dtype=int), features[3:])
+    assert one.stored[0].tolist() == two.stored[0].tolist()
+    np.testing.assert_allclose(one.means[0], normalized(features).mean(0))
+
+
+@pytest.mark.parametrize("selection", ["random", "herding"])
+def test_class_balanced_state_round_trip_continues_identically(selection):
+    rng = np.random.default_rng(1)
+    labels, features = rng.integers(0, 3, 30), rng.normal(size=(30, 4))
+    reference = ClassBalancedMemory(6, num_classes=3, selection=selection, seed=1)
+    reference.add(np.arange(15), labels[:15], features[:15])
+    restored = ClassBalancedMemory(6, num_classes=3, selection=selection, seed=99)
+    restored.load_state_dict(reference.state_dict())
+    for memory in (reference, restored):
+        memory.add(np.arange(15, 30), labels[15:], features[15:])
+    for c in range(3):
+        assert restored.stored[c].tolist() == reference.stored[c].tolist()
+    assert restored.sample(4)[0].tolist() == reference.sample(4)[0].tolist()
+    with pytest.raises(ValueError, match="er_memory_per_class"):
+        ClassBalancedMemory(6, 3, per_class=2, selection=selection).load_state_dict(
+            reference.state_dict()
+        )
+
+
+def test_class_balanced_bad_input_is_rejected_clearly():
+    with pytest.raises(ValueError, match="herding needs the features"):
+        ClassBalancedMemory(4, 2, selection="herding").add(np.arange(2), np.zeros(2, dtype=int))
+    with pytest.raises(ValueError, match='"random" or "herding"'):
+        ClassBalancedMemory(4, 2, selection="best")
+    with pytest.raises(ValueError, match="er_memory_per_class is a quota"):
+        make_memory("reservoir", 4, 2, per_class=2)
+    assert isinstance(make_memory("herding", 4, 2), ClassBalancedMemory)

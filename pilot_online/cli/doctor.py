@@ -364,8 +364,10 @@ def _paper_memory_mb(cfg: dict[str, Any]) -> float | None:
 
 def _method_state_bytes(cfg: dict[str, Any]) -> int:
     """What the method keeps beside its parameters (``MethodAdapter.state_bytes``: RanPAC's Gram
-    matrix, FeCAM's covariances), for the config's dataset's class count."""
+    matrix, FeCAM's covariances; the engine teacher's snapshot), for the config's dataset's class
+    count."""
     from ..engine.registry import get_method
+    from ..engine.teacher import teacher_bytes
     from .estimate import dataset_size
 
     try:
@@ -373,7 +375,8 @@ def _method_state_bytes(cfg: dict[str, Any]) -> int:
         classes = dataset_size(cfg).classes
     except (KeyError, ValueError):  # no registered method, or a dataset of unknown size
         return 0
-    return int(adapter.state_bytes({**cfg, "nb_classes": classes}))
+    teacher = teacher_bytes(classes) if adapter.keeps_teacher else 0
+    return int(adapter.state_bytes({**cfg, "nb_classes": classes})) + teacher
 
 
 def _test_images(cfg: dict[str, Any]) -> int:

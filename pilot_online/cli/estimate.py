@@ -9,9 +9,12 @@ data ``cli/flops.json`` that this module reads (no PILOT, no torch needed here).
 A run's FLOPs (:func:`run_flops`):
 
 - **training**: every training image once (online: one pass over the stream), at the step's
-  FLOPs; experience replay adds ``er_batch_size / batch_size`` more images per stream image, and
-  oLoRA its ``hard_buffer_size`` buffered batches (forward and backward with ``hard_loss``, else
-  forward only), both counted as if full from the first step (an upper bound). P and FGH add
+  FLOPs; experience replay adds ``er_batch_size / batch_size`` more images per stream image; a
+  method with the engine teacher (``keeps_teacher``) adds the teacher's forward (a test
+  forward) on every training image, counted from the first step (an upper bound: the teacher
+  exists from the first firing on); oLoRA adds its ``hard_buffer_size`` buffered batches
+  (forward and backward with ``hard_loss``, else forward only), both counted as if full from
+  the first step (an upper bound). P and FGH add
   element-wise work only (no matrix products): nothing here.
 - **evaluation**: one evaluation per task, over the test images of the classes seen so far (the
   clear stream's ``init_cls`` + ``increment`` schedule; a Si-Blurry run is counted the same).
@@ -120,6 +123,16 @@ def _method_default(method: str, key: str, fallback: Any) -> Any:
     return spec.default if spec is not None else fallback
 
 
+def keeps_teacher(method: str) -> bool:
+    """Whether the method runs the engine teacher on each training batch (``keeps_teacher``)."""
+    try:
+        from ..engine.registry import get_method
+
+        return bool(get_method(method).keeps_teacher)
+    except (ImportError, ValueError):
+        return False
+
+
 def dataset_size(cfg: Mapping[str, Any]) -> DatasetSize:
     """The run's dataset sizes: the paper's datasets, or the plugin's synthetic ones."""
     name = str(cfg.get("dataset") or "").lower()
@@ -162,10 +175,13 @@ def run_flops(cfg: Mapping[str, Any], table: Mapping[str, Any] | None = None) ->
     batch = int(cfg.get("batch_size", 100))
 
     step = counts["train_flops_per_image"]
-    per_stream_image = step
+    trained_per_stream_image = 1.0  # images in the training batch per stream image
     if int(cfg.get("er_memory_size", _method_default(method, "er_memory_size", 0)) or 0) > 0:
         replayed = int(cfg.get("er_batch_size", _method_default(method, "er_batch_size", batch)))
-        per_stream_image += step * replayed / batch
+        trained_per_stream_image += replayed / batch
+    per_stream_image = step * trained_per_stream_image
+    if keeps_teacher(method):  # the engine teacher's forward on every training image
+        per_stream_image += counts["test_flops_per_image"] * trained_per_stream_image
     buffered = int(cfg.get("hard_buffer_size", _method_default(method, "hard_buffer_size", 0)))
     if buffered:
         hard_loss = bool(cfg.get("hard_loss", _method_default(method, "hard_loss", True)))

@@ -674,6 +674,27 @@ class FineGrainedHypergradients:
                     {"alpha": state["alpha"]} if shared_alpha and "alpha" in state else {}
                 )
 
+    def replace_parameter(self, old: Tensor, new: Tensor | None) -> None:
+        """``new`` takes ``old``'s place in its group (None: ``old`` leaves it), as a method
+        replaces its classifier by a wider one at a firing (DER). What FGH stored about ``old``
+        (signals, moments) is dropped; an alpha that is not element-wise (one per class row, per
+        tensor or global) carries over to ``new`` where its shape still fits."""
+        for group in self.param_groups:
+            position = next((i for i, p in enumerate(group["params"]) if p is old), None)
+            if position is None:
+                continue
+            state = self.state.pop(old, None) or {}
+            if new is None:
+                del group["params"][position], group["names"][position]
+                return
+            group["params"][position] = new
+            alpha = state.get("alpha")
+            keeps = group["granularity"] != "element" and alpha is not None
+            if keeps and (alpha.ndim == 0 or alpha.shape[0] == new.shape[0]):
+                self.state[new] = {"alpha": alpha}
+            return
+        raise ValueError("replace_parameter: the parameter is in no group of this FGH")
+
     @staticmethod
     def _alpha_owner(group: dict[str, Any], p: Tensor) -> Tensor:
         """The parameter whose state holds the alpha that scales ``p``."""

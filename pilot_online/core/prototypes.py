@@ -112,6 +112,24 @@ class PrototypeBank(torch.nn.Module):
         self.means.add_((batch_sums - batch_counts_f * self.means) / new_counts_f)
         self.counts.copy_(new_counts)
 
+    @torch.no_grad()
+    def replace_means(self, means: torch.Tensor) -> None:
+        """New class means ``[C, D']`` for the same classes and counts: the classifier now reads
+        features of width ``D'`` (a method grew its network; the adapter mapped the old means)."""
+        if means.dim() != 2 or means.shape[0] != self.num_classes:
+            raise ValueError(
+                f"means must have shape [{self.num_classes}, D], got {tuple(means.shape)}"
+            )
+        self.means = means.detach().to(self.means.device).clone()
+        self.feature_dim = int(means.shape[1])
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        """A saved bank of another width (its network grew at a firing) loads at that width."""
+        saved = state_dict.get(prefix + "means")
+        if saved is not None and saved.shape[1] != self.feature_dim:
+            self.replace_means(saved.to(self.means.dtype))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     @property
     def seen(self) -> torch.Tensor:
         """Bool ``[C]``: classes with at least one sample (the paper's ``C_old``)."""

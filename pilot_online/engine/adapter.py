@@ -17,6 +17,7 @@ Adapters import PILOT lazily (inside ``build_network``), so registering one need
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -39,6 +40,27 @@ class StepOutput:
     features: torch.Tensor
     aux_loss: torch.Tensor | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class TrainingBatch:
+    """One training step's batch, as a method's :meth:`MethodAdapter.loss_terms` sees it.
+
+    The rows are the stream batch (the first ``stream_size``) and then any replayed samples.
+    ``known`` is upstream's ``_known_classes`` online: the classes seen before the last
+    consolidation firing (none before the first). ``teacher`` is the engine teacher's output on
+    ``inputs`` (a frozen snapshot of the network taken at the last firing, run in eval mode
+    without gradients) for a method with ``keeps_teacher``, once a firing has taken one; else
+    None, as upstream's first task has no old network."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    stream_size: int
+    #: Bool ``[C]``: classes seen so far, this batch's stream samples included.
+    seen: torch.Tensor
+    #: Bool ``[C]``: classes seen before the last consolidation firing (the teacher's classes).
+    known: torch.Tensor
+    teacher: StepOutput | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +142,18 @@ class MethodAdapter:
     #: in eval mode, per sample, with no evaluation view): then A_online costs nothing; otherwise
     #: (the default: dropout, prompt votes, views) the loop runs an eval-mode pass before the step.
     train_forward_predicts: ClassVar[bool] = False
+    #: Whether the method distils from its own past: the loop then keeps a frozen snapshot of
+    #: the network (:meth:`make_teacher`), taken at each consolidation firing before
+    #: :meth:`consolidate` runs (upstream's ``_old_network = self._network.copy().freeze()`` at a
+    #: task end), on the loop's device, in every checkpoint, in ``doctor``'s memory and the FLOP
+    #: model's passes; its outputs on each training batch reach :meth:`loss_terms`
+    #: (``batch.teacher``). ``engine/teacher.py``.
+    keeps_teacher: ClassVar[bool] = False
+    #: The learning rate and training logit mask the generated paper configs use when the
+    #: paper's hp_grid table has no row for the method (``scripts/make_exps.py``); None: the
+    #: shared ``DEFAULT_LR`` (5e-3) and ``"batch"``. ``docs/methods.md`` gives each one's reason.
+    default_lr: ClassVar[float | None] = None
+    default_logit_mask: ClassVar[str | None] = None
     args: dict = field(default_factory=dict)
 
     # -- to override -------------------------------------------------------------------------
@@ -185,11 +219,38 @@ class MethodAdapter:
         return dict(args.get("backbone_kwargs") or {})
 
     def loss_terms(
-        self, network: nn.Module, inputs: torch.Tensor, labels: torch.Tensor
+        self, network: nn.Module, out: StepOutput, batch: TrainingBatch
     ) -> dict[str, torch.Tensor]:
-        """Loss terms of the method's own beyond ``aux_loss`` (oLoRA: hard-buffer replay and its
-        regulariser), by name; added to the step's loss. None by default."""
+        """Loss terms of the method's own beyond ``aux_loss``, by name, added to the step's loss:
+        they see the training forward's outputs ``out``, the inputs and labels, the classes seen
+        and known, and the teacher's outputs (:class:`TrainingBatch`): iCaRL's distillation,
+        DER's auxiliary head, oLoRA's regulariser. Called once per training step, inside the
+        autocast of the forward. None by default."""
         return {}
+
+    # -- the engine teacher (``keeps_teacher``) -------------------------------------------------
+    def make_teacher(self, network: nn.Module) -> nn.Module:
+        """The frozen snapshot the loop keeps at a firing: a deep copy of ``network`` with no
+        gradients, in eval mode (upstream's ``copy().freeze()``). Override to keep less."""
+        teacher = copy.deepcopy(network)
+        teacher.requires_grad_(False)
+        return teacher.eval()
+
+    def teacher_forward(self, teacher: nn.Module, x: torch.Tensor) -> StepOutput:
+        """The teacher's pass on a training batch (no gradients, eval mode): :meth:`forward` with
+        ``train=False`` by default, as upstream calls ``_old_network(inputs)`` after ``freeze``."""
+        return self.forward(teacher, x, train=False)
+
+    def map_prototypes(self, network: nn.Module, means: torch.Tensor) -> torch.Tensor:
+        """Online prototypes after a firing changed the classifier's input width (DER adds a
+        backbone, so the head reads wider features): the class means ``[C, D_old]`` in the new
+        feature space ``[C, D_new]``. Only a method whose firings grow its features overrides
+        it; the default refuses, naming this hook."""
+        raise NotImplementedError(
+            f"{type(self).__name__}'s classifier changed its input width at a firing, so the "
+            "online prototypes no longer fit it: implement map_prototypes(network, means) to "
+            "map the class means into the new feature space"
+        )
 
     def extra_backward(
         self, network: nn.Module, autocast: Callable[[], AbstractContextManager]

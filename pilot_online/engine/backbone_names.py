@@ -23,6 +23,12 @@ with ``UnboundLocalError``. The branches, read from upstream:
 
 from __future__ import annotations
 
+#: ViT-B/16's size, for memory estimates made without building it (``state_bytes``, the
+#: engine teacher in ``doctor``): its parameters without a head (timm 0.6.13, 224 px) and its
+#: feature width.
+VIT_B16_PARAMETERS = 85_798_656
+VIT_B16_WIDTH = 768
+
 #: timm's plain ViT-B/16, built by the first branch of ``get_backbone`` whatever the model.
 PLAIN_VIT: tuple[str, ...] = (
     "vit_base_patch16_224",

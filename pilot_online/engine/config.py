@@ -32,6 +32,7 @@ from ..core.datasets import dataset_names
 from ..core.fgh import OPTION_KEYS as FGH_KEYS
 from ..core.fgh import validate_options as validate_fgh_options
 from ..core.masks import LOGIT_MASKS
+from ..core.memory import MEMORIES
 from ..core.streams import BLURRED_SELECTIONS, STREAMS
 from ..core.triggers import TRIGGERS
 from .adapter import ConfigKey
@@ -179,10 +180,21 @@ PILOT_KEYS: dict[str, ConfigKey] = {
         None, "PILOT dataset name, or a plugin one such as 'synthetic'", check=_dataset
     ),
     "memory_size": ConfigKey(
-        0, "PILOT's rehearsal memory: always 0 online (replay: er_memory_size)", forced=True
+        0,
+        "PILOT's rehearsal memory, built at task ends: always 0 online; the online memory is "
+        "er_memory_size",
+        forced=True,
     ),
-    "memory_per_class": ConfigKey(0, "rehearsal memory per class: always 0 online", forced=True),
-    "fixed_memory": ConfigKey(False, "PILOT memory option: unused online", forced=True),
+    "memory_per_class": ConfigKey(
+        0,
+        "PILOT's per-class quota: always 0 online; the online one is er_memory_per_class",
+        forced=True,
+    ),
+    "fixed_memory": ConfigKey(
+        False,
+        "PILOT's fixed quota switch: unused online; set er_memory_per_class for a fixed quota",
+        forced=True,
+    ),
     "shuffle": ConfigKey(
         True, "shuffle the class order with the seed (PILOT DataManager)", check=boolean
     ),
@@ -350,6 +362,20 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
     ),
     "er_batch_size": ConfigKey(
         100, "memory samples replayed beside each stream batch", check=integer(1)
+    ),
+    "er_memory": ConfigKey(
+        MEMORIES[0],
+        "which memory replay keeps (core/memory.py): reservoir (the paper's ER, uniform over "
+        "the stream), class_balanced (upstream's per-class quota, each share a uniform sample "
+        "of its class) or herding (the same quota, each share chosen by online herding)",
+        choices=MEMORIES,
+    ),
+    "er_memory_per_class": ConfigKey(
+        None,
+        "class-balanced memories: null, a quota of er_memory_size // classes seen (upstream's "
+        "fixed_memory false), or at most this many per class (fixed_memory true, "
+        "memory_per_class)",
+        check=optional(integer(1)),
     ),
     "allow_memory": ConfigKey(
         False,
@@ -618,12 +644,12 @@ def _check_consolidation(cfg: dict[str, Any], adapter: Any) -> None:
 def _check_replay(cfg: dict[str, Any], raw: Mapping[str, Any], adapter: Any) -> None:
     """Experience replay is on iff ``er_memory_size > 0``; only memory-based rows keep samples."""
     replay = cfg["er_memory_size"] > 0
-    default_batch = ONLINE_KEYS["er_batch_size"].default
     name = cfg["model_name"]
     if adapter.memory_based and not replay:
+        size = {**ONLINE_KEYS, **adapter.config_keys}["er_memory_size"].default
         raise ConfigError(
-            f"{name} is experience replay: er_memory_size must be > 0 (the paper: 1000); "
-            "for the same model without memory use the memory-free row"
+            f"{name} keeps a replay memory (memory_based): er_memory_size must be > 0 (its "
+            f"default is {size}); remove the key to use the default"
         )
     if replay and not adapter.memory_based and not cfg["allow_memory"]:
         raise ConfigError(
@@ -633,12 +659,48 @@ def _check_replay(cfg: dict[str, Any], raw: Mapping[str, Any], adapter: Any) -> 
             '"allow_memory": true to add replay deliberately'
         )
     # A resolved config (every key written out, as `pilot-online run` and sweep pass it on) holds
-    # the default: only a changed value asks for replay that is off.
-    if not replay and raw.get("er_batch_size", default_batch) != default_batch:
+    # the defaults: only a changed value asks for replay that is off.
+    schema = {**ONLINE_KEYS, **adapter.config_keys}
+    for key in ("er_batch_size", "er_memory", "er_memory_per_class"):
+        if not replay and raw.get(key, schema[key].default) != schema[key].default:
+            raise ConfigError(
+                f"{key} is set but experience replay is off (er_memory_size is 0): remove it, "
+                "or set er_memory_size"
+            )
+    if cfg["er_memory"] == "reservoir" and cfg["er_memory_per_class"] is not None:
         raise ConfigError(
-            "er_batch_size is set but experience replay is off (er_memory_size is 0): remove it, "
-            "or set er_memory_size"
+            "er_memory_per_class is a quota of the class-balanced memories, and er_memory is "
+            '"reservoir": set er_memory to "class_balanced" or "herding", or remove it'
         )
+
+
+def replay_keys(
+    memory_size: int,
+    memory: str = "reservoir",
+    per_class: int | None = None,
+    why: str = "",
+) -> dict[str, ConfigKey]:
+    """The replay defaults a memory-based method declares (``memory_based = True`` and these in
+    its ``config_keys``): its memory's size and kind, and the per-class quota, as upstream's
+    config sets ``memory_size``, ``fixed_memory`` and ``memory_per_class``. ``why``: where the
+    values come from, shown in the key reference. The checks are the online keys' own."""
+    check_choice("er_memory", memory, MEMORIES)
+    source = f" ({why})" if why else ""
+    return {
+        "er_memory_size": ConfigKey(
+            int(memory_size),
+            f"replay memory size{source}",
+            check=ONLINE_KEYS["er_memory_size"].check,
+        ),
+        "er_memory": ConfigKey(
+            memory, ONLINE_KEYS["er_memory"].doc, choices=ONLINE_KEYS["er_memory"].choices
+        ),
+        "er_memory_per_class": ConfigKey(
+            per_class,
+            ONLINE_KEYS["er_memory_per_class"].doc,
+            check=ONLINE_KEYS["er_memory_per_class"].check,
+        ),
+    }
 
 
 def key_reference() -> str:

@@ -29,8 +29,9 @@ from ..core.fgh import class_grad_norms
 from ..core.masks import classes_present, mask_logits, training_mask
 from ..core.rng import capture_rng_state, restore_rng_state
 from ..core.triggers import make_trigger
-from .adapter import MethodAdapter, StepOutput
+from .adapter import MethodAdapter, StepOutput, TrainingBatch
 from .eval_cache import QueryCache
+from .teacher import Teacher
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +160,10 @@ class OnlineLoop:
         self.online_accuracy = bool(config.get("online_accuracy", False))
         self.max_nonfinite_steps = int(config.get("max_nonfinite_steps", 10))
         self.seen = torch.zeros(num_classes, dtype=torch.bool, device=self.device)
+        # Classes seen before the last firing (upstream's _known_classes), and the engine teacher
+        # (``engine/teacher.py``) of a method with ``keeps_teacher``, both set at each firing.
+        self.known = torch.zeros(num_classes, dtype=torch.bool, device=self.device)
+        self.teacher: Teacher | None = None
         self.optimizer_steps = 0
         self.samples_seen = 0
         self.skipped_nonfinite_steps = 0
@@ -234,12 +239,47 @@ class OnlineLoop:
             else:
                 group["params"].append(p)
 
+    def replace_parameters(
+        self, replaced: list[tuple[str, nn.Parameter, nn.Parameter | None]]
+    ) -> None:
+        """The method put a new tensor under a name the loop trains (``(name, old, new)``; new
+        None: the name is gone). The new one takes the old one's place in its optimiser group,
+        with no state: upstream makes a new optimiser at each task, and Adam's moments of a
+        differently shaped tensor cannot carry over. Mixins update their own components."""
+        for name, old, new in replaced:
+            group, position = next(
+                (g, i)
+                for g in self.optimizer.param_groups
+                for i, p in enumerate(g["params"])
+                if p is old
+            )
+            self.optimizer.state.pop(old, None)
+            if new is None:
+                del group["params"][position]
+                continue
+            if float(self.adapter.lr_scale(name, new)) != group["lr_scale"]:
+                raise ValueError(
+                    f"{name} was replaced by a parameter with another lr_scale: a replacement "
+                    "keeps its predecessor's learning rate"
+                )
+            group["params"][position] = new
+
     def _adopt_new_parameters(self, saved_names: Iterable[str] = ()) -> None:
         """Re-read the adapter's trainable parameters (after a firing or a method's restart) and
         adopt those the loop has not seen. ``saved_names`` (a resume): the checkpoint's
         parameters, in its order, adopted even if the method has frozen them since."""
-        known = {name for name, _ in self.named_parameters}
         everything = dict(self.network.named_parameters())
+        replaced = [
+            (n, p, everything.get(n))
+            for n, p in self.named_parameters
+            if everything.get(n) is not p
+        ]
+        if replaced:  # a firing put new tensors under known names (DER's wider head), or none
+            self.named_parameters = [
+                (n, everything[n]) for n, _ in self.named_parameters if n in everything
+            ]
+            self.replace_parameters(replaced)
+        known = {name for name, _ in self.named_parameters}
         new = [(n, everything[n]) for n in saved_names if n not in known and n in everything]
         known.update(n for n, _ in new)
         new += [
@@ -320,7 +360,10 @@ class OnlineLoop:
             terms = {"ce": self.adapter.classification_loss(self.network, out, batch_labels, mask)}
             if out.aux_loss is not None:
                 terms["method"] = out.aux_loss
-            terms.update(self.adapter.loss_terms(self.network, inputs, batch_labels))
+            batch = TrainingBatch(
+                inputs, batch_labels, stream_size, self.seen, self.known, self._teach(inputs)
+            )
+            terms.update(self.adapter.loss_terms(self.network, out, batch))
             terms.update(self.loss_terms(out, batch_labels))
             loss = torch.stack([t.reshape(()) for t in terms.values()]).sum()
         correct = (logits[:stream_size].detach().argmax(1) == labels).sum()
@@ -412,10 +455,19 @@ class OnlineLoop:
         """Before a step, when the trigger fired (``firing``: its index): the adapter
         consolidates, and what it restarted loses its optimiser and FGH state."""
         logger.info("consolidation %d at stream sample %d", firing, self.samples_seen)
+        self.known = self.seen.clone()
+        if self.adapter.keeps_teacher:  # the task-end state, before the method's boundary step
+            self.teacher = None  # the old snapshot's memory is free before the copy is made
+            self.teacher = Teacher.take(self.adapter, self.network, self.known, firing)
         restarted = list(self.adapter.consolidate(self.network, firing))
         if restarted:
             self.reset_state(restarted)
         self._adopt_new_parameters()
+
+    def _teach(self, inputs: torch.Tensor) -> StepOutput | None:
+        """The teacher's outputs on the training batch (inside the forward's autocast), or None
+        before the first firing and for methods without one."""
+        return None if self.teacher is None else self.teacher.forward(self.adapter, inputs)
 
     def _skip_nonfinite(self, loss, correct, samples, terms) -> StepStats:
         self.skipped_nonfinite_steps += 1
@@ -480,6 +532,8 @@ class OnlineLoop:
             "grad_trace": None if trace is None else (torch.stack(trace) if trace else []),
             "query_cache": self.query_cache.state_dict(),
             "trigger": self.trigger.state_dict(),
+            "known": self.known,
+            "teacher": None if self.teacher is None else self.teacher.state_dict(self.network),
         }
 
     @torch.no_grad()
@@ -510,6 +564,11 @@ class OnlineLoop:
                     )
                 tensor.copy_(saved[name])
         self.trigger.load_state_dict(state["trigger"])
+        self.known.copy_(state["known"])
+        teacher = state["teacher"]
+        self.teacher = (
+            None if teacher is None else Teacher.from_state(self.adapter, self.network, teacher)
+        )
         self.optimizer.load_state_dict(state["optimizer"])
         self.seen.copy_(state["seen"])
         self.optimizer_steps = int(state["optimizer_steps"])

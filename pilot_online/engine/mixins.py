@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..core.fgh import FineGrainedHypergradients, validate_options
-from ..core.memory import ReservoirMemory
+from ..core.memory import ClassBalancedMemory, ReservoirMemory, make_memory
 from ..core.prototypes import PrototypeBank
 
 if TYPE_CHECKING:
@@ -44,6 +44,17 @@ class PrototypeMixin:
     def after_step(self: OnlineLoop, out: StepOutput, labels: torch.Tensor) -> None:
         super().after_step(out, labels)
         self.prototypes.update(out.features, labels, validate=False)
+
+    def replace_parameters(self: OnlineLoop, replaced: list) -> None:
+        """A firing replaced the classifier (DER's wider head): the adapter maps the class means
+        into its new feature space (:meth:`MethodAdapter.map_prototypes`); the counts stay."""
+        super().replace_parameters(replaced)
+        layer = self.adapter.classifier(self.network)
+        if not any(new is layer.weight for _, _, new in replaced):
+            return
+        with torch.no_grad():
+            means = self.adapter.map_prototypes(self.network, self.prototypes.means)
+        self.prototypes.replace_means(means.to(layer.weight.dtype))
 
     def state_dict(self: OnlineLoop) -> dict[str, Any]:
         return {**super().state_dict(), "prototypes": self.prototypes.state_dict()}
@@ -92,6 +103,13 @@ class FGHMixin:
     def reset_state(self: OnlineLoop, params: list[torch.nn.Parameter]) -> None:
         super().reset_state(params)
         self.fgh.reset_state(params)
+
+    def replace_parameters(self: OnlineLoop, replaced: list) -> None:
+        super().replace_parameters(replaced)
+        covered = {id(p) for g in self.fgh.param_groups for p in g["params"]}
+        for _, old, new in replaced:
+            if id(old) in covered:
+                self.fgh.replace_parameter(old, new)
 
     def adopt_parameters(self: OnlineLoop, named: list[tuple[str, torch.nn.Parameter]]) -> None:
         """Parameters a method added at a firing join FGH's group (alpha 1 at their first
@@ -151,12 +169,15 @@ def _run_seed(seed: Any) -> int:
 
 
 class ReplayMixin:
-    """Online-loop mixin: experience replay (ER) from a reservoir memory of the stream.
+    """Online-loop mixin: experience replay from a memory of the stream (``er_memory``:
+    ``core/memory.py``'s reservoir, class-balanced or herding memory).
 
     Each step draws ``er_batch_size`` stored samples (before this batch enters the memory), loads
     them through the training transforms (``OnlineLoop.sample_loader``, attached by the session)
-    and trains on them beside the stream batch; the stream batch is then offered to the
-    reservoir. The memory holds dataset indices and labels only.
+    and trains on them beside the stream batch; the stream batch is then offered to the memory:
+    before the forward pass, or, for herding, which ranks samples by their features, after the
+    step with the stream batch's (pre-update) features; a skipped non-finite step then offers
+    nothing. The memory holds dataset indices and labels (and herding, normalised features).
 
     With a keyed loader (``keyed = True``, as ``PilotDataSource.train_samples``), the next step's
     draw is made right after this step's batch is stored and handed to ``loader.prefetch``, so a
@@ -164,18 +185,23 @@ class ReplayMixin:
     before its step, so its augmentations do not depend on the number of workers.
     """
 
-    memory: ReservoirMemory
+    memory: ReservoirMemory | ClassBalancedMemory
 
     def setup(self: OnlineLoop) -> None:
         super().setup()
-        self.memory = ReservoirMemory(
-            int(self.config["er_memory_size"]), seed=_run_seed(self.config.get("seed", 0))
+        self.memory = make_memory(
+            self.config.get("er_memory", "reservoir"),
+            int(self.config["er_memory_size"]),
+            self.num_classes,
+            self.config.get("er_memory_per_class"),
+            seed=_run_seed(self.config.get("seed", 0)),
         )
         self.replay_size = int(self.config.get("er_batch_size", 100))
-        # The next step's draw, made as soon as this step's batch is stored (the reservoir's
+        # The next step's draw, made as soon as this step's batch is stored (the memory's
         # generator runs in the same order as drawing at the next step would), so that a keyed
         # loader's worker loads it while this step computes.
         self.next_draw: np.ndarray | None = None
+        self._offered: tuple[np.ndarray, np.ndarray] | None = None  # herding: after the step
 
     def replay_batch(
         self: OnlineLoop, indices: np.ndarray | None, labels: torch.Tensor
@@ -186,33 +212,51 @@ class ReplayMixin:
                 "experience replay needs each stream batch's dataset indices: call "
                 "train_step(inputs, labels, indices)"
             )
-        drawn = (
-            self.next_draw
-            if self.next_draw is not None
-            else self.memory.sample(self.replay_size)[0]
-        )
-        step = self.memory.num_seen  # unique per step: stream samples offered before it
+        drawn, self.next_draw = self.next_draw, None
+        if drawn is None:
+            drawn = self.memory.sample(self.replay_size)[0]
+        step = self.samples_seen  # unique per step: stream samples offered before it
         # Labels come from the data loader, on the host: no device sync.
-        self.memory.add(np.asarray(indices), labels.detach().cpu().numpy())
+        offered = np.asarray(indices), labels.detach().cpu().numpy()
+        if self.memory_needs_features:
+            self._offered = offered  # stored after the step, with its features
+        else:
+            self.memory.add(*offered)
         load = self.sample_loader
         keyed = getattr(load, "keyed", False)  # loads keyed by step, and may prefetch
-        self.next_draw = self.memory.sample(self.replay_size)[0] if keyed else None
-        if not len(drawn):
-            memory_inputs = None
-        elif load is None:
+        if len(drawn) and load is None:
             raise RuntimeError(
                 "experience replay has no way to load memory samples: the session must call "
                 "loop.attach_samples(data.train_samples)"
             )
-        else:
+        if len(drawn):
             memory_inputs, memory_labels = load(drawn, step) if keyed else load(drawn)
-        if keyed:
-            load.prefetch(self.next_draw, self.memory.num_seen)
-        if memory_inputs is None:
+        if not self.memory_needs_features:
+            self._draw_next(step + len(offered[0]))
+        if not len(drawn):
             return replay
         if replay is None:
             return memory_inputs, memory_labels
         return torch.cat([replay[0], memory_inputs]), torch.cat([replay[1], memory_labels])
+
+    @property
+    def memory_needs_features(self: OnlineLoop) -> bool:
+        return bool(getattr(self.memory, "needs_features", False))
+
+    def _draw_next(self: OnlineLoop, step: int) -> None:
+        """With a keyed loader: the next step's draw, made now and prefetched (key ``step``)."""
+        load = self.sample_loader
+        if getattr(load, "keyed", False):
+            self.next_draw = self.memory.sample(self.replay_size)[0]
+            load.prefetch(self.next_draw, step)
+
+    def after_step(self: OnlineLoop, out: StepOutput, labels: torch.Tensor) -> None:
+        super().after_step(out, labels)
+        if self._offered is not None:  # herding ranks the stream batch by its features
+            indices, host_labels = self._offered
+            self._offered = None
+            self.memory.add(indices, host_labels, out.features.detach().float().cpu().numpy())
+            self._draw_next(self.samples_seen)
 
     def state_dict(self: OnlineLoop) -> dict[str, Any]:
         return {
@@ -229,6 +273,7 @@ class ReplayMixin:
     def report(self: OnlineLoop) -> dict[str, Any]:
         report = super().report()
         report["experience_replay"] = {
+            "memory": self.config.get("er_memory", "reservoir"),
             "capacity": self.memory.capacity,
             "size": self.memory.size,
             "batch_size": self.replay_size,

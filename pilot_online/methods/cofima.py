@@ -37,14 +37,9 @@ from torch import nn
 
 from ..core.checks import boolean, real
 from ..engine.adapter import ConfigKey, UpstreamDifference
-from ..engine.backbone_names import PLAIN_VIT
+from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, VIT_B16_WIDTH
 from ..engine.registry import register_method
 from .slca import SLCAOnline
-
-#: Parameters of a ViT-B/16 without a head (timm ``vit_base_patch16_224``, ``num_classes=0``)
-#: and its feature width: every ``backbone_type`` of these methods is one (``state_bytes``).
-VIT_B16_PARAMETERS = 85_798_656
-VIT_B16_FEATURES = 768
 
 
 @torch.no_grad()
@@ -298,7 +293,7 @@ class CoFiMAOnline(SLCAOnline):
     def state_bytes(cls, args: Mapping[str, Any]) -> int:
         """SLCA's class statistics and three fp32 copies of the trainable weights (the anchor,
         the previous Fisher and the period's Fisher sum)."""
-        weights = VIT_B16_PARAMETERS + int(args["nb_classes"]) * (VIT_B16_FEATURES + 1)
+        weights = VIT_B16_PARAMETERS + int(args["nb_classes"]) * (VIT_B16_WIDTH + 1)
         return super().state_bytes(args) + 3 * 4 * weights
 
     def report(self) -> dict[str, Any]:

@@ -40,9 +40,9 @@ from torch import nn
 from ..core.checks import boolean, real
 from ..core.prototypes import PrototypeBank
 from ..engine.adapter import ConfigKey, StepOutput, UpstreamDifference
-from ..engine.backbone_names import PLAIN_VIT
+from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, VIT_B16_WIDTH
 from ..engine.registry import register_method
-from .cofima import VIT_B16_FEATURES, VIT_B16_PARAMETERS, _to
+from .cofima import _to
 from .finetune import FinetuneOnline
 
 
@@ -397,7 +397,7 @@ class DUCTOnline(FinetuneOnline):
     @classmethod
     def state_bytes(cls, args: Mapping[str, Any]) -> int:
         """One fp32 copy of the backbone (the anchor) and three fp32 ``C x D`` class means."""
-        return 4 * VIT_B16_PARAMETERS + 3 * 4 * int(args["nb_classes"]) * VIT_B16_FEATURES
+        return 4 * VIT_B16_PARAMETERS + 3 * 4 * int(args["nb_classes"]) * VIT_B16_WIDTH
 
     def report(self) -> dict[str, Any]:
         return {

@@ -30,11 +30,11 @@ from torch import nn
 
 from ..core.checks import real
 from ..engine.adapter import ConfigKey, UpstreamDifference
+from ..engine.backbone_names import VIT_B16_WIDTH
 from ..engine.registry import register_method
 from .ranpac import FIRST_SESSION_DIFFERENCES, FirstSessionAnalyticOnline, Tensors
 
 #: The feature width of every backbone FeCAM accepts (ViT-B/16), for :meth:`state_bytes`.
-VIT_B_WIDTH = 768
 
 
 def row_corrcoef(matrices: torch.Tensor) -> torch.Tensor:
@@ -76,7 +76,7 @@ class FeCAMOnline(FirstSessionAnalyticOnline):
     def state_bytes(cls, args: Mapping[str, Any]) -> int:
         """Per class: a d x d outer-product sum and a d-sum (float64), and two heads' means and
         d x d precisions (float32: training's buffers and evaluation's view)."""
-        c, d = int(args["nb_classes"]), VIT_B_WIDTH
+        c, d = int(args["nb_classes"]), VIT_B16_WIDTH
         return c * (d * d + d + 1) * 8 + 2 * c * (d * d + d) * 4
 
     def attach(self, network: nn.Module, args: Mapping[str, Any]) -> nn.Module:

@@ -78,7 +78,7 @@ from ..core.lora import (
     hard_buffer_candidates,
     importance_loss,
 )
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, TrainingBatch
 from ..engine.registry import register_method
 
 logger = logging.getLogger(__name__)
@@ -268,7 +268,7 @@ class OLoRAOnline(MethodAdapter):
         return super().classification_loss(network, out, labels, mask)
 
     def loss_terms(
-        self, network: nn.Module, inputs: torch.Tensor, labels: torch.Tensor
+        self, network: nn.Module, out: StepOutput, batch: TrainingBatch
     ) -> dict[str, torch.Tensor]:
         penalty = self.regularizer.penalty(self._lora)
         return {} if penalty is None else {"importance": penalty}

@@ -1,0 +1,105 @@
+"""The engine teacher: a frozen snapshot of the network, taken at a consolidation firing.
+
+Upstream's distilling methods (iCaRL, COIL, DGR) copy and freeze their network at each task end
+(``self._old_network = self._network.copy().freeze()``) and, through the next task, add a loss
+between the network's logits and the old network's on the same inputs. Online, a method sets
+``keeps_teacher`` and the loop keeps that snapshot here: taken at each firing before the method's
+``consolidate`` runs (the task-end state), on the loop's device, run on every training batch
+without gradients, and in every checkpoint, so that no method handles copies, devices or resumes.
+
+Checkpoints store only the snapshot's tensors that differ from the network's own when the
+checkpoint is written: the frozen weights (most of a prompt method's ViT) equal the network's,
+which the checkpoint restores first, so a snapshot adds what training changed since the firing,
+not a second copy of everything. :meth:`Teacher.state_dict` checks each tensor (``torch.equal``)
+rather than assuming which ones trained.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .backbone_names import VIT_B16_PARAMETERS, VIT_B16_WIDTH
+
+if TYPE_CHECKING:
+    from .adapter import MethodAdapter, StepOutput
+
+
+class Teacher:
+    """A frozen network snapshot, the classes seen when it was taken, and its firing."""
+
+    def __init__(self, module: nn.Module, classes: torch.Tensor, firing: int) -> None:
+        self.module = module
+        for p in module.parameters():  # gradients of the last step are not part of the snapshot
+            p.grad = None
+        #: Bool ``[C]``: the classes seen before the snapshot (upstream's ``_known_classes``).
+        self.classes = classes.clone()
+        self.firing = int(firing)
+
+    @classmethod
+    def take(
+        cls, adapter: MethodAdapter, network: nn.Module, classes: torch.Tensor, firing: int
+    ) -> Teacher:
+        """Snapshot ``network`` as the adapter's :meth:`~MethodAdapter.make_teacher` does."""
+        return cls(adapter.make_teacher(network), classes, firing)
+
+    @torch.no_grad()
+    def forward(self, adapter: MethodAdapter, inputs: torch.Tensor) -> StepOutput:
+        """The snapshot's outputs on a training batch: eval mode, no gradients."""
+        self.module.eval()
+        return adapter.teacher_forward(self.module, inputs)
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
+
+    @torch.no_grad()
+    def state_dict(self, network: nn.Module) -> dict[str, Any]:
+        """The snapshot's tensors that differ from ``network``'s same-named ones now, the names
+        of those that equal them, its classes and firing."""
+        own = network.state_dict(keep_vars=True)
+        differs, same = {}, []
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
+            mine = own.get(name)
+            if (
+                mine is not None
+                and mine.shape == tensor.shape
+                and mine.dtype == tensor.dtype
+                and torch.equal(mine.detach(), tensor.detach())
+            ):
+                same.append(name)
+            else:
+                differs[name] = tensor.detach().clone()
+        return {"differs": differs, "same": same, "classes": self.classes, "firing": self.firing}
+
+    @classmethod
+    @torch.no_grad()
+    def from_state(
+        cls, adapter: MethodAdapter, network: nn.Module, state: dict[str, Any]
+    ) -> Teacher:
+        """Rebuild the snapshot from :meth:`state_dict` and ``network`` as restored from the same
+        checkpoint (which holds the tensors the snapshot shared with it)."""
+        module = adapter.make_teacher(network)
+        tensors = module.state_dict(keep_vars=True)
+        saved = set(state["differs"]) | set(state["same"])
+        if saved != set(tensors):
+            raise ValueError(
+                "the checkpoint's teacher does not fit the network's structure: missing "
+                f"{sorted(set(tensors) - saved)[:5]}, unexpected {sorted(saved - set(tensors))[:5]}"
+            )
+        for name, value in state["differs"].items():
+            if tensors[name].shape != value.shape:
+                raise ValueError(
+                    f"teacher tensor {name} has shape {tuple(value.shape)} in the checkpoint, "
+                    f"{tuple(tensors[name].shape)} in the network"
+                )
+            tensors[name].copy_(value)
+        classes = state["classes"].to(next(iter(tensors.values())).device)
+        return cls(module, classes, int(state["firing"]))
+
+
+def teacher_bytes(num_classes: int) -> int:
+    """The snapshot's memory for ``doctor``: a ViT-B/16 with a head over ``num_classes``, fp32
+    (the distilling ports' networks; a method that keeps less overrides ``make_teacher``)."""
+    return 4 * (VIT_B16_PARAMETERS + int(num_classes) * (VIT_B16_WIDTH + 1))
