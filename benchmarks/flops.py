@@ -14,6 +14,8 @@ else the smoke config) at 224 px with random weights on the CPU, and counts with
 - ``test_flops_per_image``: ``adapter.forward(train=False)``.
 
 P and FGH are element-wise (no matrix products), so the base variant stands for all four rows.
+A network that grows at its firings (``MethodAdapter.grows``: DER, MEMO, FOSTER) is also counted
+after 1 and 2 firings (``by_firings``), which the FLOP model extends task by task.
 It writes them, with the torch and timm versions, to the package data
 ``pilot_online/cli/flops.json`` (``--no-write`` to leave it; ``--table-only`` to skip counting
 and print from it), then prints the predicted GPU compute time of one CUB run (clear, 20 tasks,
@@ -83,9 +85,15 @@ def count(fn) -> tuple[int, Any]:
     return counter.get_total_flops(), result
 
 
-def count_method(method: str, args: argparse.Namespace) -> dict[str, float]:
+#: Firings a growing network (``MethodAdapter.grows``) is counted after: 0, 1 and 2, enough for
+#: the FLOP model to extend a linear (DER, MEMO) or settling (FOSTER) growth.
+GROWTH_FIRINGS = 2
+
+
+def count_method(method: str, args: argparse.Namespace) -> dict[str, Any]:
     """FLOPs per image of ``method``'s training step, training forward, query pass and test
-    forward."""
+    forward; for a network that grows at its firings, also after each of
+    :data:`GROWTH_FIRINGS` firings (``by_firings``)."""
     from pilot_online.engine.registry import get_method
     from pilot_online.pilot.backbones import timm_overrides
 
@@ -94,16 +102,40 @@ def count_method(method: str, args: argparse.Namespace) -> dict[str, float]:
     torch.manual_seed(0)
     with timm_overrides(adapter.backbone_kwargs(config)):
         network = adapter.build_network(config)
+        counts = count_network(adapter, network, args)
+        if not adapter.grows:
+            return counts
+        by_firings = [counts]
+        for firing in range(GROWTH_FIRINGS):
+            adapter.consolidate(network, firing)
+            by_firings.append(count_network(adapter, network, args))
+    return {**counts, "by_firings": by_firings}
+
+
+def count_network(adapter: Any, network: torch.nn.Module, args: argparse.Namespace) -> dict:
+    """FLOPs per image of one network as it stands (see :func:`count_method`). The teacher's
+    forward of a distilling method is not in it: the FLOP model adds a test forward for it."""
+    from pilot_online.engine.adapter import TrainingBatch
+
     generator = torch.Generator().manual_seed(0)
     x = torch.rand(args.batch, 3, 224, 224, generator=generator)
     y = torch.randint(0, args.classes, (args.batch,), generator=generator)
 
     adapter.train_mode(network)
 
+    seen = torch.ones(args.classes, dtype=torch.bool)
+    known = torch.arange(args.classes) < args.classes // 2  # the first half: old classes
+
     def forward():
         out = adapter.forward(network, x, train=True)
         loss = adapter.classification_loss(network, out, y, None)
-        return loss if out.aux_loss is None else loss + out.aux_loss.reshape(())
+        if out.aux_loss is not None:
+            loss = loss + out.aux_loss.reshape(())
+        # The method's own terms (DER's auxiliary head, FOSTER's student): part of its step.
+        batch = TrainingBatch(x, y, len(y), seen, known, teacher=None)
+        for term in adapter.loss_terms(network, out, batch).values():
+            loss = loss + term.reshape(())
+        return loss
 
     forward_flops, loss = count(forward)
     backward_flops = 0
@@ -151,6 +183,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         begin = time.perf_counter()
         table["methods"][method] = count_method(method, args)
         row = table["methods"][method]
+        growth = row.get("by_firings")
+        if growth:
+            print(
+                f"{method:24} grows: train "
+                + " / ".join(f"{c['train_flops_per_image'] / 1e9:.1f}" for c in growth)
+                + " GFLOP/img after 0/1/2 firings"
+            )
         print(
             f"{method:24} train {row['train_flops_per_image'] / 1e9:7.1f} GFLOP/img  "
             f"test {row['test_flops_per_image'] / 1e9:6.1f}  query "

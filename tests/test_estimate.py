@@ -70,6 +70,25 @@ def test_replay_and_the_hard_buffer_add_passes(table):
     assert no_loss["train"] == pytest.approx(9430 * (3e9 + 4 * 2e9))
 
 
+def test_a_growing_network_costs_more_each_task(monkeypatch):
+    """Counted after 0, 1 and 2 firings at 3, 5 and 7 GFLOP a training image (2, 3, 4 a test
+    image): task t of CUB's 20 (one firing at each boundary) trains 9,430 / 20 images at
+    3 + 2t GFLOP and evaluates 2,358 (t + 1) / 20 images at 2 + t."""
+    counts = [
+        {"train_flops_per_image": 3e9 + 2e9 * k, "train_forward_flops_per_image": 1e9,
+         "query_flops_per_image": 0.0, "test_flops_per_image": 2e9 + 1e9 * k}
+        for k in range(3)
+    ]  # fmt: skip
+    grows = {"methods": {"er_online": {**counts[0], "by_firings": counts}}}
+    monkeypatch.setattr(estimate, "load_flops", lambda: grows)
+    assert estimate.flops_at(grows["methods"]["er_online"], 5)["train_flops_per_image"] == 13e9
+    flops = estimate.run_flops(cub("er_online", er_memory_size=0))
+    train = sum(9430 / 20 * (3e9 + 2e9 * t) for t in range(20))
+    evaluation = sum(2358 * (t + 1) / 20 * (2e9 + 1e9 * t) for t in range(20))
+    assert flops["train"] == pytest.approx(train)
+    assert flops["eval"] == pytest.approx(evaluation)
+
+
 def test_image_size_scales_by_tokens_and_unknowns_are_refused(table):
     small = estimate.run_flops(cub("coda_online", backbone_kwargs={"img_size": 32}))
     full = estimate.run_flops(cub("coda_online"))

@@ -165,15 +165,27 @@ def seen_fractions(classes: int, init_cls: int, increment: int) -> list[float]:
     return [min(classes, init_cls + t * increment) / classes for t in range(tasks)]
 
 
-def run_flops(cfg: Mapping[str, Any], table: Mapping[str, Any] | None = None) -> dict[str, float]:
-    """``{"train": FLOPs, "eval": FLOPs, "total": FLOPs}`` of one run (one seed) of ``cfg``."""
-    method = str(cfg["model_name"])
-    counts = method_flops(method, table)
-    size = dataset_size(cfg)
-    img_size = int((cfg.get("backbone_kwargs") or {}).get("img_size", MEASURED_IMG_SIZE))
-    scale = _tokens(img_size) / _tokens(MEASURED_IMG_SIZE)
-    batch = int(cfg.get("batch_size", 100))
+def flops_at(counts: Mapping[str, Any], firings: int) -> dict[str, float]:
+    """A method's per-image counts after ``firings`` consolidation firings. A network that grows
+    at its firings (``MethodAdapter.grows``: DER and MEMO add a branch, FOSTER a boosting branch
+    and a student) was counted at 0, 1, 2, ... firings (``by_firings``); past the last count the
+    last increment repeats (linear growth; a constant cost repeats a zero increment)."""
+    steps = counts.get("by_firings")
+    if not steps:
+        return {k: float(v) for k, v in counts.items() if not isinstance(v, (list, dict))}
+    if firings < len(steps):
+        return dict(steps[firings])
+    last, before = steps[-1], steps[-2] if len(steps) > 1 else steps[-1]
+    extra = firings - (len(steps) - 1)
+    return {k: last[k] + extra * (last[k] - before[k]) for k in last}
 
+
+def step_flops_per_stream_image(cfg: Mapping[str, Any], counts: Mapping[str, float]) -> float:
+    """Training FLOPs per stream image of one step of ``cfg`` (counts at 224 px, unscaled): the
+    step on the stream image and its share of replayed images, the teacher's forward on both,
+    oLoRA's buffered batches."""
+    method = str(cfg["model_name"])
+    batch = int(cfg.get("batch_size", 100))
     step = counts["train_flops_per_image"]
     trained_per_stream_image = 1.0  # images in the training batch per stream image
     if int(cfg.get("er_memory_size", _method_default(method, "er_memory_size", 0)) or 0) > 0:
@@ -187,21 +199,45 @@ def run_flops(cfg: Mapping[str, Any], table: Mapping[str, Any] | None = None) ->
         hard_loss = bool(cfg.get("hard_loss", _method_default(method, "hard_loss", True)))
         per_buffered = step if hard_loss else counts["train_forward_flops_per_image"]
         per_stream_image += buffered * per_buffered
-    train = size.train * per_stream_image
+    return per_stream_image
+
+
+def run_flops(cfg: Mapping[str, Any], table: Mapping[str, Any] | None = None) -> dict[str, float]:
+    """``{"train": FLOPs, "eval": FLOPs, "total": FLOPs}`` of one run (one seed) of ``cfg``.
+
+    Task by task of the clear stream's schedule (a firing at each task boundary, as the methods'
+    default ``new_classes`` trigger gives): task ``t`` trains its classes' share of the images
+    at the counts after ``t`` firings and is evaluated at them."""
+    method = str(cfg["model_name"])
+    counts = method_flops(method, table)
+    size = dataset_size(cfg)
+    img_size = int((cfg.get("backbone_kwargs") or {}).get("img_size", MEASURED_IMG_SIZE))
+    scale = _tokens(img_size) / _tokens(MEASURED_IMG_SIZE)
 
     fractions = seen_fractions(
         size.classes, int(cfg.get("init_cls", 10)), int(cfg.get("increment", 10))
     )
-    passes = size.test * sum(fractions)  # test images evaluated over the task-end evaluations
+    shares = [b - a for a, b in zip([0.0, *fractions[:-1]], fractions)]
+    per_task = [flops_at(counts, t) for t in range(len(fractions))]
+    train = sum(
+        size.train * share * step_flops_per_stream_image(cfg, c)
+        for share, c in zip(shares, per_task)
+    )
+    # Test images evaluated at each task end (all seen classes), at that task's counts.
+    passes = [size.test * f for f in fractions]
     period = cfg.get("eval_period")
-    if period:
-        passes += size.test * (size.train // int(period)) * sum(fractions) / len(fractions)
-    test, query = counts["test_flops_per_image"], counts.get("query_flops_per_image", 0.0)
-    cached = query > 0 and cfg.get("eval_query_cache", "auto") != "off"
-    if cached:  # the query pass once per test image ever evaluated (all seen by the last task)
-        evaluation = passes * (test - query) + size.test * fractions[-1] * query
-    else:
-        evaluation = passes * test
+    if period:  # periodic evaluations over the average seen share, spread over the tasks
+        extra = size.test * (size.train // int(period)) * sum(fractions) / len(fractions)
+        passes = [p + extra / len(fractions) for p in passes]
+    evaluation = 0.0
+    for images, c in zip(passes, per_task):
+        test, query = c["test_flops_per_image"], c.get("query_flops_per_image", 0.0)
+        cached = query > 0 and cfg.get("eval_query_cache", "auto") != "off"
+        evaluation += images * (test - query if cached else test)
+    last = per_task[-1]
+    if last.get("query_flops_per_image", 0.0) > 0 and cfg.get("eval_query_cache", "auto") != "off":
+        # The cached query pass: once per test image ever evaluated (all seen by the last task).
+        evaluation += size.test * fractions[-1] * last["query_flops_per_image"]
     train, evaluation = train * scale, evaluation * scale
     return {"train": train, "eval": evaluation, "total": train + evaluation}
 

@@ -149,6 +149,10 @@ class MethodAdapter:
     #: model's passes; its outputs on each training batch reach :meth:`loss_terms`
     #: (``batch.teacher``). ``engine/teacher.py``.
     keeps_teacher: ClassVar[bool] = False
+    #: Whether a firing adds to the network's per-image compute (DER and MEMO add a branch per
+    #: firing, FOSTER a boosting branch and a student): ``benchmarks/flops.py`` then counts the
+    #: network after 0, 1 and 2 firings, and the FLOP model grows the cost task by task.
+    grows: ClassVar[bool] = False
     #: The learning rate and training logit mask the generated paper configs use when the
     #: paper's hp_grid table has no row for the method (``scripts/make_exps.py``); None: the
     #: shared ``DEFAULT_LR`` (5e-3) and ``"batch"``. ``docs/methods.md`` gives each one's reason.
@@ -245,7 +249,8 @@ class MethodAdapter:
         """Online prototypes after a firing changed the classifier's input width (DER adds a
         backbone, so the head reads wider features): the class means ``[C, D_old]`` in the new
         feature space ``[C, D_new]``. Only a method whose firings grow its features overrides
-        it; the default refuses, naming this hook."""
+        it; the default refuses, naming this hook. The loop maps the herding memory's stored
+        features with it too (rows of any count): map each row alike."""
         raise NotImplementedError(
             f"{type(self).__name__}'s classifier changed its input width at a firing, so the "
             "online prototypes no longer fit it: implement map_prototypes(network, means) to "
