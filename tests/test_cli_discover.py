@@ -39,10 +39,11 @@ def test_methods_lists_paper_name_rows_trigger_and_keys(capsys) -> None:
     rows = _table(capsys.readouterr().out)
     assert set(rows) == set(registry.list_methods())
     # By hand, from the adapters' declarations (methods/coda.py, cofima.py, simplecil.py).
-    coda = ["coda_online", "CODA", "base,+P,+FGH,+P+FGH", "never", "prompt_param"]
+    coda = ["coda_online", "CODA", "base,+P,+FGH,+P+FGH", "never", "-", "prompt_param"]
     assert rows["coda_online"] == coda
     assert rows["cofima_online"][1:4] == ["CoFiMA", "base,+P,+FGH,+P+FGH", "new_classes"]
     assert rows["simplecil_online"][2] == "base"
+    assert rows["er_online"][4] == "reservoir 1000"  # methods/finetune.py: REPLAY_KEYS
 
 
 def test_methods_filter_and_keys(capsys) -> None:

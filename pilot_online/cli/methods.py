@@ -1,5 +1,6 @@
 """``pilot-online methods``: every registered method with its paper name, the ablation rows it
-runs, its default consolidation trigger and its own config keys; a filter narrows the list.
+runs, its default consolidation trigger, its memory (and whether it distils from the engine
+teacher) and its own config keys; a filter narrows the list.
 
 Methods registered from outside the package (the ``pilot_online.methods`` entry point group,
 ``engine/registry.py``) are listed too, with the module they come from.
@@ -15,7 +16,20 @@ from ..engine.registry import get_method, list_methods
 
 #: The paper's names of the ablation rows (``engine.config.VARIANTS``).
 ROW_NAMES = {"base": "base", "p": "+P", "fgh_only": "+FGH", "fgh": "+P+FGH"}
-HEADER = ("name", "paper name", "rows", "default trigger", "keys")
+HEADER = ("name", "paper name", "rows", "default trigger", "memory", "keys")
+
+
+def memory_of(adapter: Any) -> str:
+    """``herding 2000`` (the declared memory, its size and per-class cap), ``-`` without one;
+    ``+ teacher`` for a method that distils from the engine teacher."""
+    memory = "-"
+    if adapter.memory_based:
+        keys = adapter.config_keys
+        kind = keys["er_memory"].default if "er_memory" in keys else "reservoir"
+        size = keys["er_memory_size"].default if "er_memory_size" in keys else "?"
+        cap = keys["er_memory_per_class"].default if "er_memory_per_class" in keys else None
+        memory = f"{kind} {size}" + (f" ({cap}/class)" if cap else "")
+    return memory + (" + teacher" if adapter.keeps_teacher else "")
 
 
 def method_rows(pattern: str = "") -> list[dict[str, Any]]:
@@ -34,6 +48,7 @@ def method_rows(pattern: str = "") -> list[dict[str, Any]]:
                 "paper_name": adapter.paper_name or "-",
                 "rows": [ROW_NAMES.get(v, v) for v in adapter.variants],
                 "default_trigger": adapter.default_consolidation,
+                "memory": memory_of(adapter),
                 "keys": keys,
                 "module": adapter.__module__,
             }
@@ -50,6 +65,7 @@ def format_methods(records: list[dict[str, Any]], with_keys: bool = False) -> st
             r["paper_name"],
             ",".join(r["rows"]),
             r["default_trigger"],
+            r["memory"],
             ", ".join(r["keys"]) or "-",
         )
         for r in records
