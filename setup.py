@@ -44,7 +44,9 @@ setup(
         # "pretrained_path": a .safetensors file (pilot/backbones.py imports it only then).
         "safetensors": ["safetensors"],
         # matplotlib: tests/test_report_demo.py and test_figures.py render the figures.
-        "test": ["pytest", "ruff", "safetensors", "matplotlib"],
+        # pot: upstream's models/coil.py imports it, and tests/test_transport.py checks
+        # core/transport.py's Sinkhorn against its ot.sinkhorn (the runtime never imports it).
+        "test": ["pytest", "ruff", "safetensors", "matplotlib", "pot"],
     },
     entry_points={
         "console_scripts": ["pilot-online=pilot_online.cli:main"],

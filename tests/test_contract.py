@@ -422,31 +422,29 @@ def test_runs_through_pilot_main(pilot_main_run, name, variant, stream):
 
 
 # -- the promise: one file and one import line -------------------------------------------------
-#: The porting page's example adapter: this test runs it, so the walk-through stays true.
+#: The porting page's example adapters: this test runs each, so the walk-throughs stay true.
 PORTING_PAGE = REPO / "docs" / "porting.md"
 EXAMPLE_MARKER = "<!-- contract-test: methods/"
-
-
-def porting_example() -> tuple[str, str, str]:
-    """(file name, method name, source) of the adapter docs/porting.md walks through: the first
-    ``python`` block after its ``contract-test`` marker."""
-    page = PORTING_PAGE.read_text(encoding="utf-8")
-    assert EXAMPLE_MARKER in page, f"{PORTING_PAGE} lost its contract-test example"
-    after = page.split(EXAMPLE_MARKER, 1)[1]
-    file_name = after.split(" ", 1)[0].strip()
-    source = after.split("```python\n", 1)[1].split("```", 1)[0]
-    method = re.search(r'@register_method\("([a-z0-9_]+)"\)', source).group(1)
-    return file_name, method, source
-
-
 WALKTHROUGH_MARKER = "<!-- walkthrough -->"
 
 
-def walkthrough_commands() -> str:
-    """The porting page's walk-through: the first ``bash`` block after its marker."""
+def porting_examples() -> list[tuple[str, str, str, str]]:
+    """(file name, method name, source, walk-through) of each adapter docs/porting.md walks
+    through: the first ``python`` block after each ``contract-test`` marker, and the first
+    ``bash`` block after the next ``walkthrough`` marker, before the next example."""
     page = PORTING_PAGE.read_text(encoding="utf-8")
-    assert WALKTHROUGH_MARKER in page, f"{PORTING_PAGE} lost its walk-through"
-    return page.split(WALKTHROUGH_MARKER, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    sections = page.split(EXAMPLE_MARKER)[1:]
+    assert sections, f"{PORTING_PAGE} lost its contract-test examples"
+    examples = []
+    for section in sections:
+        file_name = section.split(" ", 1)[0].strip()
+        source = section.split("```python\n", 1)[1].split("```", 1)[0]
+        method = re.search(r'@register_method\("([a-z0-9_]+)"\)', source).group(1)
+        assert WALKTHROUGH_MARKER in section, f"{PORTING_PAGE}: {method} has no walk-through"
+        after = section.split(WALKTHROUGH_MARKER, 1)[1]
+        commands = after.split("```bash\n", 1)[1].split("```", 1)[0]
+        examples.append((file_name, method, source, commands))
+    return examples
 
 
 def fresh_clone(destination: Path) -> Path:
@@ -466,12 +464,15 @@ def fresh_clone(destination: Path) -> Path:
 
 
 @requires_pilot
-def test_a_new_method_is_one_file_and_one_import(tmp_path):
-    """In a copy of a fresh clone, save the porting page's example as ``methods/<file>``, add one
-    import line to ``methods/__init__.py`` (nothing else), and run the page's walk-through exactly
-    as written: configs, check-config, this suite on the new method alone (collected for every
-    contract test and passing them all), and a run through a patched PILOT copy's ``main.py``."""
-    file_name, method, source = porting_example()
+# Named by file, not by method: the walk-through's ``-k <method>`` must not select this test.
+@pytest.mark.parametrize("example", porting_examples(), ids=lambda example: example[0])
+def test_a_new_method_is_one_file_and_one_import(tmp_path, example):
+    """In a copy of a fresh clone, save one of the porting page's examples as
+    ``methods/<file>``, add one import line to ``methods/__init__.py`` (nothing else), and run its
+    walk-through exactly as written: configs, check-config, this suite on the new method alone
+    (collected for every contract test and passing them all) and, where the page runs one, a run
+    through a patched PILOT copy's ``main.py``."""
+    file_name, method, source, commands = example
     clone = fresh_clone(tmp_path / "work" / "checkout")
     copy_pilot(tmp_path / "work" / "shared" / "LAMDA-PILOT")  # the page's ../shared, pristine
     (clone / "pilot_online" / "methods" / file_name).write_text(source)
@@ -483,7 +484,7 @@ def test_a_new_method_is_one_file_and_one_import(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PILOT_ROOT"}  # the page sets it
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(clone), env.get("PYTHONPATH")]))
     done = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", walkthrough_commands()],
+        ["bash", "-euo", "pipefail", "-c", commands],
         cwd=clone,
         env=env,
         capture_output=True,
@@ -493,9 +494,10 @@ def test_a_new_method_is_one_file_and_one_import(tmp_path):
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-5000:]
     assert re.search(rf"ok\s+exps/smoke_{method}\.json", output), output[-3000:]
-    results = list((clone / ".pilot" / "logs").rglob("*.results.json"))
-    assert len(results) == 1, sorted((clone / ".pilot").rglob("*.json"))[:10]
-    assert json.loads(results[0].read_text())["config"]["model_name"] == method
+    if "main.py" in commands:
+        results = list((clone / ".pilot" / "logs").rglob("*.results.json"))
+        assert len(results) == 1, sorted((clone / ".pilot").rglob("*.json"))[:10]
+        assert json.loads(results[0].read_text())["config"]["model_name"] == method
     per_method = [  # this module's tests that take a method (``name`` or ``built``)
         name
         for name, value in globals().items()

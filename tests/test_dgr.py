@@ -1,5 +1,6 @@
 """DGR online (``dgr_online``): logit adjustment, per-class gradient reweighting, its product with
-FGH, the consolidation's reset, and its replay memory; checked against numpy on a tiny net."""
+FGH, the distillation and its head-gradient replacement (with + P), the consolidation's reset,
+and its replay memory; checked against numpy on a tiny net."""
 
 from __future__ import annotations
 
@@ -16,7 +17,12 @@ from torch import nn
 from pilot_online.engine.adapter import StepOutput
 from pilot_online.engine.config import ConfigError, resolve_config
 from pilot_online.engine.loop import build_loop
-from pilot_online.methods.dgr import DGROnline, class_weights
+from pilot_online.methods.dgr import (
+    DGROnline,
+    class_weights,
+    distillation_weight,
+    kd_ratio,
+)
 
 C = 6  # TinyNet's classes
 ROOT = Path(__file__).resolve().parents[1]
@@ -252,9 +258,11 @@ def test_memory_is_upstreams_size_and_replay_is_required():
     raw = {k: v for k, v in smoke.items() if k not in dropped}
     cfg = resolve_config(raw)
     assert cfg["er_memory_size"] == 2000  # exps/dgr.json memory_size; ER's rows keep 1000
+    assert cfg["er_memory"] == "herding" and cfg["er_memory_per_class"] is None  # upstream's
     assert cfg["er_batch_size"] == 100  # as ER's rows
     assert cfg["consolidation"] == "new_classes" and cfg["consolidation_new_classes"] == 10
-    assert cfg["gammar_r"] == 1.0  # exps/dgr.json
+    assert (cfg["gammar_r"], cfg["lambda"], cfg["T"]) == (1.0, 1.0, 2.0)  # exps/dgr.json
+    assert smoke["init_lr"] == DGROnline.default_lr == 5e-5  # ER's Best HP, not Adam at 5e-3
     with pytest.raises(ConfigError, match="er_memory_size must be > 0"):
         resolve_config({**raw, "er_memory_size": 0})
 
@@ -277,3 +285,180 @@ def test_replayed_labels_join_the_prior_and_the_stream_alone_counts_as_seen():
     assert replayed.sum() == 2 and (replayed >= 0).all()
     assert np.isin(np.flatnonzero(replayed), ys[:4].numpy()).all()  # drawn from step 1's batch
     assert loop.samples_seen == 8
+
+
+def test_distillation_weight_counts_the_classes_seen_since_the_firing():
+    """``lambda * known / (total - known)``, total the classes seen so far: 3 known and 5 seen
+    give 3 / 2 (times lambda 2: 3); none new yet counts one (3 / 1)."""
+    known = torch.tensor([True, True, True, False, False, False])
+    seen = torch.tensor([True, True, True, True, True, False])
+    assert distillation_weight(known, seen, 1.0).item() == pytest.approx(1.5)
+    assert distillation_weight(known, seen, 2.0).item() == pytest.approx(3.0)
+    assert distillation_weight(known, known, 1.0).item() == pytest.approx(3.0)
+
+
+def test_kd_ratio_is_upstreams_and_zero_without_a_kd_gradient():
+    """``||w * ||g_ce rows|| || / || ||g_kd rows|| ||``: weighted norms [3, 4] (norm 5) over KD
+    rows of norms 1 and 0 give 5; a KD gradient of zero gives 0, not upstream's NaN."""
+    weighted = torch.tensor([3.0, 4.0], dtype=torch.float64)
+    assert kd_ratio(weighted, torch.tensor([[0.6, 0.8], [0.0, 0.0]])).item() == pytest.approx(5)
+    assert kd_ratio(weighted, torch.zeros(2, 2)).item() == 0.0
+
+
+def _features(network: nn.Module, x: torch.Tensor) -> np.ndarray:
+    with torch.no_grad():
+        return torch.relu(network.body(x)).double().numpy()
+
+
+def _head(network: nn.Module) -> tuple[np.ndarray, np.ndarray]:
+    return network.fc.weight.detach().double().numpy(), network.fc.bias.detach().double().numpy()
+
+
+def _ce_logit_gradient(z: np.ndarray, labels: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """d/dz of the logit-adjusted CE under the batch mask: (softmax - onehot) / B over the
+    batch's classes, with log(prior) from ``counts``."""
+    present = np.unique(labels)
+    adjusted = z[:, present] + np.log(counts[present] / counts.sum())
+    dz_present = _softmax(adjusted)
+    dz_present[np.arange(len(labels)), np.searchsorted(present, labels)] -= 1
+    dz = np.zeros_like(z)
+    dz[:, present] = dz_present / len(labels)
+    return dz
+
+
+def _class_means(features: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The prototypes (class means of the stream features) and which classes have one."""
+    sums, counts = np.zeros((C, features.shape[1])), np.zeros(C)
+    np.add.at(sums, labels, features)
+    np.add.at(counts, labels, 1)
+    return sums / np.maximum(counts, 1)[:, None], counts > 0
+
+
+def _prototype_head_gradient(
+    means: np.ndarray, has_mean: np.ndarray, w: np.ndarray, b: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """L_P's head gradient (paper Eq. 2): the CE of each seen class's prototype through the
+    head, over the seen classes' logits, averaged over the seen prototypes."""
+    seen = np.flatnonzero(has_mean)
+    logits = (means @ w.T + b)[np.ix_(seen, seen)]
+    dz_seen = _softmax(logits)
+    dz_seen[np.arange(len(seen)), np.arange(len(seen))] -= 1
+    dz = np.zeros((len(means), len(means)))
+    dz[np.ix_(seen, seen)] = dz_seen / len(seen)
+    return dz.T @ means, dz.sum(0)
+
+
+def test_distillation_replaces_the_head_rows_and_reaches_the_backbone_with_prototypes():
+    """Three steps of 4 (+ P, SGD, lambda 1, T 2): classes 0-2, then 1,3,3,0 (the
+    ``new_classes`` trigger at 3 fires before it: the teacher is the network then, 0-2 known),
+    then 0,4,4,1. Step 3's gradients, by hand in numpy from the networks before each step:
+
+    - the head's: ``w * g + ratio_kd * g_kd`` with ``g`` the CE's plus L_P's head gradient (+ P
+      is a classifier loss, which DGR's reweighting covers with the CE), ``w`` upstream's rule
+      from ``G`` (step 2's and step 3's ``||g||`` rows), ``g_kd`` the KD loss's head gradient
+      over the known classes and ``ratio_kd = ||w * ||g rows|| || / || ||g_kd rows|| ||``;
+    - the body's: the plain gradient of CE + (1 * 3 / 2) * KD (L_P does not reach it)."""
+    config = {
+        "optimizer": "sgd",
+        "init_lr": 0.5,
+        "logit_mask": "batch",
+        "consolidation": "new_classes",
+        "consolidation_new_classes": 3,
+        "online_prototypes": True,
+        "lambda": 1.0,
+        "T": 2.0,
+    }
+    torch.manual_seed(0)
+    adapter = TinyDGR(args=config)
+    network = adapter.build_network(config)
+    loop = build_loop(adapter, network, config, C)
+    gen = torch.Generator().manual_seed(1)
+    steps = [[0, 0, 1, 2], [1, 3, 3, 0], [0, 4, 4, 1]]
+    batches = [(torch.randn(4, 5, generator=gen), torch.tensor(y)) for y in steps]
+    before = []
+    for x, y in batches:
+        before.append(copy.deepcopy(network))
+        loop.train_step(x, y)
+    assert loop.trigger.firings == [4] and adapter.distillation is None
+    (x1, y1), (x2, y2), (x3, y3) = [(x, y.numpy()) for x, y in batches]
+    net1, net2, net3 = before
+    f1, f2, f3 = _features(net1, x1), _features(net2, x2), _features(net3, x3)
+
+    # Step 2 (after the firing): G from the CE's and L_P's head gradient on net2; the
+    # prototypes are the class means of the earlier steps' (pre-update) stream features.
+    w2, b2 = _head(net2)
+    counts2 = np.bincount(y2, minlength=C).astype(float)
+    dz2 = _ce_logit_gradient(f2 @ w2.T + b2, y2, counts2)
+    p_w2, _ = _prototype_head_gradient(*_class_means(f1, y1), w2, b2)
+    grad_sums = np.linalg.norm(dz2.T @ f2 + p_w2, axis=1)
+    # Step 3.
+    w3, b3 = _head(net3)
+    z3 = f3 @ w3.T + b3
+    dz_ce = _ce_logit_gradient(z3, y3, counts2 + np.bincount(y3, minlength=C))
+    p_w3, p_b3 = _prototype_head_gradient(
+        *_class_means(np.concatenate([f1, f2]), np.concatenate([y1, y2])), w3, b3
+    )
+    g_w, g_b = dz_ce.T @ f3 + p_w3, dz_ce.sum(0) + p_b3
+    norms = np.linalg.norm(g_w, axis=1)
+    grad_sums += norms
+    known = np.array([True, True, True, False, False, False])
+    w = _np_weights(grad_sums, known, 1.0)
+    teacher_w, teacher_b = _head(net2)
+    t = _features(net2, x3) @ teacher_w.T + teacher_b
+    student, soft = _softmax(z3[:, known] / 2.0), _softmax(t[:, known] / 2.0)
+    dz_kd = np.zeros_like(z3)
+    dz_kd[:, known] = (student - soft) / (2.0 * len(y3))
+    kd_w, kd_b = dz_kd.T @ f3, dz_kd.sum(0)
+    ratio = np.linalg.norm(w * norms) / np.linalg.norm(np.linalg.norm(kd_w, axis=1))
+    np.testing.assert_allclose(
+        network.fc.weight.grad.numpy(), w[:, None] * g_w + ratio * kd_w, rtol=1e-5, atol=1e-7
+    )
+    np.testing.assert_allclose(
+        network.fc.bias.grad.numpy(), w * g_b + ratio * kd_b, rtol=1e-5, atol=1e-7
+    )
+    # The body: CE + 3/2 KD through the features (relu), nothing of L_P.
+    df = ((dz_ce + 1.5 * dz_kd) @ w3) * (f3 > 0)
+    x3n = x3.double().numpy()
+    np.testing.assert_allclose(network.body.weight.grad.numpy(), df.T @ x3n, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(network.body.bias.grad.numpy(), df.sum(0), rtol=1e-5, atol=1e-7)
+    # Each part acted: the KD term on the old rows, L_P in G, the weights below 1.
+    assert np.linalg.norm(ratio * kd_w[known]) > 0.1 * np.linalg.norm(w[known, None] * g_w[known])
+    assert np.abs(p_w3).max() > 1e-3 and w[w < 1].size
+
+
+def test_a_skipped_step_leaves_no_distillation_behind():
+    """A non-finite step after a firing is skipped before the gradient transform: the head
+    gradients its ``loss_terms`` kept are dropped by the next step's, never applied, and
+    training goes on finite."""
+    config = {
+        "optimizer": "sgd",
+        "init_lr": 0.1,
+        "logit_mask": "batch",
+        "consolidation": "new_classes",
+        "consolidation_new_classes": 3,
+    }
+    torch.manual_seed(0)
+    adapter = TinyDGR(args=config)
+    network = adapter.build_network(config)
+    loop = build_loop(adapter, network, config, C)
+    batches = _batches(steps=3)
+    loop.train_step(*batches[0])
+    loop.train_step(*batches[1])  # the firing: 0-2 known
+    poisoned = batches[2][0].clone()
+    poisoned[0, 0] = float("nan")
+    stats = loop.train_step(poisoned, batches[2][1])
+    assert stats.skipped and loop.skipped_nonfinite_steps == 1
+    stale = adapter.distillation
+    assert stale is not None and not torch.isfinite(stale.weight).all()
+    used = []
+    transform = adapter.transform_gradients
+
+    def spy(net: nn.Module) -> None:
+        used.append(adapter.distillation)
+        transform(net)
+
+    adapter.transform_gradients = spy
+    stats = loop.train_step(*batches[2])
+    assert not stats.skipped and used[0] is not stale and adapter.distillation is None
+    assert torch.isfinite(used[0].weight).all()
+    assert all(torch.isfinite(p).all() for p in network.parameters())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from pilot_online.cli import estimate
+from pilot_online.engine import flops
 
 TABLE = {
     "methods": {
@@ -24,9 +25,16 @@ TABLE = {
 }
 
 
+def use_table(monkeypatch, table: dict) -> None:
+    """Read ``table`` as the FLOP counts: in engine/flops.py, where the arithmetic lives, and
+    here, where the calibration reads them."""
+    monkeypatch.setattr(flops, "load_flops", lambda: table)
+    monkeypatch.setattr(estimate, "load_flops", lambda: table)
+
+
 @pytest.fixture
 def table(monkeypatch):
-    monkeypatch.setattr(estimate, "load_flops", lambda: TABLE)
+    use_table(monkeypatch, TABLE)
 
 
 def cub(method: str, **overrides) -> dict:
@@ -80,7 +88,7 @@ def test_a_growing_network_costs_more_each_task(monkeypatch):
         for k in range(3)
     ]  # fmt: skip
     grows = {"methods": {"er_online": {**counts[0], "by_firings": counts}}}
-    monkeypatch.setattr(estimate, "load_flops", lambda: grows)
+    use_table(monkeypatch, grows)
     assert estimate.flops_at(grows["methods"]["er_online"], 5)["train_flops_per_image"] == 13e9
     flops = estimate.run_flops(cub("er_online", er_memory_size=0))
     train = sum(9430 / 20 * (3e9 + 2e9 * t) for t in range(20))
@@ -134,7 +142,7 @@ def test_calibration_fits_the_paper_time_table(monkeypatch):
     calibrated time is the harmonic mean of CODA's rows (337, 347, 354, 355 s: 348.25 s) and
     DualPrompt's (312, 314, 323, 318 s: 316.75 s): 331.77 s. oLoRA (two GPUs) and ConvPrompt
     (an hour its FLOPs do not explain) stay out of the fit although counted."""
-    monkeypatch.setattr(estimate, "load_flops", lambda: PAPER_FIT_TABLE)
+    use_table(monkeypatch, PAPER_FIT_TABLE)
     fit = estimate.calibration()
     assert set(fit.points) == {"CODA", "DualPrompt"}
     assert fit.points["CODA"][1] == pytest.approx(348.25)
@@ -149,7 +157,7 @@ def test_calibration_fits_the_paper_time_table(monkeypatch):
 def test_every_estimate_says_what_it_assumes(monkeypatch):
     """The issue's complaint: a bare "est. 3.2 min". Each line names hardware, seeds and metric,
     and a CUB run sits beside the paper's measured time."""
-    monkeypatch.setattr(estimate, "load_flops", lambda: PAPER_FIT_TABLE)
+    use_table(monkeypatch, PAPER_FIT_TABLE)
     text = "\n".join(
         estimate.estimate_config(
             cub("coda_online", online_prototypes=True, fgh={}, seed=list(range(10)))
@@ -166,7 +174,7 @@ def test_doctor_marks_compute_unknown_without_a_gpu(monkeypatch):
 
     from pilot_online.cli.doctor import check_compute
 
-    monkeypatch.setattr(estimate, "load_flops", lambda: PAPER_FIT_TABLE)
+    use_table(monkeypatch, PAPER_FIT_TABLE)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     (check,) = check_compute(cub("coda_online", device=[-1]))
     assert check.detail.startswith("unknown on this machine: no CUDA device")

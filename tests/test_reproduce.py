@@ -222,3 +222,32 @@ def test_a_config_runs_the_papers_seed_count_or_is_refused(tmp_path, exps, seeds
         return
     paths, _ = reproduce.cell_configs(cell, folder, tmp_path / "out", {})
     assert sorted(json.loads(p.read_text())["seed"][0] for p in paths) == runs
+
+
+def test_dry_run_prices_real_time_runs(tmp_path, capsys, exps):
+    """``--set realtime=flops``: the line names C and counts the steps its schedule trains,
+    ceil(95 / C) of CUB's 95 batches, with C worked out from flops.json by hand (CODA over
+    fine-tuning, backward = 2 x the trained forward)."""
+    import math
+    from fractions import Fraction
+
+    from pilot_online.cli.estimate import load_flops
+
+    counts = load_flops()["methods"]
+
+    def step(c):
+        query = c["query_flops_per_image"]
+        return query + 3 * (c["train_forward_flops_per_image"] - query)
+
+    cost = Fraction(step(counts["coda_online"]) / step(counts["finetune_online"]))
+    cost = cost.limit_denominator(100)
+    out = tmp_path / "r"
+    cell = "cub/clear/coda/base/5e-3"
+    args = ["reproduce", cell, "--out", str(out), "--exps", str(exps), "--dry-run"]
+    assert main([*args, "--set", "realtime=flops"]) == 0
+    printed = capsys.readouterr().out
+    line = next(x for x in printed.splitlines() if x.startswith(cell + " "))
+    assert f"real-time C={float(cost):.2f} (flops)" in line
+    assert f"{math.ceil(95 / cost)} steps x 1 " in line
+    assert "real-time runs (realtime)" in printed
+    assert _config(out, "cub__clear__coda__base__5e-3__seed-0")["realtime"] == "flops"

@@ -174,12 +174,12 @@ def test_the_teacher_lives_on_the_loops_device(device):
 def test_doctor_and_the_flop_model_count_the_teacher(monkeypatch):
     # A ViT-B/16 (85,798,656 parameters) and a 100-class head of 768 + 1 inputs, fp32.
     assert teacher_bytes(100) == 4 * (85_798_656 + 100 * 769)
-    import pilot_online.cli.estimate as estimate
+    import pilot_online.engine.flops as flops  # the FLOP model's arithmetic (cli/estimate's)
 
     cfg = {"model_name": "er_online", "dataset": "cifar224", "batch_size": 100}
     counts = method_flops("er_online")
     base = run_flops(cfg)["train"]
-    monkeypatch.setattr(estimate, "keeps_teacher", lambda method: True)
+    monkeypatch.setattr(flops, "keeps_teacher", lambda method: True)
     with_teacher = run_flops(cfg)["train"]
     # ER replays 100 per 100 stream images: the teacher's forward runs on 2 images per stream
     # image, a test forward each, over CIFAR-100's 50,000 training images.

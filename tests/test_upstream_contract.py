@@ -19,6 +19,7 @@ import pytest
 from conftest import PILOT_ROOT, REPO, load_script
 
 from pilot_online import get_method, list_methods
+from pilot_online.engine.config import PILOT_MODEL_NAMES, unknown_method
 
 PORTS = [name for name in list_methods() if get_method(name).upstream_file() is not None]
 
@@ -34,22 +35,22 @@ def upstream_test_file(name: str):
 
 
 def test_every_pilot_model_has_a_port_claiming_it():
-    """The 18 pre-trained-model methods of PILOT 5240714 each have a port that names them (the
-    classic methods, iCaRL and its kin, are another issue's)."""
+    """Every model of PILOT 5240714 (its factory's names: the 18 pre-trained-model methods and the
+    classic iCaRL, DER, MEMO, FOSTER and COIL) has a port that names it, and each is what
+    ``unknown_method`` offers for upstream's own name."""
     claimed = {get_method(name).upstream_file() for name in PORTS}
-    pretrained = {
-        "models/aper_adapter.py", "models/aper_finetune.py", "models/aper_ssf.py",
-        "models/aper_vpt.py", "models/coda_prompt.py", "models/cofima.py", "models/dgr.py",
-        "models/dualprompt.py", "models/duct.py", "models/ease.py", "models/fecam.py",
-        "models/finetune.py", "models/l2p.py", "models/lae.py", "models/mos.py",
-        "models/ranpac.py", "models/simplecil.py", "models/slca.py",
-    }  # fmt: skip
-    assert pretrained <= claimed, sorted(pretrained - claimed)
+    everything = {f"models/{name}.py" for name in PILOT_MODEL_NAMES}
+    assert len(everything) == 23
+    assert everything <= claimed, sorted(everything - claimed)
+    for name in PILOT_MODEL_NAMES:
+        assert f"'{name}_online'" in unknown_method(name) or name == "coda_prompt", name
     if PILOT_ROOT:
         from pathlib import Path
 
         missing = [f for f in claimed if not (Path(PILOT_ROOT) / f).is_file()]
         assert not missing, f"ports name PILOT files that do not exist: {missing}"
+        upstream = {f"models/{p.name}" for p in (Path(PILOT_ROOT) / "models").glob("*.py")}
+        assert upstream - {"models/__init__.py", "models/base.py"} == everything
 
 
 @pytest.mark.parametrize("name", PORTS)

@@ -21,6 +21,18 @@ A run's FLOPs (:func:`run_flops`):
   With the query cache (``eval_query_cache`` not ``"off"``) the frozen query pass runs once per
   test image per run and each evaluation runs the rest; ``eval_period`` adds evaluations over
   the average seen share of the test set.
+- **protocol keys** (issue 29, docs/protocol.md): ``online_iter`` multiplies the training
+  FLOPs (k optimiser steps per batch); real-time mode (``realtime``) trains only the batches
+  its schedule picks (``ceil(B / C)`` of ``B``; a ``"measured"`` C is priced at its
+  ``"flops"`` value, which is known before the run); A_online (``online_accuracy``, on in
+  real-time mode) adds a test forward per stream image it scores with an extra pass (every one,
+  unless the method's training forward predicts: then the skipped ones).
+
+C from the FLOP model (:func:`realtime_flop_cost`): training FLOPs per stream image of the run
+over the reference method's (``realtime_reference``, its own replay defaults), both from
+:func:`run_flops` (so teacher, query passes, replay, growth and ``online_iter`` are in).
+``"flops"`` prices the backward as Ghunaim et al. count passes, 2 x the forward it runs back
+through (:func:`pass_counted`); ``"flops_counted"`` keeps the backward torch counted.
 
 Two figures, each saying what it assumes (:func:`estimate_config`, :meth:`RunEstimate.describe`):
 
@@ -40,206 +52,45 @@ roughly.
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
-from importlib import resources
 from statistics import median
 from typing import Any
 
 from ..core.progress import duration, progress_line  # noqa: F401  (the CLI's names)
+
+# The FLOP model's arithmetic lives in the engine (real-time mode prices a step with it); its
+# names stay importable from here.
+from ..engine.flops import (  # noqa: F401
+    DATASET_SIZES,
+    HEAD_ONLY_BACKWARD,
+    MEASURED_IMG_SIZE,
+    PATCH,
+    DatasetSize,
+    _adapter_flag,
+    _method_default,
+    _tokens,
+    dataset_size,
+    flops_at,
+    keeps_teacher,
+    load_flops,
+    method_flops,
+    pass_counted,
+    realtime_cost,
+    realtime_flop_cost,
+    realtime_trained_fraction,
+    reference_config,
+    run_flops,
+    seen_fractions,
+    step_flops_per_stream_image,
+    training_flops_per_stream_image,
+)
 
 #: H100 SXM5 dense bf16 tensor-core peak (TFLOP/s, NVIDIA H100 datasheet; 1,979 with sparsity).
 H100_BF16_PEAK_TFLOPS = 989.4
 #: The share of that peak a ViT-B training loop sustains, as assumed here.
 SUSTAINED_FRACTION = 0.40
 DEFAULT_SUSTAINED_TFLOPS = H100_BF16_PEAK_TFLOPS * SUSTAINED_FRACTION  # 395.76
-#: The image size the FLOPs were counted at, and ViT-B/16's token count there (1 + 14 x 14).
-MEASURED_IMG_SIZE = 224
-PATCH = 16
-
-
-@dataclass(frozen=True)
-class DatasetSize:
-    """Train/test image counts and classes of a dataset as PILOT reads it."""
-
-    train: int
-    test: int
-    classes: int
-    source: str
-
-
-#: The paper's datasets as PILOT 5240714 reads them (``utils/data.py``).
-DATASET_SIZES: dict[str, DatasetSize] = {
-    "cifar224": DatasetSize(
-        50_000, 10_000, 100, "torchvision CIFAR-100 (paper appendix: 500 train, 100 test a class)"
-    ),
-    "cub": DatasetSize(
-        9_430,
-        2_358,
-        200,
-        "the APER split PILOT's README links (11,788 images, 80/20; APER, Zhou et al., "
-        "arXiv:2303.07338); CUB-200-2011's official split is 5,994/5,794",
-    ),
-    "imagenetr": DatasetSize(
-        24_000, 6_000, 200, "the APER split PILOT's README links (30,000 images, 80/20)"
-    ),
-    "vtab": DatasetSize(1_796, 8_619, 50, "the APER VTAB-CIL split PILOT's README links"),
-}
-
-
-def _tokens(img_size: int) -> int:
-    return 1 + (img_size // PATCH) ** 2
-
-
-@lru_cache(maxsize=1)
-def load_flops() -> dict[str, Any]:
-    """The package data ``pilot_online/cli/flops.json`` (written by ``benchmarks/flops.py``)."""
-    text = resources.files("pilot_online.cli").joinpath("flops.json").read_text(encoding="utf-8")
-    return json.loads(text)
-
-
-def method_flops(method: str, table: Mapping[str, Any] | None = None) -> dict[str, float]:
-    """The per-image FLOPs of one registered method; a clear error for one not counted."""
-    methods = (table or load_flops())["methods"]
-    if method not in methods:
-        raise ValueError(
-            f"the FLOP model has no counts for {method!r} (it has {', '.join(sorted(methods))}): "
-            "run `python benchmarks/flops.py` with PILOT_ROOT set to count every registered method"
-        )
-    return dict(methods[method])
-
-
-def _method_default(method: str, key: str, fallback: Any) -> Any:
-    """A method's own config default (e.g. oLoRA's ``hard_buffer_size``), without PILOT."""
-    try:
-        from ..engine.registry import get_method
-
-        spec = get_method(method).config_keys.get(key)
-    except (ImportError, ValueError):
-        return fallback
-    return spec.default if spec is not None else fallback
-
-
-def keeps_teacher(method: str) -> bool:
-    """Whether the method runs the engine teacher on each training batch (``keeps_teacher``)."""
-    try:
-        from ..engine.registry import get_method
-
-        return bool(get_method(method).keeps_teacher)
-    except (ImportError, ValueError):
-        return False
-
-
-def dataset_size(cfg: Mapping[str, Any]) -> DatasetSize:
-    """The run's dataset sizes: the paper's datasets, or the plugin's synthetic ones."""
-    name = str(cfg.get("dataset") or "").lower()
-    if name in DATASET_SIZES:
-        return DATASET_SIZES[name]
-    try:
-        from ..core.datasets import DATASETS
-
-        spec = DATASETS.get(name)
-    except ImportError:
-        spec = None
-    if spec is None:
-        raise ValueError(
-            f"the FLOP model knows no image counts for dataset {name!r}: it has "
-            f"{', '.join(DATASET_SIZES)} and the synthetic datasets"
-        )
-    return DatasetSize(
-        spec.num_classes * spec.train_per_class,
-        spec.num_classes * spec.test_per_class,
-        spec.num_classes,
-        "synthetic spec",
-    )
-
-
-def seen_fractions(classes: int, init_cls: int, increment: int) -> list[float]:
-    """The share of classes seen at each task end of a clear stream (one evaluation each)."""
-    if init_cls < 1 or increment < 1:
-        raise ValueError(f"init_cls and increment must be >= 1, got {init_cls}, {increment}")
-    tasks = 1 + max(0, math.ceil((classes - init_cls) / increment))
-    return [min(classes, init_cls + t * increment) / classes for t in range(tasks)]
-
-
-def flops_at(counts: Mapping[str, Any], firings: int) -> dict[str, float]:
-    """A method's per-image counts after ``firings`` consolidation firings. A network that grows
-    at its firings (``MethodAdapter.grows``: DER and MEMO add a branch, FOSTER a boosting branch
-    and a student) was counted at 0, 1, 2, ... firings (``by_firings``); past the last count the
-    last increment repeats (linear growth; a constant cost repeats a zero increment)."""
-    steps = counts.get("by_firings")
-    if not steps:
-        return {k: float(v) for k, v in counts.items() if not isinstance(v, (list, dict))}
-    if firings < len(steps):
-        return dict(steps[firings])
-    last, before = steps[-1], steps[-2] if len(steps) > 1 else steps[-1]
-    extra = firings - (len(steps) - 1)
-    return {k: last[k] + extra * (last[k] - before[k]) for k in last}
-
-
-def step_flops_per_stream_image(cfg: Mapping[str, Any], counts: Mapping[str, float]) -> float:
-    """Training FLOPs per stream image of one step of ``cfg`` (counts at 224 px, unscaled): the
-    step on the stream image and its share of replayed images, the teacher's forward on both,
-    oLoRA's buffered batches."""
-    method = str(cfg["model_name"])
-    batch = int(cfg.get("batch_size", 100))
-    step = counts["train_flops_per_image"]
-    trained_per_stream_image = 1.0  # images in the training batch per stream image
-    if int(cfg.get("er_memory_size", _method_default(method, "er_memory_size", 0)) or 0) > 0:
-        replayed = int(cfg.get("er_batch_size", _method_default(method, "er_batch_size", batch)))
-        trained_per_stream_image += replayed / batch
-    per_stream_image = step * trained_per_stream_image
-    if keeps_teacher(method):  # the engine teacher's forward on every training image
-        per_stream_image += counts["test_flops_per_image"] * trained_per_stream_image
-    buffered = int(cfg.get("hard_buffer_size", _method_default(method, "hard_buffer_size", 0)))
-    if buffered:
-        hard_loss = bool(cfg.get("hard_loss", _method_default(method, "hard_loss", True)))
-        per_buffered = step if hard_loss else counts["train_forward_flops_per_image"]
-        per_stream_image += buffered * per_buffered
-    return per_stream_image
-
-
-def run_flops(cfg: Mapping[str, Any], table: Mapping[str, Any] | None = None) -> dict[str, float]:
-    """``{"train": FLOPs, "eval": FLOPs, "total": FLOPs}`` of one run (one seed) of ``cfg``.
-
-    Task by task of the clear stream's schedule (a firing at each task boundary, as the methods'
-    default ``new_classes`` trigger gives): task ``t`` trains its classes' share of the images
-    at the counts after ``t`` firings and is evaluated at them."""
-    method = str(cfg["model_name"])
-    counts = method_flops(method, table)
-    size = dataset_size(cfg)
-    img_size = int((cfg.get("backbone_kwargs") or {}).get("img_size", MEASURED_IMG_SIZE))
-    scale = _tokens(img_size) / _tokens(MEASURED_IMG_SIZE)
-
-    fractions = seen_fractions(
-        size.classes, int(cfg.get("init_cls", 10)), int(cfg.get("increment", 10))
-    )
-    shares = [b - a for a, b in zip([0.0, *fractions[:-1]], fractions)]
-    per_task = [flops_at(counts, t) for t in range(len(fractions))]
-    train = sum(
-        size.train * share * step_flops_per_stream_image(cfg, c)
-        for share, c in zip(shares, per_task)
-    )
-    # Test images evaluated at each task end (all seen classes), at that task's counts.
-    passes = [size.test * f for f in fractions]
-    period = cfg.get("eval_period")
-    if period:  # periodic evaluations over the average seen share, spread over the tasks
-        extra = size.test * (size.train // int(period)) * sum(fractions) / len(fractions)
-        passes = [p + extra / len(fractions) for p in passes]
-    evaluation = 0.0
-    for images, c in zip(passes, per_task):
-        test, query = c["test_flops_per_image"], c.get("query_flops_per_image", 0.0)
-        cached = query > 0 and cfg.get("eval_query_cache", "auto") != "off"
-        evaluation += images * (test - query if cached else test)
-    last = per_task[-1]
-    if last.get("query_flops_per_image", 0.0) > 0 and cfg.get("eval_query_cache", "auto") != "off":
-        # The cached query pass: once per test image ever evaluated (all seen by the last task).
-        evaluation += size.test * fractions[-1] * last["query_flops_per_image"]
-    train, evaluation = train * scale, evaluation * scale
-    return {"train": train, "eval": evaluation, "total": train + evaluation}
 
 
 def estimate_run_seconds(

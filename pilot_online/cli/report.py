@@ -33,7 +33,8 @@ METRIC_NOTE = (
     'line "Average Accuracy (CNN)" is PILOT\'s own average (top-1 over all seen test images, '
     "sample-weighted, averaged over task ends): not a number of the paper's tables. A_online is "
     "the average online accuracy of Ghunaim et al. (CVPR 2023): each stream batch predicted by "
-    "the model as it stood before training on it (docs/protocol.md)."
+    "the model as it stood before training on it (docs/protocol.md); in real-time mode every "
+    "batch is scored and only one in every C is trained on."
 )
 
 #: The paper's method rows (adapters' ``paper_name``), in its tables' order.
@@ -83,7 +84,37 @@ def variant_label(config: dict[str, Any]) -> str:
     fgh = config.get("fgh")
     if fgh is not None:  # {} is FGH with its defaults (build_loop enables it), not "base"
         parts.append(fgh_label(fgh))
-    return "base" if not parts else "+ " + " + ".join(parts)
+    label = "base" if not parts else "+ " + " + ".join(parts)
+    protocol = protocol_label(config)
+    return f"{label}, {protocol}" if protocol else label
+
+
+def protocol_of(config: dict[str, Any]) -> tuple | None:
+    """What makes a run another protocol than the paper's (docs/protocol.md): real-time mode
+    (``realtime`` and its reference) or more than one optimiser step per batch
+    (``online_iter``); None for the paper's protocol. Such runs never fill the paper's tables."""
+    realtime = config.get("realtime")
+    steps = int(config.get("online_iter") or 1)
+    if realtime is None and steps == 1:
+        return None
+    reference = config.get("realtime_reference") if realtime is not None else None
+    return (realtime, reference, steps)
+
+
+def protocol_label(config: dict[str, Any]) -> str:
+    """``real-time (flops)``, ``online_iter 3``, both, or "" for the paper's protocol."""
+    protocol = protocol_of(config)
+    if protocol is None:
+        return ""
+    realtime, _, steps = protocol
+    parts = (
+        []
+        if realtime is None
+        else [f"real-time ({realtime if isinstance(realtime, str) else f'C={realtime:g}'})"]
+    )
+    if steps > 1:
+        parts.append(f"online_iter {steps}")
+    return ", ".join(parts)
 
 
 def fgh_label(fgh: dict[str, Any]) -> str:
@@ -112,14 +143,17 @@ def fgh_label(fgh: dict[str, Any]) -> str:
 
 def hyperparameters(config: dict[str, Any]) -> tuple:
     """What tells two runs of one configuration apart besides the seed: LR and the resolved FGH
-    options (``foreach`` aside, which changes no number)."""
+    options (``foreach`` aside, which changes no number), and the protocol where it is not the
+    paper's (:func:`protocol_of`: real-time mode, ``online_iter``)."""
     lr = config.get("init_lr")
     fgh = config.get("fgh")
     options = None
     if fgh is not None:
         resolved = validate_options(**fgh)
         options = tuple((k, resolved[k]) for k in sorted(resolved) if k != "foreach")
-    return (float(lr) if lr is not None else None, options)
+    protocol = protocol_of(config)
+    hp = (float(lr) if lr is not None else None, options)
+    return hp if protocol is None else (*hp, protocol)
 
 
 def one_run_per_seed(

@@ -271,8 +271,10 @@ def paper_seeds(cell: CellSpec) -> int:
 
 
 def step_count(config: dict[str, Any]) -> tuple[int, float] | None:
-    """Stream steps x batch passes per step (1, plus the replay batch of the rows with experience
-    replay, plus oLoRA's hard-buffer batches at most); None for a dataset of unknown size."""
+    """Trained stream steps x batch passes per step (1, plus the replay batch of the rows with
+    experience replay, plus oLoRA's hard-buffer batches at most, all times ``online_iter``);
+    None for a dataset of unknown size. In real-time mode, the steps are the ``ceil(B / C)`` of
+    the stream's B batches that its schedule trains (:func:`realtime_note`)."""
     try:
         images = dataset_size(config).train
     except ValueError:
@@ -284,7 +286,43 @@ def step_count(config: dict[str, Any]) -> tuple[int, float] | None:
         passes += int(config.get("er_batch_size", batch)) / batch
     if config.get("hard_loss"):
         passes += int(config.get("hard_buffer_size", 0))
+    passes *= int(config.get("online_iter") or 1)
+    cost = _realtime_cost(config)
+    if cost is not None:
+        from ..core.realtime import RealtimeSchedule
+
+        steps = RealtimeSchedule.from_value(cost, "given").trained_count(steps)
     return steps, passes
+
+
+def _realtime_cost(config: dict[str, Any]) -> float | None:
+    """The C real-time mode prices with (``estimate.realtime_cost``), None when off or when the
+    FLOP model cannot price it."""
+    from .estimate import realtime_cost
+
+    try:
+        return realtime_cost(config)
+    except (ValueError, KeyError):
+        return None
+
+
+def realtime_note(config: dict[str, Any]) -> str:
+    """``real-time C=1.33 (flops)``, for a dry-run line; "" when real-time mode is off. A
+    ``"measured"`` C is priced at its FLOP-model value (it is known only once the run
+    measures it)."""
+    mode = config.get("realtime")
+    if mode is None:
+        return ""
+    cost = _realtime_cost(config)
+    if cost is None:
+        return f"  real-time {mode}: C unknown to the FLOP model"
+    from ..core.realtime import RealtimeSchedule
+
+    schedule = RealtimeSchedule.from_value(cost, "given")
+    source = "given" if not isinstance(mode, str) else mode
+    if mode == "measured":
+        source = "measured, priced at its flops value"
+    return f"  real-time C={float(schedule.cost):.2f} ({source})"
 
 
 def estimator(tflops: float | None):
@@ -414,6 +452,7 @@ def dry_run_listing(cells, configs, tflops: float | None) -> tuple[list[str], fl
             reason = str(err).replace(str(config.get("model_name")), "<method>")
             reasons.setdefault(f"{type(err).__name__}: {reason}", []).append(cell.method)
             text += "  no estimate"
+        text += realtime_note(config)
         if counted is not None:
             steps, passes = counted
             total_steps += round(steps * passes) * seeds
@@ -431,6 +470,12 @@ def dry_run_listing(cells, configs, tflops: float | None) -> tuple[list[str], fl
             f"{duration(total_calibrated)} calibrated"
         )
     lines.append(f"the FLOP model prices {priced} of {priced + unpriced} runs")
+    if any(load_json(configs[cell][0][0]).get("realtime") is not None for cell in cells):
+        lines.append(
+            "real-time runs (realtime): their steps are the ceil(B / C) of the stream's B batches "
+            "the schedule trains, and their estimates add A_online's scoring pass on every "
+            "stream image (docs/protocol.md)"
+        )
     for reason, methods in reasons.items():
         lines.append(f"no estimate for {', '.join(dict.fromkeys(methods))}: {reason}")
     return lines, total_seconds, total_steps

@@ -11,6 +11,13 @@ Tables (file stems; each written as ``.md`` and ``.tex``):
 - ``ablation_<stream>``: base, + P, + FGH, + P + FGH per method, dataset x {5e-5, 5e-3}, AP.
 - ``task<k>_<stream>``: accuracy on task k at the end of training (the appendix's clear_t1...).
 - ``time_<dataset>_<stream>``: wall time (train + eval) and peak accelerator memory per row.
+- ``realtime_<stream>``: the compute-aware table (issue 29, docs/protocol.md): runs in
+  real-time mode (``realtime``), each method beside its + ours, at the stream speed of the
+  reference method; per dataset C, the share of stream batches trained, A_online and AP.
+
+Only runs of the paper's protocol (``realtime`` null, ``online_iter`` 1) fill the paper's
+tables (the others are left out, counted in a note): a real-time run trains on fewer batches,
+an ``online_iter`` run takes more steps, and neither is the number the paper printed.
 
 Which runs fill which cell: a run tagged ``hp_column: "best"`` (``sweep --hp-from``) fills the
 Best HP column; any other run fills the column of its ``init_lr`` if that is one of the fixed
@@ -57,7 +64,7 @@ from ..engine.paper import (
     same_cell,
 )
 from ..engine.protocol import FIXED_LRS, HP_COLUMNS, method_short_name
-from .report import DUPLICATE_RULE, hyperparameters, method_label, one_run_per_seed
+from .report import DUPLICATE_RULE, hyperparameters, method_label, one_run_per_seed, protocol_of
 
 #: Method blocks of the paper's tables (separated by rules), in its row order.
 PAPER_GROUPS: tuple[tuple[str, ...], ...] = (
@@ -180,7 +187,7 @@ def _paper_fgh(config: dict[str, Any]) -> bool:
 
 
 def _hyperparameter_label(hp: tuple) -> str:
-    lr, options = hp
+    lr, options, *protocol = hp
     text = "LR ?" if lr is None else f"LR {lr:g}"
     if options is not None:
         resolved, paper = dict(options), validate_options(**PAPER_FGH)
@@ -190,6 +197,12 @@ def _hyperparameter_label(hp: tuple) -> str:
             for k in sorted(resolved)
             if k != "gamma" and k in paper and resolved[k] != paper[k]
         )
+    if protocol:
+        realtime, reference, steps = protocol[0]
+        if realtime is not None:
+            text += f", real-time {realtime} (reference {reference})"
+        if steps > 1:
+            text += f", online_iter {steps}"
     return text
 
 
@@ -200,6 +213,9 @@ def load_rows(paths: Iterable[Path]) -> list[dict[str, Any]]:
         results = load_results(file)
         config, metrics, timing = results["config"], results["metrics"], results["timing"]
         lr = config.get("init_lr")
+        realtime = results["extra"].get("realtime") or {}
+        counters = results.get("counters", {})
+        passed = (counters.get("batches_trained") or 0) + (counters.get("batches_skipped") or 0)
         runs.append(
             {
                 "file": str(file),
@@ -217,6 +233,13 @@ def load_rows(paths: Iterable[Path]) -> list[dict[str, Any]]:
                 "AP": metrics.get("AP"),
                 "A_T": metrics.get("A_T"),
                 "A_online": metrics.get("A_online"),
+                "protocol": protocol_of(config),
+                "realtime": config.get("realtime"),
+                "reference": realtime.get("reference"),
+                "C": realtime.get("C"),
+                "trained_percent": (
+                    100.0 * counters["batches_trained"] / passed if realtime and passed else None
+                ),
                 "final_task_accuracies": metrics.get("final_task_accuracies") or [],
                 "seconds": (timing.get("train_seconds") or 0) + (timing.get("eval_seconds") or 0),
                 "peak_memory_bytes": timing.get("peak_memory_bytes"),
@@ -547,8 +570,94 @@ def time_table(runs: list[dict[str, Any]], dataset: str, stream: str) -> Table:
     return table
 
 
+def realtime_table(runs: list[dict[str, Any]], stream: str) -> Table:
+    """The compute-aware table: real-time runs (``realtime``), each method beside its + ours at
+    the stream speed of one reference method; per dataset (and reference), C, the percentage of
+    stream batches trained, A_online (every batch scored) and AP. Runs of every LR pool into one
+    cell, so two LRs show as mixed hyperparameters, with each one's mean in the notes."""
+    selected = [
+        r for r in runs if r["stream"] == stream and r["realtime"] is not None
+        and r["row"] in ("base", "ours")
+    ]  # fmt: skip
+    # A column group per dataset, reference and way of pricing C (flops, measured, a number):
+    # each is its own stream speed.
+    keys = list(dict.fromkeys((r["dataset"], r["reference"], _mode(r)) for r in selected))
+    keys.sort(key=lambda k: (_datasets_in_order(selected).index(k[0]), str(k[1]), k[2]))
+    measures = (
+        ("C", lambda r: r["C"]),
+        ("trained %", lambda r: r["trained_percent"]),
+        ("A_online", lambda r: r["A_online"]),
+        ("AP", lambda r: r["AP"]),
+    )
+    blocks = []
+    for methods in _methods_in_order(selected):
+        block = []
+        for method in methods:
+            for row in ("base", "ours"):
+                mine = [r for r in selected if r["method"] == method and r["row"] == row]
+                if not mine:
+                    continue
+                cells = [
+                    make_cell(
+                        [r for r in mine if (r["dataset"], r["reference"], _mode(r)) == key], value
+                    )
+                    for key in keys
+                    for _, value in measures
+                ]
+                block.append(
+                    Row(method, ROW_LABELS[row], cells, depth=int(row != "base"), kind=row)
+                )
+        blocks.append(block)
+    short = STREAM_NAMES.get(stream, stream)
+    references = sorted({str(k[1]) for k in keys})
+    modes = {k[2] for k in keys}
+    table = Table(
+        name=f"realtime_{short}",
+        caption="Compute-aware comparison (real-time evaluation, Ghunaim et al., 2023): the "
+        f"stream does not wait; a step costing $C$ steps of the reference method "
+        f"({_latex_escape(', '.join(references))}) trains on one batch in every $C$ and every "
+        r"batch is predicted before training; $\mathcal{A}_{online}$ and AP (\%), in the "
+        f"{STREAM_TITLES.get(stream, stream)} setting.",
+        label=f"tab:realtime_{short}",
+        groups=[
+            (
+                _dataset_header(d)
+                + ("" if len(references) == 1 else f" ({ref})")
+                + ("" if len(modes) == 1 else f" ({mode})"),
+                [name for name, _ in measures],
+            )
+            for d, ref, mode in keys
+        ],
+        blocks=blocks,
+        kind="realtime",
+        stream=stream,
+    )
+    table = _finish(table)
+    for block in table.blocks:  # the best C or share trained is no achievement: no bold
+        for row in block:
+            for i, cell in enumerate(row.cells):
+                if i % len(measures) < 2:
+                    cell.bold = False
+    table.notes.append(
+        "C: the step's cost relative to the reference's (its source is each run's "
+        "realtime: flops, flops_counted, measured or given); trained %: stream batches trained "
+        "on; the others were scored only. A method cheaper than the reference has C = 1."
+    )
+    return table
+
+
+def _mode(run: dict[str, Any]) -> str:
+    """How a real-time run priced C: ``flops``, ``flops_counted``, ``measured`` or ``C=2``."""
+    mode = run["realtime"]
+    return mode if isinstance(mode, str) else f"C={mode:g}"
+
+
 def build_tables(runs: list[dict[str, Any]]) -> list[Table]:
-    """Every table the runs can fill."""
+    """Every table the runs can fill: the paper's from the runs of its protocol, the
+    compute-aware ones from the real-time runs."""
+    realtime = [r for r in runs if r.get("realtime") is not None]
+    other = sum(1 for r in runs if r.get("protocol") is not None)
+    runs = [r for r in runs if r.get("protocol") is None]
     tables: list[Table] = []
     streams = [s for s in STREAMS if any(r["stream"] == s for r in runs)]
     online = ("A_online",) if any(_finite(r.get("A_online")) for r in runs) else ()
@@ -566,6 +675,15 @@ def build_tables(runs: list[dict[str, Any]]) -> list[Table]:
         for stream in streams:
             if any(r["dataset"] == dataset and r["stream"] == stream for r in runs):
                 tables.append(time_table(runs, dataset, stream))
+    if other:
+        for table in tables:
+            table.notes.append(
+                f"{other} run(s) of another protocol (real-time mode or online_iter > 1) left "
+                "out: the paper's tables hold its protocol only (real-time runs: realtime_*)."
+            )
+    tables += [
+        realtime_table(realtime, s) for s in STREAMS if any(r["stream"] == s for r in realtime)
+    ]
     return [t for t in tables if any(t.blocks)]
 
 
@@ -615,6 +733,7 @@ def to_markdown(table: Table) -> str:
     caption = table.caption.replace(r"\textit{", "*").replace(r"\textbf{", "**")
     caption = caption.replace("$\\mathcal{A}_T$", "A_T").replace("$\\gamma$", "γ")
     caption = caption.replace("$\\mathcal{A}_{online}$", "A_online")
+    caption = caption.replace("$C$", "C")
     caption = re.sub(r"\$\\gamma=([^$]*)\$", r"γ = \1", caption)
     caption = caption.replace("\\%", "%").replace("\\_", "_")
     caption = _close_markup(caption)
@@ -692,7 +811,7 @@ def to_latex(table: Table) -> str:
     column_line = " & ".join(
         [
             r"\multicolumn{1}{c}{Learning Rate}"
-            if table.kind != "time"
+            if table.kind == "percent"
             else r"\multicolumn{1}{c}{Method}"
         ]
         + [f"\\multicolumn{{1}}{{c}}{{{_tex_header(c)}}}" for _, cols in table.groups for c in cols]

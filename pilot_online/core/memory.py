@@ -22,6 +22,7 @@ Three memories, by the config's ``er_memory`` (:data:`MEMORIES`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -271,6 +272,23 @@ class ClassBalancedMemory:
         )
         order = herding_order(candidate_vectors, self.means[c], quota)
         self.stored[c], self.features[c] = candidates[order], candidate_vectors[order]
+
+    def map_features(self, mapping: Callable[[np.ndarray], np.ndarray]) -> None:
+        """The network's features widened at a firing (DER adds a branch): ``mapping`` takes
+        rows of the old feature space to the new one, each row alike (the adapter's
+        ``map_prototypes``). A stored vector becomes its mapped row renormalised: exact for a
+        linear mapping, as normalising ignores the scale. A class mean (of normalised vectors)
+        is mapped and rescaled to its old norm: exact where the class's vectors all keep the
+        same share of their norm under ``mapping``, as at DER's first firing, which repeats the
+        only branch; the mean of differently rescaled vectors is not kept otherwise."""
+        if not self.needs_features:
+            return
+        for c, vectors in self.features.items():
+            self.features[c] = normalized(mapping(vectors))
+        for c, mean in self.means.items():
+            mapped = np.asarray(mapping(mean[None]), dtype=np.float64)[0]
+            norm = np.linalg.norm(mapped)
+            self.means[c] = mapped * (np.linalg.norm(mean) / norm) if norm > 0 else mapped
 
     def sample(self, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
         """``min(batch_size, size)`` distinct stored samples, drawn uniformly: (indices, labels)."""

@@ -39,6 +39,9 @@ timing.peak_memory_bytes                   int|null      peak accelerator memory
 counters.optimizer_steps                   int           optimizer steps taken
 counters.samples_seen                      int           stream samples consumed
 counters.online_scored_samples             int           stream samples scored for A_online
+counters.batches_trained                   int           stream batches a step trained on
+counters.batches_skipped                   int           real-time mode: batches that passed
+                                                         during a step, scored only (0 else)
 counters.skipped_nonfinite_steps           int           steps skipped: non-finite loss or grads
 counters.skipped_nonfinite_hypergradients  int           FGH updates skipped: non-finite values
 extra                                      object        free-form additions ({} if none)
@@ -59,6 +62,13 @@ gradient_imbalance.task_grad_norm_trace       [[num]]     steps x tasks: G^k at 
                                                           only with ``grad_trace``
 gradient_imbalance.trace_file                 str         sidecar .gradtrace.npy (steps x classes)
 diagnostics                                   object      the mixins' and the method's reports
+realtime                                      object      real-time mode only: ``C`` (the
+                                                          schedule's cost), ``C_fraction``,
+                                                          ``source`` (flops, flops_counted,
+                                                          measured, given), ``reference``,
+                                                          ``C_unclamped``, ``detail`` (FLOPs or
+                                                          step seconds), ``batches_trained``,
+                                                          ``batches_skipped``, ``stream_batches``
 ============================================  ==========  =======================================
 
 The classes of task k are those first exposed in task k (``stream.tasks[k].new_classes``).

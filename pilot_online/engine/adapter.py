@@ -118,6 +118,11 @@ class MethodAdapter:
     #: Whether the method keeps training samples (experience replay). A memory-free method
     #: refuses replay unless the config says ``allow_memory: true``.
     memory_based: ClassVar[bool] = False
+    #: The ``StepOutput.extras`` entry (of the training forward) a herding memory ranks stream
+    #: samples by, for a method whose firings move its classifier's features into a space no
+    #: row-wise map reaches (FOSTER: the student's features, of one width at every firing); no
+    #: firing maps them. None: ``out.features``, mapped by :meth:`map_prototypes` at a firing.
+    herding_features: ClassVar[str | None] = None
     #: Keys the method once had, each with what to do instead: a config that still sets one is
     #: refused by name with that fix (``resolve_config``), not as an unknown key.
     removed_keys: ClassVar[Mapping[str, str]] = {}
@@ -130,6 +135,10 @@ class MethodAdapter:
     #: plateau) the method uses when the config's ``consolidation`` is null. A method that
     #: upstream acts at task boundaries overrides :meth:`consolidate` and names its default here.
     default_consolidation: ClassVar[str] = "never"
+    #: Why the method is not itself without firings, or "" (the default: ``never`` is allowed):
+    #: ``consolidation: "never"`` is then refused with this reason (iCaRL: "takes no teacher, so
+    #: iCaRL would never distil").
+    needs_consolidation: ClassVar[str] = ""
     #: The PILOT model this port reproduces (``models/<upstream_model>.py``, the file a reviewer
     #: diffs against and ``tests/test_upstream_<methods-file>.py`` runs); None: the
     #: ``base_model_name``; "": none (a method from outside PILOT, such as MVP, that only reuses
@@ -149,9 +158,10 @@ class MethodAdapter:
     #: model's passes; its outputs on each training batch reach :meth:`loss_terms`
     #: (``batch.teacher``). ``engine/teacher.py``.
     keeps_teacher: ClassVar[bool] = False
-    #: Whether a firing adds to the network's per-image compute (DER and MEMO add a branch per
-    #: firing, FOSTER a boosting branch and a student): ``benchmarks/flops.py`` then counts the
-    #: network after 0, 1 and 2 firings, and the FLOP model grows the cost task by task.
+    #: Whether a firing changes the network's per-image compute: DER and MEMO add a branch per
+    #: firing, FOSTER a boosting branch and a student, EASE and MOS an adapter (and RanPAC and
+    #: FeCAM stop training at their first). ``benchmarks/flops.py`` then counts the network
+    #: after 0, 1 and 2 firings, and the FLOP model's cost follows it task by task.
     grows: ClassVar[bool] = False
     #: The learning rate and training logit mask the generated paper configs use when the
     #: paper's hp_grid table has no row for the method (``scripts/make_exps.py``); None: the

@@ -18,16 +18,34 @@ with ``UnboundLocalError``. The branches, read from upstream:
   any name the matching ``backbone/vit_*.py`` registers with timm. The table keeps the ViT-B/16
   ones, the backbone the online ports are tested on (CODA's network hard-codes width 768, and
   the prompt layer indices assume 12 blocks); ``tests/test_contract.py`` checks that PILOT
-  registers each.
+  registers each;
+- ``_memo`` (model ``memo``): any name holding it builds ``vit_base_patch16_224_memo``
+  (``backbone/vit_memo.py``), so the table keeps that one name.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 #: ViT-B/16's size, for memory estimates made without building it (``state_bytes``, the
 #: engine teacher in ``doctor``): its parameters without a head (timm 0.6.13, 224 px) and its
 #: feature width.
 VIT_B16_PARAMETERS = 85_798_656
 VIT_B16_WIDTH = 768
+
+
+def plain_vit_overrides(args: Mapping[str, Any]) -> dict[str, Any]:
+    """What PILOT's factories hard-code on their ``timm.create_model`` calls for plain ViTs
+    (``pretrained=True``, no dropout) replaced by the config's ``pretrained``, ``drop`` and
+    ``drop_path``: an adapter's ``backbone_kwargs`` returns these (with the config's own
+    ``backbone_kwargs`` on top) so that ``"pretrained": false`` runs offline."""
+    return {
+        "pretrained": bool(args["pretrained"]),
+        "drop_rate": float(args["drop"]),
+        "drop_path_rate": float(args["drop_path"]),
+    }
+
 
 #: timm's plain ViT-B/16, built by the first branch of ``get_backbone`` whatever the model.
 PLAIN_VIT: tuple[str, ...] = (
@@ -58,6 +76,7 @@ PILOT_BACKBONES: dict[str, tuple[str, ...]] = {
     "dualprompt": _registered("_dualprompt"),
     "coda_prompt": _registered("_coda_prompt"),
     "lae": _registered("_lae"),
+    "memo": ("vit_base_patch16_224_memo",),
 }
 
 

@@ -33,10 +33,12 @@ from ..core.fgh import OPTION_KEYS as FGH_KEYS
 from ..core.fgh import validate_options as validate_fgh_options
 from ..core.masks import LOGIT_MASKS
 from ..core.memory import MEMORIES
+from ..core.realtime import DEFAULT_REFERENCE, check_realtime, check_realtime_config
 from ..core.streams import BLURRED_SELECTIONS, STREAMS
 from ..core.triggers import TRIGGERS
 from .adapter import ConfigKey
 from .eval_cache import CACHE_MODES
+from .flops import check_flop_counts
 from .live_log import LOGGERS, check_logger_available
 from .loop import AMP_MODES, MATMUL_PRECISIONS, OPTIMIZERS
 from .pixel_cache import PIXEL_CACHE_MODES
@@ -150,6 +152,21 @@ def _logger(name: str, value: Any) -> Any:
     return value
 
 
+def _registered_method(name: str, value: Any) -> str:
+    """A registered method's name (``realtime_reference``)."""
+    from .registry import list_methods
+
+    methods = list_methods()
+    if value not in methods:
+        raise ValueError(
+            f"{name} {value!r} is no registered method{closest(str(value), methods)}; "
+            f"pilot-online methods: {', '.join(methods)}"
+        )
+    return value
+
+
+described("a registered method", _registered_method)
+
 _CHECKPOINT_EVERY = 'null, "auto" or a positive integer'
 
 
@@ -253,11 +270,33 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
     ),
     "logit_mask": ConfigKey("batch", "training-loss logit mask", choices=LOGIT_MASKS),
     "online_accuracy": ConfigKey(
-        False,
+        None,
         "score each stream batch before training on it (A_online, docs/protocol.md): an extra "
         "eval-mode pass per batch, under the evaluation view, unless the method's training "
-        "forward predicts (train_forward_predicts); off by default for its cost",
-        check=boolean,
+        "forward predicts (train_forward_predicts); null: on in real-time mode (its metric), "
+        "else off for its cost",
+        check=optional(boolean),
+    ),
+    "online_iter": ConfigKey(
+        1,
+        "optimiser steps per incoming stream batch (Si-Blurry's online_iter; its scripts use 3): "
+        "1 is the paper's single pass; each step draws its own replay batch, the batch enters "
+        "memory, prototypes and triggers once",
+        check=integer(1),
+    ),
+    "realtime": ConfigKey(
+        None,
+        "real-time mode (Ghunaim et al. 2023, docs/protocol.md): the stream does not wait; a "
+        "step costing C reference steps trains on one batch in every C, the others are only "
+        "scored. C from the FLOP model (flops: backward = 2x forward; flops_counted), measured "
+        "step times (measured), or given (a number: a fixed compute budget); null: off",
+        check=check_realtime,
+    ),
+    "realtime_reference": ConfigKey(
+        DEFAULT_REFERENCE,
+        "real-time mode: the method whose step costs C = 1 (its base variant, its own replay "
+        "defaults, one step per batch)",
+        check=_registered_method,
     ),
     "consolidation": ConfigKey(
         None,
@@ -597,6 +636,11 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     except (TypeError, ValueError) as err:
         raise ConfigError(f"{cfg['model_name']}: {err}") from None
     _check_replay(cfg, raw, adapter)
+    try:  # online_iter / realtime / online_accuracy together (core/realtime.py, engine/flops.py)
+        check_realtime_config(cfg, adapter)
+        check_flop_counts(cfg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     return cfg
 
 
@@ -634,6 +678,11 @@ def _check_consolidation(cfg: dict[str, Any], adapter: Any) -> None:
 
     if cfg["consolidation"] is None:
         cfg["consolidation"] = adapter.default_consolidation
+    if cfg["consolidation"] == "never" and adapter.needs_consolidation:
+        raise ConfigError(
+            f'consolidation "never" {adapter.needs_consolidation}: use a trigger (its default '
+            f"{adapter.default_consolidation}), or er_online for replay alone"
+        )
     if cfg["consolidation"] != "never" and adapter.consolidate is MethodAdapter.consolidate:
         raise ConfigError(
             f"consolidation={cfg['consolidation']!r}, but {cfg['model_name']} does nothing at a "

@@ -88,14 +88,16 @@ class TensorBoardLogger:
         self.correct = 0
         self.samples = 0
         self.online_correct = 0
+        self.online_samples = 0
         self._pending: list[tuple[int, StepStats]] = []
         self._summarised_at = 0  # the step of the last alpha / imbalance summary
         self._closed = False
 
     # -- hooks -------------------------------------------------------------------------------------
     def on_step(self, stats: StepStats) -> None:
-        """One stream batch was trained on; its device tensors are read at the next flush."""
-        self.step += 1
+        """One stream batch was trained on (in real-time mode with the batches that passed,
+        scored only, while it ran); its device tensors are read at the next flush."""
+        self.step += stats.stream_batches
         self._pending.append((self.step, stats))
         if self.step % self.interval == 0:
             self.flush()
@@ -150,10 +152,12 @@ class TensorBoardLogger:
                 "train/running_accuracy", 100.0 * self.correct / self.samples, step
             )
             if s.online_correct is not None:
+                scored = s.samples if s.online_samples is None else s.online_samples
                 self.online_correct += int(row[2])
-                self.writer.add_scalar("online/batch_accuracy", 100.0 * row[2] / s.samples, step)
+                self.online_samples += scored
+                self.writer.add_scalar("online/batch_accuracy", 100.0 * row[2] / scored, step)
                 self.writer.add_scalar(
-                    "online/A_online", 100.0 * self.online_correct / self.samples, step
+                    "online/A_online", 100.0 * self.online_correct / self.online_samples, step
                 )
 
     def summarise(self) -> None:

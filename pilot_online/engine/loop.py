@@ -27,6 +27,7 @@ from torch import nn
 from ..core.checks import check_choice
 from ..core.fgh import class_grad_norms
 from ..core.masks import classes_present, mask_logits, training_mask
+from ..core.realtime import scores_online
 from ..core.rng import capture_rng_state, restore_rng_state
 from ..core.triggers import make_trigger
 from .adapter import MethodAdapter, StepOutput, TrainingBatch
@@ -58,6 +59,10 @@ class StepStats:
     online_correct: torch.Tensor | None = None
     #: Wall seconds of this step's A_online pass (0 on the free route), not training time.
     online_seconds: float = 0.0
+    #: Samples ``online_correct`` counts (None: ``samples``) and stream batches the step
+    #: stands for: in real-time mode also those that passed, scored only, while it ran.
+    online_samples: int | None = None
+    stream_batches: int = 1
 
 
 #: The constant-LR optimisers of online training, by config name (the ``optimizer`` choices),
@@ -157,7 +162,9 @@ class OnlineLoop:
         )
         self.logit_mask = config.get("logit_mask", "batch")
         # A_online (docs/protocol.md): each stream batch scored before the step trains on it.
-        self.online_accuracy = bool(config.get("online_accuracy", False))
+        self.online_accuracy = scores_online(config)
+        # Optimiser steps per stream batch (``online_iter``, upstream Si-Blurry's).
+        self.online_iter = int(config.get("online_iter", 1))
         self.max_nonfinite_steps = int(config.get("max_nonfinite_steps", 10))
         self.seen = torch.zeros(num_classes, dtype=torch.bool, device=self.device)
         # Classes seen before the last firing (upstream's _known_classes), and the engine teacher
@@ -202,6 +209,14 @@ class OnlineLoop:
         """Samples trained beside the stream batch (``indices``, ``labels``) in this step, or None.
 
         Called before the forward pass; experience replay draws its memory batch here."""
+        return None
+
+    def repeat_replay_batch(
+        self, indices: np.ndarray | None, iteration: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Samples trained beside the stream batch in its extra optimiser step ``iteration``
+        (0-based, before the last one: ``online_iter`` > 1), or None. Unlike
+        :meth:`replay_batch`, the stream batch is not offered to the memory here."""
         return None
 
     def loss_terms(self, out: StepOutput, labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -324,7 +339,16 @@ class OnlineLoop:
         use); the loss is the mean over both. Counters, accuracy and ``after_step`` cover the
         stream batch only. ``online_correct`` is scored before anything of the step changes the
         model (A_online): from the training forward where the adapter says it predicts
-        (``train_forward_predicts``) and no firing came first, else by :meth:`predict_online`."""
+        (``train_forward_predicts``) and no firing came first, else by :meth:`predict_online`.
+
+        ``online_iter`` = k (upstream Si-Blurry's ``online_step``: k ``online_train`` calls on
+        the same batch) makes k optimiser steps on the batch, each a whole step (forward, loss,
+        backward, FGH, optimiser, the adapter's ``after_step``) with its own replay draw; the
+        trigger, the A_online score, the sample counters and ``_observe`` (memory insertion,
+        prototypes, the adapter's ``observe``) see the batch once: scored and triggered before
+        the first step, observed after the last finite one, with its (pre-update) outputs. The
+        step's ``loss`` and ``terms`` are the means over its finite steps, ``correct`` the
+        first step's (the prediction before any update on the batch)."""
         scored = self.online_accuracy
         free = self.adapter.train_forward_predicts
         online_correct, online_seconds = None, 0.0
@@ -337,10 +361,58 @@ class OnlineLoop:
         self._view = None  # derived from the state this step changes
         if fires:
             self._consolidate(len(self.trigger.firings) - 1)
-        replay = self.replay_batch(indices, labels)
         stream_size = len(labels)
+        host_labels = labels
         inputs = inputs.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True).long()
+        steps = self.online_iter if self.adapter.trains else 1
+        finished: list[tuple[StepOutput, torch.Tensor, dict[str, torch.Tensor]]] = []
+        skipped: StepStats | None = None
+        for iteration in range(steps):
+            # The extra steps' draws first, the batch's own draw (which offers the batch to the
+            # memory) last: every draw is from the memory as it was before this batch, as
+            # upstream draws all k memory batches before its update_memory.
+            last = iteration == steps - 1
+            replay = (
+                self.replay_batch(indices, host_labels)
+                if last
+                else self.repeat_replay_batch(indices, iteration)
+            )
+            out, logits, terms, loss, batch_inputs, batch_labels = self._forward_loss(
+                inputs, labels, replay
+            )
+            if iteration == 0:
+                correct = (logits[:stream_size].detach().argmax(1) == labels).sum()
+                if seen_before is not None:  # the training forward's raw logits, as evaluated
+                    online_correct = online_hits(out.logits[:stream_size], labels, seen_before)
+                self.samples_seen += stream_size
+                online = {"online_correct": online_correct, "online_seconds": online_seconds}
+            if not self.adapter.trains:  # it learns in observe(): no backward, no optimiser step
+                detached = _detached(terms)
+                self._observe(out, labels, stream_size, detached)
+                return StepStats(loss.detach(), correct, stream_size, terms=detached, **online)
+            loss, finite = self._backward_and_step(loss, terms, batch_inputs, batch_labels)
+            if not finite:
+                skipped = self._skip_nonfinite(loss, correct, stream_size, terms)
+                continue
+            finished.append((out, loss.detach(), _detached(terms)))
+        if not finished:
+            return dataclasses.replace(skipped, **online)
+        out = finished[-1][0]
+        loss, detached = _mean_step([(loss, terms) for _, loss, terms in finished])
+        self._observe(out, labels, stream_size, detached)
+        return StepStats(loss, correct, stream_size, terms=detached, **online)
+
+    def _forward_loss(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        replay: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[StepOutput, torch.Tensor, dict, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The training forward and its loss terms on the stream batch (``inputs``, ``labels``,
+        on the device) plus the ``replay`` samples: (outputs, masked logits, terms, loss, the
+        training batch's inputs and labels)."""
+        stream_size = len(labels)
         batch_labels = labels
         if replay is not None:
             inputs = torch.cat([inputs, replay[0].to(self.device, non_blocking=True)])
@@ -366,16 +438,18 @@ class OnlineLoop:
             terms.update(self.adapter.loss_terms(self.network, out, batch))
             terms.update(self.loss_terms(out, batch_labels))
             loss = torch.stack([t.reshape(()) for t in terms.values()]).sum()
-        correct = (logits[:stream_size].detach().argmax(1) == labels).sum()
-        if seen_before is not None:  # the training forward's raw logits, as evaluation masks them
-            online_correct = online_hits(out.logits[:stream_size], labels, seen_before)
-        self.samples_seen += stream_size
-        online = {"online_correct": online_correct, "online_seconds": online_seconds}
-        if not self.adapter.trains:  # it learns in observe(): no backward, no optimiser step
-            detached = _detached(terms)
-            self._observe(out, labels, stream_size, detached)
-            return StepStats(loss.detach(), correct, stream_size, terms=detached, **online)
+        return out, logits, terms, loss, inputs, batch_labels
 
+    def _backward_and_step(
+        self,
+        loss: torch.Tensor,
+        terms: dict[str, torch.Tensor],
+        inputs: torch.Tensor,
+        batch_labels: torch.Tensor,
+    ) -> tuple[torch.Tensor, bool]:
+        """Backward, the finite check, the gradient transforms, the optimiser step and the
+        adapter's ``after_step``: (the step's loss, whether it was finite and so taken). The
+        extra backward's terms join ``terms`` in place, and the loss."""
         loss.backward()
         # Terms the adapter backpropagates itself, one graph at a time (oLoRA's hard buffer):
         # their gradients accumulate into .grad, their values join the loss and its terms.
@@ -390,8 +464,7 @@ class OnlineLoop:
         if grads:
             finite = finite & torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()
         if not finite:
-            skipped = self._skip_nonfinite(loss, correct, stream_size, terms)
-            return dataclasses.replace(skipped, **online)
+            return loss, False
         self._nonfinite_streak = 0
         self.transform_gradients()
         self._record_gradient_norms()
@@ -402,8 +475,14 @@ class OnlineLoop:
         if restarted:
             self.reset_state(restarted)
             self._adopt_new_parameters()
-        self._observe(out, labels, stream_size, detached)
-        return StepStats(loss.detach(), correct, stream_size, terms=detached, **online)
+        return loss, True
+
+    def score_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """A_online's score of a stream batch no step trains on (real-time mode's skipped
+        batches): :meth:`predict_online` under the run's ``matmul_precision``, with its wall
+        time (a device count and seconds)."""
+        with matmul_precision(self.matmul_precision):
+            return self._score_online(inputs, labels)
 
     def _score_online(
         self, inputs: torch.Tensor, labels: torch.Tensor
@@ -740,6 +819,23 @@ def online_hits(logits: torch.Tensor, labels: torch.Tensor, seen: torch.Tensor) 
 
 def _detached(terms: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: t.detach() for name, t in terms.items()}
+
+
+def _mean_step(
+    steps: list[tuple[torch.Tensor, dict[str, torch.Tensor]]],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss and terms of a batch's optimiser steps (``online_iter``), averaged: one step's
+    own values as they are (no arithmetic, so ``online_iter`` 1 is bit for bit the single step);
+    a term some steps lack averages over those that have it."""
+    if len(steps) == 1:
+        return steps[0]
+    loss = torch.stack([loss for loss, _ in steps]).mean()
+    names = dict.fromkeys(name for _, terms in steps for name in terms)
+    terms = {
+        name: torch.stack([t[name].reshape(()) for _, t in steps if name in t]).mean()
+        for name in names
+    }
+    return loss, terms
 
 
 def check_amp(amp: Any, device: torch.device) -> None:

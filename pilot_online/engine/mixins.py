@@ -239,6 +239,30 @@ class ReplayMixin:
             return memory_inputs, memory_labels
         return torch.cat([replay[0], memory_inputs]), torch.cat([replay[1], memory_labels])
 
+    def repeat_replay_batch(
+        self: OnlineLoop, indices: np.ndarray | None, iteration: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The draw of an extra optimiser step on the same batch (``online_iter`` > 1): a fresh
+        ``er_batch_size`` sample of the memory as it is before this batch (upstream Si-Blurry
+        draws a new memory batch for each of its ``online_iter`` steps and stores the stream
+        batch after them), loaded keyed by ``(iteration + 1) << 48 | samples_seen``, a key no
+        batch's own draw (``samples_seen``) has."""
+        replay = super().repeat_replay_batch(indices, iteration)
+        drawn = self.memory.sample(self.replay_size)[0]
+        if not len(drawn):
+            return replay
+        load = self.sample_loader
+        if load is None:
+            raise RuntimeError(
+                "experience replay has no way to load memory samples: the session must call "
+                "loop.attach_samples(data.train_samples)"
+            )
+        key = (iteration + 1) << 48 | self.samples_seen
+        inputs, labels = load(drawn, key) if getattr(load, "keyed", False) else load(drawn)
+        if replay is None:
+            return inputs, labels
+        return torch.cat([replay[0], inputs]), torch.cat([replay[1], labels])
+
     @property
     def memory_needs_features(self: OnlineLoop) -> bool:
         return bool(getattr(self.memory, "needs_features", False))
@@ -255,8 +279,28 @@ class ReplayMixin:
         if self._offered is not None:  # herding ranks the stream batch by its features
             indices, host_labels = self._offered
             self._offered = None
-            self.memory.add(indices, host_labels, out.features.detach().float().cpu().numpy())
+            key = self.adapter.herding_features
+            features = out.features if key is None else out.extras[key][: len(labels)]
+            self.memory.add(indices, host_labels, features.detach().float().cpu().numpy())
             self._draw_next(self.samples_seen)
+
+    def replace_parameters(self: OnlineLoop, replaced: list) -> None:
+        """A firing replaced the classifier by a wider one (DER): herding's stored features and
+        class means move into the new feature space by the adapter's ``map_prototypes``, as the
+        prototypes do (:meth:`ClassBalancedMemory.map_features`), so that the next batch's
+        features can join them."""
+        super().replace_parameters(replaced)
+        layer = self.adapter.classifier(self.network)
+        if not self.memory_needs_features or not any(new is layer.weight for *_, new in replaced):
+            return
+        if self.adapter.herding_features is not None:  # the method's own space: never mapped
+            return
+
+        def mapping(rows: np.ndarray) -> np.ndarray:
+            with torch.no_grad():
+                return self.adapter.map_prototypes(self.network, torch.from_numpy(rows)).numpy()
+
+        self.memory.map_features(mapping)
 
     def state_dict(self: OnlineLoop) -> dict[str, Any]:
         return {

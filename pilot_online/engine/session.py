@@ -10,6 +10,7 @@ Needs no PILOT: data comes from any :class:`DataSource`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import hashlib
@@ -20,7 +21,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,6 +32,7 @@ from tqdm.auto import tqdm
 from ..core import metrics
 from ..core.files import write_atomic
 from ..core.progress import progress_line
+from ..core.realtime import DEFAULT_REFERENCE, RealtimeSchedule, realtime_on
 from ..core.results import build_results, to_jsonable, write_results
 from ..core.rng import capture_rng_state, restore_rng_state
 from ..core.streams import Stream
@@ -41,11 +43,20 @@ from .checkpoint import (
     remove_stale_temporaries,
     save_checkpoint,
 )
-from .loop import OnlineLoop
+from .loop import OnlineLoop, StepStats, _synchronize
 
 logger = logging.getLogger(__name__)
 
 Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
+#: Builds a fresh loop (adapter, network, mixins) for a resolved config: what ``realtime:
+#: "measured"`` times the method's and the reference's steps with (the PILOT learner gives one).
+LoopFactory = Callable[[Mapping[str, Any]], OnlineLoop]
+
+#: ``realtime: "measured"``: training steps run before the timed ones (the replay memory fills,
+#: lazy initialisation and kernel selection happen), and steps timed; C is the ratio of the
+#: fastest timed step of each (the least disturbed by other work on the machine).
+MEASURE_WARMUP_STEPS = 2
+MEASURE_TIMED_STEPS = 3
 
 #: ``checkpoint_every: "auto"``: seconds of training between two checkpoints, besides the one at
 #: each task end. Ten minutes bound the work a kill without warning loses (a SIGTERM loses
@@ -160,8 +171,10 @@ class OnlineSession:
         results_path: Path | None = None,
         progress: bool = True,
         checkpoint_path: Path | None = None,
+        loop_factory: LoopFactory | None = None,
     ) -> None:
         self.loop, self.stream, self.data, self.config = loop, stream, data, config
+        self.loop_factory = loop_factory
         reset_peak_memory(loop.device)
         self.results_path = results_path
         self.written_path: Path | None = None
@@ -210,6 +223,14 @@ class OnlineSession:
         # so far, and where a restored run picks up (task, batches of it already trained).
         self.task_reports: list[dict[str, Any]] = []
         self.batches_trained = 0
+        # Real-time mode (core/realtime.py, docs/protocol.md): which stream batches a step trains
+        # on; the others pass, scored only. Global stream batches before ``scored_until`` were
+        # trained on or scored (a step scores the batches that pass while it runs, before it
+        # trains). ``samples_passed``: stream samples consumed, trained on or not.
+        self.realtime: RealtimeSchedule | None = None
+        self.batches_skipped = 0
+        self.scored_until = 0
+        self.samples_passed = 0
         self.resume_position = (0, 0)
         self.resumed_from: list[dict[str, int]] = []
         self.checkpoint_every = config.get("checkpoint_every", "auto") or None
@@ -221,9 +242,16 @@ class OnlineSession:
             if self.checkpoint_path.exists():
                 self._resume()
                 if self.live_log is not None:  # live curves go on at the resumed stream step
-                    self.live_log.step = self.batches_trained
+                    self.live_log.step = self.batches_trained + self.batches_skipped
         if self.resume_position == (0, 0):
             self._say_why_it_starts_over()
+        if realtime_on(config) and not loop.online_accuracy:
+            raise ValueError(
+                "real-time mode scores every stream batch, but this loop scores none "
+                "(online_accuracy false): remove online_accuracy or set it true"
+            )
+        if realtime_on(config) and self.realtime is None:  # a resumed run keeps its C
+            self.realtime = self._resolve_realtime()
 
     # -- driving -----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -311,16 +339,25 @@ class OnlineSession:
     def _train_batches(
         self, task: int, batch_indices: list[np.ndarray], first: int, bar: Any, interval: int
     ) -> None:
-        """Train on the batches of ``task`` from ``first`` on; stop cleanly when a signal came."""
+        """Train on the batches of ``task`` from ``first`` on; stop cleanly when a signal came.
+
+        In real-time mode each step comes with the batches that pass while it runs (up to the
+        next batch its schedule trains, possibly in the next tasks): they are loaded with it and
+        scored first, by the model the step starts from, then the step trains on its batch."""
         loss_sum = torch.zeros((), device=self.loop.device)
         correct_sum = torch.zeros((), device=self.loop.device, dtype=torch.long)
         seen_in_window = steps_in_window = 0
+        offset = self._task_offsets[task]
+        groups = self._step_groups(offset + first, offset + len(batch_indices))
+        stream = self._stream_batches
         start = time.perf_counter()
-        batches = iter(self.data.train_batches(batch_indices[first:]))
-        step = first  # batches of the task trained: the position a checkpoint records
-        while True:
+        loads = [stream[g] for trained, passing in groups for g in (trained, *passing)]
+        batches = iter(self.data.train_batches(loads))
+        step = first  # batches of the task passed (trained or scored): what a checkpoint records
+        for trained, passing in groups:
             try:
                 inputs, labels = next(batches)
+                waiting = [next(batches) for _ in passing]
             except StopIteration:
                 break
             except Exception:
@@ -330,10 +367,18 @@ class OnlineSession:
                     raise
                 self.train_seconds += time.perf_counter() - start
                 self._stop(task, step)
-            step += 1
-            stats = self.loop.train_step(inputs, labels, batch_indices[step - 1])
+            waiting_correct, waiting_samples = self._score_passing(waiting)
+            stats = self.loop.train_step(inputs, labels, stream[trained])
+            end = (passing[-1] if passing else trained) + 1
+            previous, step = step, min(end - offset, len(batch_indices))
+            passed_before = self.batches_trained + self.batches_skipped
+            self.scored_until = end
+            self.batches_trained += 1
+            self.batches_skipped += len(passing)
+            self.samples_passed += stats.samples + waiting_samples
             if self.live_log is not None:
-                self.live_log.on_step(stats)
+                passing_stats = _with_passing(stats, waiting_correct, waiting_samples, len(passing))
+                self.live_log.on_step(passing_stats)
             if not stats.skipped:
                 loss_sum += stats.loss
                 steps_in_window += 1
@@ -344,8 +389,8 @@ class OnlineSession:
                 self.online_samples += stats.samples
             self.online_seconds += stats.online_seconds
             self.train_seconds -= stats.online_seconds  # the step's timer includes the pass
-            if step % interval == 0 or step == len(batch_indices):  # the only device reads
-                loss, correct, online = torch.stack(
+            if step // interval > previous // interval or step == len(batch_indices):
+                loss, correct, online = torch.stack(  # the only device reads
                     [loss_sum.float(), correct_sum.float(), self.online_correct.float()]
                 ).tolist()
                 shown = {
@@ -354,31 +399,83 @@ class OnlineSession:
                 }
                 if self.online_samples:  # scored only with online_accuracy on
                     shown["A_online"] = f"{100.0 * online / self.online_samples:.1f}"
+                if self.realtime is not None:
+                    shown["trained"] = f"{self.batches_trained}/{passed_before + 1 + len(passing)}"
                 bar.set_postfix(**shown)
                 bar.update(step - bar.n)
                 loss_sum.zero_(), correct_sum.zero_()
                 seen_in_window = steps_in_window = 0
-            if self._next_periodic is not None and self.loop.samples_seen >= self._next_periodic:
+            if self._next_periodic is not None and self.samples_passed >= self._next_periodic:
                 self.train_seconds += time.perf_counter() - start
                 self._periodic_evaluation()
                 start = time.perf_counter()
-            self.batches_trained += 1
             if self.stop_signals.received is not None:
                 self.train_seconds += time.perf_counter() - start
                 self._stop(task, step)
-            if self._checkpoint_due():
+            if self._checkpoint_due(passed_before):
                 self.train_seconds += time.perf_counter() - start
                 self.save_checkpoint(task, step)
                 start = time.perf_counter()
         self.train_seconds += time.perf_counter() - start
+        bar.update(len(batch_indices) - bar.n)  # batches scored in an earlier task's steps
 
-    def _checkpoint_due(self) -> bool:
-        """After a step: every N batches (an integer), or once the interval has passed (auto)."""
+    def _step_groups(self, begin: int, stop: int) -> list[tuple[int, list[int]]]:
+        """``(trained batch, batches passing while its step runs)`` for the steps whose trained
+        batch lies in global batches ``[begin, stop)``; batches before :attr:`scored_until`
+        were trained or scored already (by a step of an earlier task, or before a resume)."""
+        total = len(self._stream_batches)
+        batch = max(begin, self.scored_until)
+        groups = []
+        schedule = self.realtime
+        while batch < stop:
+            following = batch + 1 if schedule is None else schedule.next_trained(batch + 1)
+            if schedule is not None and not schedule.trains(batch):
+                raise RuntimeError(f"stream batch {batch} is neither trained nor scored")
+            groups.append((batch, list(range(batch + 1, min(following, total)))))
+            batch = following
+        return groups
+
+    def _score_passing(self, waiting: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Any, int]:
+        """Score the batches that pass during a real-time step, before it trains (the model
+        they meet is the one the step starts from) and never train on them: (right, samples).
+        Their passes are evaluation time, kept out of ``train_seconds``."""
+        if not waiting:
+            return None, 0
+        right = torch.zeros((), device=self.loop.device, dtype=torch.long)
+        samples = 0
+        for inputs, labels in waiting:
+            correct, seconds = self.loop.score_batch(inputs, labels)
+            right += correct
+            samples += len(labels)
+            self.online_seconds += seconds
+            self.train_seconds -= seconds
+        self.online_correct += right
+        self.online_samples += samples
+        return right, samples
+
+    @functools.cached_property
+    def _stream_batches(self) -> list[np.ndarray]:
+        """Every stream batch's dataset indices, in stream order over all tasks (the stream is
+        fixed for the session): real-time mode numbers batches globally, the stream never waits
+        at a task's end."""
+        return [b.indices for t in range(self.stream.num_tasks) for b in self.stream.batches(t)]
+
+    @functools.cached_property
+    def _task_offsets(self) -> list[int]:
+        """The global index of each task's first batch."""
+        counts = [sum(1 for _ in self.stream.batches(t)) for t in range(self.stream.num_tasks)]
+        return [int(v) for v in np.concatenate([[0], np.cumsum(counts)])]
+
+    def _checkpoint_due(self, passed_before: int) -> bool:
+        """After a step: every N stream batches (an integer: the step passed a multiple of N,
+        its trained batch and, in real-time mode, those scored with it), or once the interval
+        has passed (auto)."""
         if self.checkpoint_path is None:
             return False
         if self.checkpoint_every == "auto":
             return time.monotonic() - self._last_checkpoint >= AUTO_CHECKPOINT_SECONDS
-        return self.batches_trained % self.checkpoint_every == 0
+        passed = self.batches_trained + self.batches_skipped
+        return passed // self.checkpoint_every > passed_before // self.checkpoint_every
 
     def _stop(self, task: int, step: int, saved: bool = False) -> None:
         """Checkpoint the position (``step`` batches of ``task`` trained) unless ``saved``, say
@@ -412,14 +509,93 @@ class OnlineSession:
 
     def _periodic_evaluation(self) -> None:
         period = int(self.config["eval_period"])
-        while self._next_periodic <= self.loop.samples_seen:
+        while self._next_periodic <= self.samples_passed:
             self._next_periodic += period
         allowed = self.loop.seen.cpu().numpy()
         y_pred, y_true = self._predict(allowed, topk=1)
         accuracy = float(np.mean(y_pred[:, 0] == y_true) * 100) if len(y_true) else float("nan")
-        self.periodic.append({"samples_seen": self.loop.samples_seen, "accuracy": accuracy})
+        self.periodic.append({"samples_seen": self.samples_passed, "accuracy": accuracy})
         if self.live_log is not None:
             self.live_log.on_eval("periodic", {"accuracy": accuracy})
+
+    # -- real-time mode ----------------------------------------------------------------------------
+    def _resolve_realtime(self) -> RealtimeSchedule:
+        """The run's C (``realtime``): from the FLOP model, measured here, or given. Once per
+        run: a resumed run takes its C from the checkpoint."""
+        mode = self.config["realtime"]
+        reference = str(self.config.get("realtime_reference") or DEFAULT_REFERENCE)
+        if mode in ("flops", "flops_counted"):
+            from .flops import realtime_flop_cost
+
+            cost, detail = realtime_flop_cost(self.config, counted=mode == "flops_counted")
+            schedule = RealtimeSchedule.from_value(cost, mode, reference, detail)
+        elif mode == "measured":
+            schedule = self._measure_cost(reference)
+        else:
+            schedule = RealtimeSchedule.from_value(float(mode), "given")
+        total = len(self._stream_batches)
+        logger.info(
+            "real-time mode: C = %s (%s, %s; reference %s): %d of the stream's %d batches train",
+            f"{float(schedule.cost):g}",
+            f"{schedule.cost.numerator}/{schedule.cost.denominator}",
+            schedule.source,
+            schedule.reference or "none",
+            schedule.trained_count(total),
+            total,
+        )
+        return schedule
+
+    def _measure_cost(self, reference: str) -> RealtimeSchedule:
+        """C from step times measured in this process: a fresh loop of this run's config and one
+        of the reference's (:func:`reference_run_config`), each trained for
+        :data:`MEASURE_WARMUP_STEPS` + :data:`MEASURE_TIMED_STEPS` steps on the stream's first
+        batch, random weights, no A_online pass; C is the ratio of their fastest timed steps.
+        Every RNG is put back afterwards and the peak-memory count restarted, so the run trains
+        as it would have."""
+        if self.loop_factory is None:
+            raise ValueError(
+                "realtime=\"measured\" builds the method's and the reference's loops to time "
+                "their steps, and this session was given no loop_factory (PILOT's learner gives "
+                'one): set realtime to "flops" or to a number'
+            )
+        device = self.loop.device
+        first = self.data.train_batches(self._stream_batches[:1])
+        inputs, labels = next(iter(first))
+        getattr(first, "close", lambda: None)()  # the data source's pass ends here
+        indices = self._stream_batches[0]
+        state = capture_rng_state(device)
+        try:
+            seconds = {}
+            for who, config in (
+                ("method", timing_config(self.config)),
+                ("reference", reference_run_config(self.config, reference)),
+            ):
+                loop = self.loop_factory(config)
+                seconds[who] = _fastest_step(loop, self.data, inputs, labels, indices)
+                del loop
+                gc.collect()
+        finally:
+            restore_rng_state(state, device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        reset_peak_memory(device)  # the throwaway loops are not the run's memory
+        detail = {
+            "method_step_seconds": seconds["method"],
+            "reference_step_seconds": seconds["reference"],
+            "steps": f"{MEASURE_WARMUP_STEPS} warm-up + {MEASURE_TIMED_STEPS} timed, fastest",
+            "device": str(device),
+        }
+        cost = seconds["method"] / seconds["reference"]
+        return RealtimeSchedule.from_value(cost, "measured", reference, detail)
+
+    def _realtime_report(self) -> dict[str, Any]:
+        """The results file's ``extra.realtime``: C, where it came from, and the batches."""
+        return {
+            **self.realtime.to_dict(),
+            "batches_trained": self.batches_trained,
+            "batches_skipped": self.batches_skipped,
+            "stream_batches": len(self._stream_batches),
+        }
 
     # -- checkpoints -------------------------------------------------------------------------------
     def _checkpoint_location(self, path: Path | None) -> Path | None:
@@ -460,6 +636,10 @@ class OnlineSession:
             "position": {"task": task, "step": step},
             "stream_digest": self._stream_digest,
             "batches_trained": self.batches_trained,
+            "batches_skipped": self.batches_skipped,
+            "scored_until": self.scored_until,
+            "samples_passed": self.samples_passed,
+            "realtime": None if self.realtime is None else self.realtime.state_dict(),
             "columns": list(self.columns),
             "class_history": list(self.class_history),
             "end_of_task": list(self.end_of_task),
@@ -495,6 +675,11 @@ class OnlineSession:
         self.task_reports = list(state["task_reports"])
         self.tasks_trained = int(state["tasks_trained"])
         self.batches_trained = int(state["batches_trained"])
+        self.batches_skipped = int(state["batches_skipped"])
+        self.scored_until = int(state["scored_until"])
+        self.samples_passed = int(state["samples_passed"])
+        realtime = state["realtime"]
+        self.realtime = None if realtime is None else RealtimeSchedule.from_state(realtime)
         self.train_seconds = float(state["train_seconds"])
         self.eval_seconds = float(state["eval_seconds"])
         online = state["online"]
@@ -653,6 +838,10 @@ class OnlineSession:
                 "optimizer_steps": loop.optimizer_steps,
                 "samples_seen": loop.samples_seen,
                 "online_scored_samples": self.online_samples,
+                # Stream batches a step trained on, and those that passed scored only
+                # (real-time mode; 0 otherwise).
+                "batches_trained": self.batches_trained,
+                "batches_skipped": self.batches_skipped,
                 "stream_length": len(self.stream),
                 "tasks_trained": self.tasks_trained,
                 "skipped_nonfinite_steps": loop.skipped_nonfinite_steps,
@@ -664,6 +853,7 @@ class OnlineSession:
             },
             extra={
                 **({"resumed_from": self.resumed_from} if self.resumed_from else {}),
+                **({"realtime": self._realtime_report()} if self.realtime is not None else {}),
                 "periodic_evaluations": self.periodic,
                 # PILOT's cnn_accy of each task: what a rerun hands back for a finished seed.
                 "task_reports": self.task_reports,
@@ -705,6 +895,81 @@ class OnlineSession:
         self.written_path = path
         logger.info("results written to %s", path)
         return results
+
+
+def timing_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` as its step is timed: random weights (nothing to load), no A_online pass (it
+    is evaluation, not the method's cost), no real-time mode, no live log or checkpoint."""
+    return {
+        **config,
+        "pretrained": False,
+        "pretrained_path": None,
+        "online_accuracy": False,
+        "realtime": None,
+        "logger": None,
+        "checkpoint_every": None,
+        "grad_trace": False,
+    }
+
+
+def reference_run_config(config: Mapping[str, Any], reference: str) -> dict[str, Any]:
+    """The reference's run beside ``config``: the same PILOT and online keys (data, batch size,
+    device, image size, optimiser, LR) with ``model_name`` the reference, its base variant, one
+    step per batch, its own defaults for everything else (replay, trigger, backbone: the one of
+    its backbones the run's backbone name starts with, else its first)."""
+    from .config import ONLINE_KEYS, PILOT_KEYS, resolve_config
+    from .registry import get_method
+
+    adapter = get_method(reference)
+    own = ("er_memory_size", "er_batch_size", "er_memory", "er_memory_per_class", "consolidation")
+    raw = {
+        k: v
+        for k, v in config.items()
+        if (k in PILOT_KEYS or k in ONLINE_KEYS) and k not in own and k != "backbone_type"
+    }
+    backbone = str(config.get("backbone_type") or "")
+    names = sorted(adapter.backbone_types, key=len, reverse=True)
+    raw["backbone_type"] = next((n for n in names if backbone.startswith(n)), None) or (
+        adapter.backbone_types[0] if adapter.backbone_types else backbone
+    )
+    raw.update(model_name=reference, online_prototypes=False, fgh=None, online_iter=1)
+    resolved = resolve_config(timing_config(raw))
+    resolved.update({k: config[k] for k in ("nb_classes", "nb_tasks") if k in config})
+    return resolved
+
+
+def _fastest_step(
+    loop: OnlineLoop, data: Any, inputs: torch.Tensor, labels: torch.Tensor, indices: np.ndarray
+) -> float:
+    """The fastest of :data:`MEASURE_TIMED_STEPS` training steps of ``loop`` on one batch, after
+    :data:`MEASURE_WARMUP_STEPS` (seconds, between device syncs). Replay loads through the data
+    source unkeyed, in this process."""
+    loader = getattr(data, "train_samples", None)
+    if loader is not None:
+        loop.attach_samples(lambda drawn: loader(drawn))
+    times = []
+    for step in range(MEASURE_WARMUP_STEPS + MEASURE_TIMED_STEPS):
+        _synchronize(loop.device)
+        start = time.perf_counter()
+        loop.train_step(inputs, labels, indices)
+        _synchronize(loop.device)
+        if step >= MEASURE_WARMUP_STEPS:
+            times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _with_passing(stats: StepStats, correct: Any, samples: int, batches: int) -> StepStats:
+    """A real-time step's stats for the live log: its A_online count with the ``batches`` that
+    passed during it (``correct`` of ``samples``), which advance the stream step too."""
+    if not batches:
+        return stats
+    own = stats.online_correct
+    return dataclasses.replace(
+        stats,
+        online_correct=correct if own is None else own + correct,
+        online_samples=stats.samples + samples,
+        stream_batches=stats.stream_batches + batches,
+    )
 
 
 def unique_results_path(path: Path) -> Path:

@@ -1,4 +1,5 @@
-"""DGR online (``dgr_online``): gradient reweighting for class imbalance, with experience replay.
+"""DGR online (``dgr_online``): gradient reweighting for class imbalance, with distillation and
+herding replay.
 
 DGR (He, "Gradient Reweighting: Towards Imbalanced Class-Incremental Learning", CVPR 2024;
 PILOT's ``models/dgr.py``) fine-tunes the whole ViT with a linear head and an exemplar memory.
@@ -8,36 +9,45 @@ What the online port keeps:
   ``logits + log(prior)``, ``prior`` the label frequencies of what was trained on. Upstream counts
   the task's training set (new data plus exemplars); online, the labels of every training batch
   (stream plus replayed samples) since the last consolidation.
-* **Gradient reweighting**: after backward, the per-class norms ``||grad W_c||`` of the head's
-  rows are added to a running sum ``G`` (restarted at each consolidation, as upstream restarts it
-  with each task) and the rows of the weight and bias gradients are scaled by
-  :func:`class_weights`: ``min(G) / G_c`` before the first consolidation (upstream's first task),
-  then old and new classes each within their group, times ``rs_old`` / ``rs_new`` (its later
-  tasks). It runs in :meth:`DGROnline.transform_gradients`, before FGH: FGH pairs and scales the
-  reweighted gradient, so the applied gradient is ``alpha * w * g``.
-* **Memory**: the loop's reservoir (``ReplayMixin``) at upstream's ``memory_size`` of 2,000.
+* **Distillation** (upstream ``_KD_loss``, from the second task on): ``lambda * known / new``
+  times the KD loss at temperature ``T`` between the logits of the classes known at the last
+  firing and those of the engine teacher (the network at that firing, ``keeps_teacher``);
+  ``new`` counts the classes first seen since the firing (upstream: the task's classes).
+* **Gradient reweighting**: after backward, the head's gradient (the cross-entropy's, and L_P's
+  with + P; the distillation's reaches the backbone only) has its row norms added to a running
+  sum ``G`` (restarted at each consolidation, as upstream restarts it with each task) and its
+  rows scaled by :func:`class_weights`; from the first firing on, the distillation's own head
+  gradient is added, scaled by :func:`kd_ratio` (upstream replaces the head's gradient rows with
+  ``w * g_ce + ratio_kd * g_kd``). It runs in :meth:`DGROnline.transform_gradients`, before FGH,
+  which pairs and scales the result.
+* **Memory**: declared replay (``memory_based``, ``replay_keys``): upstream's herding memory of
+  ``memory_size`` 2,000, a quota of 2000 // classes seen, re-picked online.
 
 The default trigger, ``new_classes``, fires at each task boundary of a clear stream whose tasks
-hold ``consolidation_new_classes`` classes. Upstream's distillation from the previous task's
-network is not ported (docs/methods.md says why).
+hold ``consolidation_new_classes`` classes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.checks import integer, real
+from ..core.checks import real
 from ..core.masks import mask_logits
-from ..engine.adapter import ConfigKey, StepOutput, UpstreamDifference
+from ..engine.adapter import ConfigKey, StepOutput, TrainingBatch, UpstreamDifference
+from ..engine.config import replay_keys
 from ..engine.registry import register_method
-from .finetune import EROnline
+from .finetune import ONE_LINEAR_HEAD, FinetuneOnline
+from .icarl import ONLINE_HERDING, REPLAY_LOGIT_MASK, TEACHER_AT_FIRING, distillation_loss
 
-#: Upstream's exps/dgr.json: ``memory_size`` 2000 (ER's rows keep 1,000).
+#: Upstream's exps/dgr.json: ``memory_size`` 2000 (``fixed_memory`` false), ``lambda`` 1, ``T`` 2.
 DGR_MEMORY_SIZE = 2000
+DGR_LAMBDA = 1.0
+DGR_TEMPERATURE = 2.0
 
 
 def _min_ratio(grad_sums: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
@@ -54,9 +64,10 @@ def class_weights(
     Without ``known`` classes (upstream's first task): ``min(G) / G_c``. With them (classes seen
     before the last consolidation, upstream's ``_known_classes``): old and new classes are
     normalised each within its group, then scaled by ``rs_old = min(1, mean_new / mean_old)`` and
-    ``rs_new = min(1, mean_new / mean_old * exp(-gammar_r * known / total))``; while one group
-    has no gradient yet, the first-task rule. Classes whose sum is 0 (no gradient yet) are left
-    out of minima and means (their gradient is 0 anyway). No host sync."""
+    ``rs_new = min(1, mean_new / mean_old * exp(-gammar_r * known / total))``, ``total`` the known
+    classes and those trained on since (the classes seen so far); while one group has no gradient
+    yet, the first-task rule. Classes whose sum is 0 (no gradient yet) are left out of minima and
+    means (their gradient is 0 anyway). No host sync."""
     active = grad_sums > 0
     single = _min_ratio(grad_sums, active)
     if known is None:
@@ -80,33 +91,70 @@ def adjusted_logits(logits: torch.Tensor, label_counts: torch.Tensor) -> torch.T
     return logits + torch.log(prior).to(logits.dtype)
 
 
+def distillation_weight(known: torch.Tensor, seen: torch.Tensor, lam: float) -> torch.Tensor:
+    """Upstream's ``lambda * known / (total - known)`` with ``total`` the classes seen so far
+    (bool ``[C]`` masks): ``total - known`` counts the classes first seen since the last firing,
+    at least 1 (a trigger other than ``new_classes`` may fire before any new class). No sync."""
+    new = (seen & ~known).sum().clamp_min(1)
+    return lam * known.sum() / new
+
+
+def kd_ratio(weighted_norms: torch.Tensor, kd_weight_grad: torch.Tensor) -> torch.Tensor:
+    """Upstream's ``ratio_kd = ||w_c * ||g_ce,c|| || / || ||g_kd,c|| ||``: the norm of the
+    reweighted cross-entropy row norms (``weighted_norms``) over that of the distillation's
+    weight-gradient rows. 0 where the distillation has no head gradient at all (one known class),
+    where upstream's division by 0 gives NaN. At the step right after a firing the network is
+    its teacher and the gradient is rounding noise, which the ratio scales up as upstream's
+    does at each task's first batch."""
+    numerator = weighted_norms.norm()
+    denominator = kd_weight_grad.norm(dim=1).to(numerator.dtype).norm()
+    tiny = torch.finfo(numerator.dtype).tiny
+    return torch.where(denominator > 0, numerator / denominator.clamp_min(tiny), 0.0)
+
+
+@dataclass
+class HeadDistillation:
+    """One step's distillation gradient on the head, from :meth:`DGROnline.loss_terms` to
+    :meth:`DGROnline.transform_gradients` (detached; dropped there, or by the next step's
+    ``loss_terms`` when a non-finite step skipped the transform)."""
+
+    weight: torch.Tensor  # d KD / d W of the unweighted KD loss
+    bias: torch.Tensor | None  # d KD / d b
+
+
 @register_method("dgr_online")
-class DGROnline(EROnline):
-    """Full fine-tuning with logit adjustment, per-class gradient reweighting and replay."""
+class DGROnline(FinetuneOnline):
+    """Full fine-tuning with logit adjustment, distillation, per-class gradient reweighting and
+    herding replay."""
 
     paper_name: ClassVar[str] = "DGR"
     base_model_name: ClassVar[str] = "dgr"  # PILOT's transforms for its DGR learner
+    memory_based: ClassVar[bool] = True
+    keeps_teacher: ClassVar[bool] = True
     config_keys: ClassVar[dict[str, ConfigKey]] = {
-        "er_memory_size": ConfigKey(
+        **replay_keys(
             DGR_MEMORY_SIZE,
-            "replay reservoir size (DGR's memory_size: 2000; ER's rows: 1000)",
-            check=integer(0),
+            memory="herding",
+            why="DGR's memory_size 2000, fixed_memory false: a quota of 2000 // classes seen",
         ),
         "gammar_r": ConfigKey(
             1.0,
             "DGR's new-class damping exp(-gammar_r * known / total) (upstream key and value: 1)",
             check=real(0),
         ),
+        "lambda": ConfigKey(
+            DGR_LAMBDA,
+            "DGR's distillation weight: lambda * known / new times the KD loss (upstream key "
+            "and value: 1)",
+            check=real(0),
+        ),
+        "T": ConfigKey(
+            DGR_TEMPERATURE,
+            "distillation temperature (upstream's key and value: 2)",
+            check=real(positive=True),
+        ),
     }
     upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
-        UpstreamDifference(
-            "no_distillation",
-            "No distillation from the previous task's network, where upstream adds lambda times "
-            "the KD loss to the loss and ratio_kd times its gradient to the old classes' head "
-            "rows.",
-            "It needs a frozen copy of the network taken at each task end, which the engine "
-            "teacher of the issue on PILOT's classic methods will keep; it is ported there.",
-        ),
         UpstreamDifference(
             "running_label_prior",
             "The logit adjustment's prior counts the labels trained on since the last "
@@ -115,17 +163,34 @@ class DGROnline(EROnline):
             "Online a task's data is not known before it has streamed past.",
         ),
         UpstreamDifference(
-            "reservoir_memory",
-            "Replay draws from a reservoir of stream samples of upstream's size (2,000), where "
-            "upstream keeps herding-selected exemplars per class, chosen at each task end.",
-            "There is no task end to select exemplars at; the reservoir is the paper's ER memory.",
+            "new_classes_counted_online",
+            "The distillation weight lambda * known / (total - known) counts as total the "
+            "classes seen so far, so total - known grows from 1 as a task's classes appear "
+            "(at least 1), where upstream's total is known plus the task's whole increment.",
+            "Online a task's classes are not known before they appear; rs_new's known / total "
+            "counts the same classes.",
         ),
+        UpstreamDifference(
+            "kd_ratio_without_gradient",
+            "ratio_kd is 0 when the distillation's head gradient is exactly 0 (one known class: "
+            "the softmax over one logit is 1 for student and teacher alike), where upstream "
+            "divides by 0 and writes NaN into the known class's head row.",
+            "A trigger may fire once one class has been seen (Si-Blurry, every_n_samples), and a "
+            "NaN head would end the run.",
+        ),
+        ONLINE_HERDING,
+        REPLAY_LOGIT_MASK,
+        ONE_LINEAR_HEAD,
+        TEACHER_AT_FIRING,
     )
-    #: The smoke stream's tasks hold 4 classes: a firing at each of its task boundaries.
+    #: The smoke stream's tasks hold 4 classes: a firing, and a teacher, at each task boundary.
     smoke_overrides: ClassVar[dict[str, Any]] = {"consolidation_new_classes": 4}
     #: In a clear stream with consolidation_new_classes = a task's classes (10, as CIFAR-100's
-    #: 10 tasks), it fires at each task boundary: upstream's per-task statistics.
+    #: 10 tasks), it fires at each task boundary: upstream's per-task statistics and teacher.
     default_consolidation: ClassVar[str] = "new_classes"
+    #: No hp_grid row for DGR; the whole-ViT rows that the paper searched low enough, ER's, chose
+    #: 5e-5, and both whole-ViT rows collapse at 5e-3 (docs/methods.md).
+    default_lr: ClassVar[float | None] = 5e-5
     # Per-class statistics (on the head's device, made at the first use; build_network starts
     # them afresh): G and the label counts since the last consolidation (float64), the classes
     # trained on so far and those seen before the last consolidation (bool).
@@ -135,6 +200,7 @@ class DGROnline(EROnline):
     known: torch.Tensor | None = None
     weights: torch.Tensor | None = None  # the last step's w, for the report
     resets: int = 0
+    distillation: HeadDistillation | None = None  # this step's, between loss and transform
 
     def build_network(self, args: dict) -> nn.Module:
         self.clear_statistics()
@@ -143,6 +209,7 @@ class DGROnline(EROnline):
     def clear_statistics(self) -> None:
         """A new network starts with no statistics (made on the head's device at first use)."""
         self.grad_sums = self.label_counts = self.seen = self.known = self.weights = None
+        self.distillation = None
         self.resets = 0
 
     def _statistics(self, network: nn.Module) -> dict[str, torch.Tensor]:
@@ -175,25 +242,68 @@ class DGROnline(EROnline):
         logits = adjusted_logits(out.logits, counts)
         return F.cross_entropy(logits if mask is None else mask_logits(logits, mask), labels)
 
+    def loss_terms(
+        self, network: nn.Module, out: StepOutput, batch: TrainingBatch
+    ) -> dict[str, torch.Tensor]:
+        """Upstream's distillation once a firing has taken a teacher: ``lambda * known / new``
+        times ``_KD_loss`` over the known classes (:func:`distillation_weight`).
+
+        Upstream's head gets the distillation's gradient apart from the loss's (it replaces the
+        head's rows after backward), so the term is split: the loss's term reads the head's
+        output with the head held fixed (``features @ W.detach().T + b.detach()``, the same
+        logits), so its gradient reaches the backbone alone, as upstream's ``loss.backward()``
+        gives it; the head's gradient of the KD loss alone is taken here from the head's part of
+        the graph (``autograd.grad``, the graph kept for the loop's backward) and kept for
+        :meth:`transform_gradients`. The head's ``.grad`` then holds exactly the other terms'."""
+        self.distillation = None  # a skipped step's is never read
+        if batch.teacher is None:
+            return {}
+        temperature = float(self.args.get("T", DGR_TEMPERATURE))
+        teacher = batch.teacher.logits
+        fc = self.classifier(network)
+        kd = distillation_loss(out.logits, teacher, batch.known, temperature)
+        head = [p for p in (fc.weight, fc.bias) if p is not None]
+        grads = torch.autograd.grad(kd, head, retain_graph=True)
+        self.distillation = HeadDistillation(grads[0], grads[1] if len(grads) > 1 else None)
+        bias = None if fc.bias is None else fc.bias.detach()
+        held = F.linear(out.features, fc.weight.detach(), bias)  # DGR's logits: fc(features)
+        scale = distillation_weight(
+            batch.known, batch.seen, float(self.args.get("lambda", DGR_LAMBDA))
+        )
+        return {"kd": scale * distillation_loss(held, teacher, batch.known, temperature)}
+
     @torch.no_grad()
     def transform_gradients(self, network: nn.Module) -> None:
-        """Add this step's row-gradient norms to ``G`` and scale each row by its weight
-        (:func:`class_weights`): upstream's rule, on the head's gradient before FGH."""
+        """Upstream's head gradient: the loss's (the cross-entropy's, and L_P's with + P; the
+        distillation's reaches the backbone only, :meth:`loss_terms`) joins ``G`` by its row
+        norms and is scaled by its class weights (:func:`class_weights`); the distillation's is
+        added times :func:`kd_ratio`. The rest of the network keeps the loss's gradient. Runs
+        before FGH."""
         fc = self.classifier(network)
+        distillation, self.distillation = self.distillation, None
         if fc.weight.grad is None:
             return
+        weight_grad = fc.weight.grad
+        bias_grad = None if fc.bias is None else fc.bias.grad
         stats = self._statistics(network)
-        stats["grad_sums"] += fc.weight.grad.norm(dim=1).to(torch.float64)
+        norms = weight_grad.norm(dim=1).to(torch.float64)
+        stats["grad_sums"] += norms
         self.weights = class_weights(
             stats["grad_sums"], stats["known"], float(self.args.get("gammar_r", 1.0))
         )
-        fc.weight.grad.mul_(self.weights.to(fc.weight.grad.dtype)[:, None])
-        if fc.bias is not None and fc.bias.grad is not None:
-            fc.bias.grad.mul_(self.weights.to(fc.bias.grad.dtype))
+        weight_grad.mul_(self.weights.to(weight_grad.dtype)[:, None])
+        if bias_grad is not None:
+            bias_grad.mul_(self.weights.to(bias_grad.dtype))
+        if distillation is not None:
+            ratio = kd_ratio(self.weights * norms, distillation.weight)
+            weight_grad.add_(ratio.to(weight_grad.dtype) * distillation.weight)
+            if bias_grad is not None and distillation.bias is not None:
+                bias_grad.add_(ratio.to(bias_grad.dtype) * distillation.bias)
 
     def consolidate(self, network: nn.Module, firing: int) -> tuple[nn.Parameter, ...]:
         """Upstream's task start: the classes trained on so far become the old group, and ``G``
-        and the label counts start again. No parameter restarts."""
+        and the label counts start again (the loop took the teacher just before). No parameter
+        restarts."""
         stats = self._statistics(network)
         stats["known"].copy_(stats["seen"])
         stats["grad_sums"].zero_()
@@ -220,6 +330,7 @@ class DGROnline(EROnline):
         weights = state.get("weights")
         self.weights = None if weights is None else weights.to(target.device).clone()
         self.resets = int(state["resets"])
+        self.distillation = None
 
     def report(self) -> dict[str, Any]:
         report: dict[str, Any] = {"resets": self.resets}

@@ -146,6 +146,8 @@ class EaseOnline(MethodAdapter):
         "vit_base_patch16_224_in21k_ease",
     )
     default_consolidation: ClassVar[str] = "new_classes"
+    #: Each firing adds an adapter, which every forward runs (the FLOP model counts it).
+    grows: ClassVar[bool] = True
     removed_keys: ClassVar[dict[str, str]] = {
         "adapter_num": "EASE adds one adapter subspace per consolidation firing, without a cap "
         "(upstream: one per task)"

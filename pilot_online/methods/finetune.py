@@ -28,7 +28,7 @@ from torch import nn
 
 from ..core.checks import integer
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, UpstreamDifference
-from ..engine.backbone_names import PLAIN_VIT
+from ..engine.backbone_names import PLAIN_VIT, plain_vit_overrides
 from ..engine.registry import register_method
 
 #: The training loss's mask, shared by the ports whose upstream masks by task (L2P, DualPrompt,
@@ -39,6 +39,14 @@ BATCH_LOGIT_MASK = UpstreamDifference(
     "upstream's masks those outside the current task.",
     "Online there is no task to mask by; the paper trains every method with the batch-wise mask "
     "(its appendix, `logit_mask: batch`).",
+)
+
+#: The head of the ports that train one linear classifier (fine-tuning, iCaRL, DGR).
+ONE_LINEAR_HEAD = UpstreamDifference(
+    "one_linear_head_over_every_class",
+    "The head is one linear layer over every class of the stream, made at build, where "
+    "upstream's update_fc grows it by each task's classes at the task's start.",
+    "Online the classes of the stream are known up front but no task start is seen.",
 )
 
 #: The paper's replay settings: 1,000 samples in memory, 100 replayed per step.
@@ -56,21 +64,11 @@ class FinetuneOnline(MethodAdapter):
     backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
     upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
         BATCH_LOGIT_MASK,
-        UpstreamDifference(
-            "one_linear_head_over_every_class",
-            "The head is one linear layer over every class of the stream, made at build, where "
-            "upstream's update_fc grows it by each task's classes at the task's start.",
-            "Online the classes of the stream are known up front but no task start is seen.",
-        ),
+        ONE_LINEAR_HEAD,
     )
 
     def backbone_kwargs(self, args: dict) -> dict[str, Any]:
-        return {
-            "pretrained": bool(args["pretrained"]),
-            "drop_rate": float(args["drop"]),
-            "drop_path_rate": float(args["drop_path"]),
-            **super().backbone_kwargs(args),
-        }
+        return {**plain_vit_overrides(args), **super().backbone_kwargs(args)}
 
     def build_network(self, args: dict) -> nn.Module:
         from utils.inc_net import SimpleVitNet

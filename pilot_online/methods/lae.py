@@ -40,7 +40,7 @@ from torch import nn
 
 from ..core.checks import boolean, integer, real
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, UpstreamDifference
-from ..engine.backbone_names import pilot_backbones
+from ..engine.backbone_names import pilot_backbones, plain_vit_overrides
 from ..engine.registry import register_method
 
 #: ``pet_cls`` values. Upstream's third, LoRA, cannot run there: ``attach_pets_vit`` reads
@@ -151,12 +151,7 @@ class LAEOnline(MethodAdapter):
 
     def backbone_kwargs(self, args: dict) -> dict[str, Any]:
         # PILOT's "_lae" branch calls timm.create_model(name, pretrained=True): force the config's.
-        return {
-            "pretrained": bool(args["pretrained"]),
-            "drop_rate": float(args["drop"]),
-            "drop_path_rate": float(args["drop_path"]),
-            **super().backbone_kwargs(args),
-        }
+        return {**plain_vit_overrides(args), **super().backbone_kwargs(args)}
 
     def build_network(self, args: dict) -> nn.Module:
         from utils.inc_net import LAE  # PILOT, imported lazily

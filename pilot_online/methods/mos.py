@@ -149,6 +149,8 @@ class MOSOnline(MethodAdapter):
         "vit_base_patch16_224_in21k_mos",
     )
     default_consolidation: ClassVar[str] = "new_classes"
+    #: Each firing adds an adapter set, which every forward runs (the FLOP model counts it).
+    grows: ClassVar[bool] = True
     #: The synthetic stream's groups of 4 classes and a short CA (CI time).
     smoke_overrides: ClassVar[Mapping[str, Any]] = {
         "adapter_dropout": 0.0,

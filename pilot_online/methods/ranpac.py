@@ -116,6 +116,9 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
     )
     variants: ClassVar[tuple[str, ...]] = ("base",)  # analytic heads: no gradient for P or FGH
     default_consolidation: ClassVar[str] = "new_classes"
+    #: Its cost changes at the first firing (the first session's tuning stops: no backward
+    #: after it); the FLOP model counts the network after each firing as for a growing one.
+    grows: ClassVar[bool] = True
     #: Smoke stream: 4-class tasks, so the first session ends before the second task's first batch.
     smoke_overrides: ClassVar[Mapping[str, Any]] = {
         "adapter_dropout": 0.0,

@@ -23,6 +23,7 @@ from ..engine.adapter import MethodAdapter
 from ..engine.checkpoint import CompletedRun, checkpoint_path_for, completed_results
 from ..engine.config import resolve_config
 from ..engine.loop import build_loop
+from ..engine.registry import get_method
 from ..engine.session import OnlineSession, RunInterrupted, unique_results_path
 from .attention import use_sdpa
 from .backbones import timm_overrides
@@ -78,12 +79,7 @@ class OnlineLearner(BaseLearner):
         if len(self._multiple_gpus) > 1:
             logger.warning("online learners use one device: training on %s only", self._device)
         self.adapter = adapter_cls(args=self.config)
-        overrides = self.adapter.backbone_kwargs(self.config)
-        with timm_overrides(overrides, self.config["pretrained_path"], self.config["pretrained"]):
-            network = self.adapter.build_network(self.config)
-        if self.config["sdpa"]:
-            use_sdpa(network)
-        self.loop = build_loop(self.adapter, network, self.config, args["nb_classes"], self._device)
+        self.loop = self._build_loop(self.config, self.adapter)
         self._network = self.loop.network
         # The checkpoint's name is fixed by the config, so rerunning the command finds it; the
         # results file gets a timestamped name only if a finished run already wrote there.
@@ -94,6 +90,19 @@ class OnlineLearner(BaseLearner):
             type(self.loop).__name__,
             {n: p.numel() for n, p in self.loop.named_parameters},
         )
+
+    def _build_loop(self, config: dict[str, Any], adapter: MethodAdapter | None = None):
+        """The network of ``config``'s method (PILOT's backbone, the adapter's head) in its
+        online loop, on this learner's device. Also what ``realtime: "measured"`` times a
+        fresh copy of the method and of the reference method with (``OnlineSession``)."""
+        if adapter is None:
+            adapter = get_method(config["model_name"])(args=config)
+        overrides = adapter.backbone_kwargs(config)
+        with timm_overrides(overrides, config["pretrained_path"], config["pretrained"]):
+            network = adapter.build_network(config)
+        if config["sdpa"]:
+            use_sdpa(network)
+        return build_loop(adapter, network, config, config["nb_classes"], self._device)
 
     def _start(self, data_manager) -> OnlineSession | CompletedRun:
         """Build the whole stream once, from the DataManager's remapped labels and class order
@@ -112,7 +121,13 @@ class OnlineLearner(BaseLearner):
         self.results_path.parent.mkdir(parents=True, exist_ok=True)
         data = PilotDataSource(data_manager, cfg, seed=cfg["seed"])
         return OnlineSession(
-            self.loop, stream, data, cfg, self.results_path, checkpoint_path=self.checkpoint_path
+            self.loop,
+            stream,
+            data,
+            cfg,
+            self.results_path,
+            checkpoint_path=self.checkpoint_path,
+            loop_factory=self._build_loop,
         )
 
     def incremental_train(self, data_manager) -> None:
