@@ -259,6 +259,19 @@ def load_vit_state_dict(
     return report
 
 
+def blocks_it_has(model: nn.Module, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` without the blocks past ``model``'s last, as timm's npz loader reads a file
+    (it walks ``model.blocks``): MEMO's 11-block ``Generalized_Vit`` takes a 12-block file the
+    same way from an npz or a state dict (its ``Specialized_Vit.last_block`` stays random in
+    both, as upstream's)."""
+    depth = len(model.blocks)
+    return {
+        key: value
+        for key, value in state.items()
+        if not (match := re.match(r"blocks\.(\d+)\.", key)) or int(match.group(1)) < depth
+    }
+
+
 def log_load_report(report: LoadReport, source: str, model_name: str) -> None:
     """One info line of what was loaded and what was expected not to be."""
     logger.info(
@@ -331,6 +344,13 @@ def timm_overrides(
                     f"pretrained weights for {model_name!r} could not be read from "
                     f"{pretrained_path}: {err}"
                 ) from err
+            if isinstance(model, tuple):  # PILOT's vit_memo: (Generalized_Vit, Specialized_Vit)
+                for part in model:
+                    report = load_vit_state_dict(
+                        part, blocks_it_has(part, state), source=str(pretrained_path)
+                    )
+                    log_load_report(report, str(pretrained_path), type(part).__name__)
+                return model
             report = load_vit_state_dict(model, state, source=str(pretrained_path))
             log_load_report(report, str(pretrained_path), model_name)
             return model
