@@ -1,10 +1,11 @@
 """Runs PILOT's ``main.py`` in the current directory (a patched PILOT checkout) with probes.
 
 Used by test_pilot_integration.py (and through it test_contract.py) as
-``python pilot_driver.py CONFIG REPORT_JSON``. The probes record every task-boundary hook of
-upstream PILOT that online training must never call, every ``task_id`` that reaches a prompt
-network, which parameters and buffers changed during the run, and which parameters form the
-adapter's classifier.
+``python pilot_driver.py CONFIG REPORT_JSON [CONFIG REPORT_JSON ...]``: one ``main.py`` run per
+pair, in turn, in one process (torch, timm and PILOT are imported once). The probes record every
+task-boundary hook of upstream PILOT that online training must never call, every ``task_id``
+that reaches a prompt network, which parameters and buffers changed during the run, and which
+parameters form the adapter's classifier.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 
 import torch
 
-config_path, report_path = sys.argv[1], sys.argv[2]
+runs = list(zip(sys.argv[1::2], sys.argv[2::2], strict=True))
 sys.path.insert(0, os.getcwd())
 
 import backbone.prompt  # noqa: E402  (PILOT)
@@ -26,7 +27,7 @@ import utils.inc_net  # noqa: E402
 
 import pilot_online.pilot.learner  # noqa: E402
 
-report: dict = {"boundary_calls": [], "task_ids": [], "changed": {}, "learner_calls": []}
+report: dict = {}
 
 
 def record_call(owner, name):
@@ -90,9 +91,14 @@ def eval_probe(self):
 
 Learner.__init__, Learner.eval_task = init_probe, eval_probe
 
-sys.argv = ["main.py", "--config", config_path]
-try:
-    runpy.run_path("main.py", run_name="__main__")
-finally:
-    with open(report_path, "w") as handle:
-        json.dump(report, handle)
+for config_path, report_path in runs:
+    report.clear()  # each run's own record
+    report.update(boundary_calls=[], task_ids=[], changed={}, learner_calls=[])
+    initial.clear()
+    initial_buffers.clear()
+    sys.argv = ["main.py", "--config", config_path]
+    try:
+        runpy.run_path("main.py", run_name="__main__")
+    finally:
+        with open(report_path, "w") as handle:
+            json.dump(report, handle)

@@ -40,6 +40,7 @@ from conftest import (
     TinyAdapter,
     TinyNet,
     build_network,
+    contract_runs,
     copy_pilot,
     raw_smoke_config,
     requires_pilot,
@@ -55,15 +56,11 @@ from pilot_online.engine.loop import build_loop
 from pilot_online.engine.session import ArrayDataSource
 
 METHODS = list_methods()
-#: Each method's runs through ``main.py``: without and with P + FGH, one per stream (a method
-#: that cannot run + P + FGH, SimpleCIL, runs its base row on both streams).
+#: Each method's runs through ``main.py`` (conftest's ``contract_runs``).
 MAIN_RUNS = [
     pytest.param(name, variant, stream, id=f"{name}-{variant}-{stream}")
     for name in METHODS
-    for variant, stream in (
-        ("base", "clear"),
-        ("p_fgh" if "fgh" in get_method(name).variants else "base", "si_blurry"),
-    )
+    for variant, stream in contract_runs(name)
 ]
 #: Absolute tolerance of batch invariance (fp32 on the CPU: different batch shapes round apart).
 ATOL = 1e-5
