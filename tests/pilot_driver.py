@@ -10,10 +10,12 @@ parameters form the adapter's classifier.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import runpy
 import sys
+import traceback
 
 import torch
 
@@ -91,6 +93,7 @@ def eval_probe(self):
 
 Learner.__init__, Learner.eval_task = init_probe, eval_probe
 
+failed = False
 for config_path, report_path in runs:
     report.clear()  # each run's own record
     report.update(boundary_calls=[], task_ids=[], changed={}, learner_calls=[])
@@ -99,6 +102,10 @@ for config_path, report_path in runs:
     sys.argv = ["main.py", "--config", config_path]
     try:
         runpy.run_path("main.py", run_name="__main__")
-    finally:
-        with open(report_path, "w") as handle:
-            json.dump(report, handle)
+    except (Exception, SystemExit):  # recorded for this run; the next runs still run
+        report["error"] = traceback.format_exc()
+        failed = True
+    with open(report_path, "w") as handle:
+        json.dump(report, handle)
+    gc.collect()
+sys.exit(1 if failed else 0)
