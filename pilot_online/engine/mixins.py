@@ -222,22 +222,10 @@ class ReplayMixin:
             self._offered = offered  # stored after the step, with its features
         else:
             self.memory.add(*offered)
-        load = self.sample_loader
-        keyed = getattr(load, "keyed", False)  # loads keyed by step, and may prefetch
-        if len(drawn) and load is None:
-            raise RuntimeError(
-                "experience replay has no way to load memory samples: the session must call "
-                "loop.attach_samples(data.train_samples)"
-            )
-        if len(drawn):
-            memory_inputs, memory_labels = load(drawn, step) if keyed else load(drawn)
+        replay = self._with_memory_samples(replay, drawn, step)
         if not self.memory_needs_features:
             self._draw_next(step + len(offered[0]))
-        if not len(drawn):
-            return replay
-        if replay is None:
-            return memory_inputs, memory_labels
-        return torch.cat([replay[0], memory_inputs]), torch.cat([replay[1], memory_labels])
+        return replay
 
     def repeat_replay_batch(
         self: OnlineLoop, indices: np.ndarray | None, iteration: int
@@ -249,6 +237,16 @@ class ReplayMixin:
         batch's own draw (``samples_seen``) has."""
         replay = super().repeat_replay_batch(indices, iteration)
         drawn = self.memory.sample(self.replay_size)[0]
+        return self._with_memory_samples(replay, drawn, (iteration + 1) << 48 | self.samples_seen)
+
+    def _with_memory_samples(
+        self: OnlineLoop,
+        replay: tuple[torch.Tensor, torch.Tensor] | None,
+        drawn: np.ndarray,
+        key: int,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``replay`` followed by the memory samples ``drawn``, loaded through the training
+        transforms (keyed by ``key`` where the loader takes keys: it may have prefetched them)."""
         if not len(drawn):
             return replay
         load = self.sample_loader
@@ -257,7 +255,6 @@ class ReplayMixin:
                 "experience replay has no way to load memory samples: the session must call "
                 "loop.attach_samples(data.train_samples)"
             )
-        key = (iteration + 1) << 48 | self.samples_seen
         inputs, labels = load(drawn, key) if getattr(load, "keyed", False) else load(drawn)
         if replay is None:
             return inputs, labels

@@ -15,6 +15,7 @@ import functools
 import gc
 import hashlib
 import io
+import itertools
 import logging
 import resource
 import signal
@@ -454,17 +455,21 @@ class OnlineSession:
         return right, samples
 
     @functools.cached_property
+    def _batches_by_task(self) -> list[list[np.ndarray]]:
+        """Each task's stream batches (dataset indices), drawn once: the stream is fixed for
+        the session."""
+        return [[b.indices for b in self.stream.batches(t)] for t in range(self.stream.num_tasks)]
+
+    @functools.cached_property
     def _stream_batches(self) -> list[np.ndarray]:
-        """Every stream batch's dataset indices, in stream order over all tasks (the stream is
-        fixed for the session): real-time mode numbers batches globally, the stream never waits
-        at a task's end."""
-        return [b.indices for t in range(self.stream.num_tasks) for b in self.stream.batches(t)]
+        """Every stream batch, in stream order over all tasks: real-time mode numbers batches
+        globally, the stream never waits at a task's end."""
+        return [batch for task in self._batches_by_task for batch in task]
 
     @functools.cached_property
     def _task_offsets(self) -> list[int]:
         """The global index of each task's first batch."""
-        counts = [sum(1 for _ in self.stream.batches(t)) for t in range(self.stream.num_tasks)]
-        return [int(v) for v in np.concatenate([[0], np.cumsum(counts)])]
+        return [0, *itertools.accumulate(len(task) for task in self._batches_by_task)]
 
     def _checkpoint_due(self, passed_before: int) -> bool:
         """After a step: every N stream batches (an integer: the step passed a multiple of N,
