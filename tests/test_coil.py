@@ -26,8 +26,8 @@ from pilot_online.methods.coil import (
     NEW_BRANCH_WEIGHT,
     COILOnline,
     attach_coil_head,
-    soft_cross_entropy,
 )
+from pilot_online.methods.icarl import distillation_loss
 
 C, D_IN, D = 6, 5, 4
 X = torch.randn(12, D_IN, generator=torch.Generator().manual_seed(5))
@@ -132,7 +132,7 @@ def test_the_loss_weights_by_hand():
 def test_no_column_gives_a_zero_term_without_nan():
     """Before any transport the new branch has no column: 0, with a zero gradient."""
     logits = torch.randn(3, C, requires_grad=True)
-    value = soft_cross_entropy(logits, torch.randn(3, C), torch.zeros(C, dtype=torch.bool), 2.0)
+    value = distillation_loss(logits, torch.randn(3, C), torch.zeros(C, dtype=torch.bool), 2.0)
     value.backward()
     assert value.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))
 

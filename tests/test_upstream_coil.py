@@ -48,7 +48,8 @@ from pilot_online.core.memory import normalized
 from pilot_online.engine.adapter import MethodAdapter, StepOutput
 from pilot_online.engine.config import resolve_config
 from pilot_online.engine.loop import build_loop
-from pilot_online.methods.coil import COILOnline, soft_cross_entropy
+from pilot_online.methods.coil import COILOnline
+from pilot_online.methods.icarl import distillation_loss
 
 pytestmark = requires_pilot
 
@@ -430,7 +431,7 @@ def test_difference_teacher_at_firing(coil: Built) -> None:
     with torch.no_grad():
         after = loop.adapter.forward(loop.network, pool[0][rows], train=False).logits
     ours, prefix = (after.clone().requires_grad_() for _ in range(2))
-    soft_cross_entropy(ours, logits, loop.known, temperature).backward()
+    distillation_loss(ours, logits, loop.known, temperature).backward()
     upstream_kd(prefix[:, :OLD], logits[:, :OLD]).backward()
     assert torch.nonzero(ours.grad.abs().sum(0)).flatten().tolist() == known
     assert torch.nonzero(prefix.grad.abs().sum(0)).flatten().tolist() == [0, 1, 2, 3]

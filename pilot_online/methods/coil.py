@@ -52,6 +52,7 @@ from .icarl import (
     ONLINE_HERDING,
     REPLAY_LOGIT_MASK,
     TEACHER_AT_FIRING,
+    distillation_loss,
 )
 
 #: Upstream's ``exps/coil.json``: ``memory_size`` 2000 (``fixed_memory`` false), ``sinkhorn``
@@ -60,24 +61,6 @@ COIL_MEMORY_SIZE = 2000
 #: The new-branch distillation's weight, hard-coded upstream: ``0.001 * weight_ot_init``, and
 #: ``weight_ot_init = max(1 - (epoch / 2) ** 2, 0)`` is 1 at epoch 0.
 NEW_BRANCH_WEIGHT = 1e-3
-
-
-def soft_cross_entropy(
-    student: torch.Tensor, target: torch.Tensor, columns: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    """``-mean over rows of sum_c softmax(target / T)_c * log_softmax(student / T)_c``, both
-    softmaxes over the ``columns`` (bool ``[C]``) alone: upstream's two distillation terms, on
-    ``logits[:, :known]`` and ``logits[:, known:]``, where the columns are a mask online.
-
-    Gradients reach ``target`` too, as upstream's new branch (its target is computed from the
-    network's own features, not detached). Hidden columns are filled with the most negative finite
-    value rather than ``-inf``: the same softmaxes, and with no column at all the term is 0 with a
-    zero gradient instead of NaN, so no host sync is needed to skip it."""
-    hidden = ~columns.to(student.device)
-    fill = torch.finfo(torch.float32).min
-    log_p = torch.log_softmax((student.float() / temperature).masked_fill(hidden, fill), dim=1)
-    q = torch.softmax((target.float() / temperature).masked_fill(hidden, fill), dim=1)
-    return -torch.where(hidden, 0.0, q * log_p).sum() / student.shape[0]
 
 
 class CoTransportState(nn.Module):
@@ -269,12 +252,10 @@ class COILOnline(MethodAdapter):
             return {}
         temperature = float(self.args["T"])
         lamda = batch.known.sum() / batch.seen.sum()
-        distillation = soft_cross_entropy(
-            out.logits, batch.teacher.logits, batch.known, temperature
-        )
+        distillation = distillation_loss(out.logits, batch.teacher.logits, batch.known, temperature)
         rows = F.normalize(state.new_branch, dim=1).to(out.features.dtype)
         prospective = F.linear(F.normalize(out.features, dim=1), rows)
-        new_branch = soft_cross_entropy(out.logits, prospective, state.transported, temperature)
+        new_branch = distillation_loss(out.logits, prospective, state.transported, temperature)
         return {"distillation": lamda * distillation, "new_branch": NEW_BRANCH_WEIGHT * new_branch}
 
     # -- the co-transport ---------------------------------------------------------------------

@@ -83,18 +83,22 @@ LOGITS_ONLY_EVALUATION = UpstreamDifference(
 
 
 def distillation_loss(
-    student: torch.Tensor, teacher: torch.Tensor, known: torch.Tensor, temperature: float
+    student: torch.Tensor, target: torch.Tensor, columns: torch.Tensor, temperature: float
 ) -> torch.Tensor:
-    """Upstream's ``_KD_loss`` over the ``known`` columns (bool ``[C]``) of both logit tensors:
-    ``-sum(softmax(teacher / T) * log_softmax(student / T)) / rows``, no ``T**2`` factor.
+    """Upstream's ``_KD_loss`` over the ``columns`` (bool ``[C]``) of both logit tensors:
+    ``-sum(softmax(target / T) * log_softmax(student / T)) / rows``, no ``T**2`` factor, in
+    fp32 (iCaRL, DGR and COIL's two terms).
 
-    The columns are masked, not gathered (``logits[:, known]`` would read the mask back to the
-    host every step); a masked column adds exp(-inf) = 0 to both normalisers, so the value is the
-    gathered one's."""
-    hidden = ~known.to(student.device)
-    log_p = torch.log_softmax(student.masked_fill(hidden, float("-inf")) / temperature, dim=1)
-    q = torch.softmax(teacher.to(student.dtype).masked_fill(hidden, float("-inf")) / temperature, 1)
-    return -(q * log_p.masked_fill(hidden, 0.0)).sum() / student.shape[0]
+    The columns are masked, not gathered (``logits[:, columns]`` would read the mask back to the
+    host every step). Hidden columns are filled with the most negative finite value: the same
+    softmaxes as gathering, and with no column at all the term is 0 with a zero gradient instead
+    of NaN, so no host sync is needed to skip it. Gradients reach ``target`` too where it has
+    any (COIL's new branch computes its target from the network's own features)."""
+    hidden = ~columns.to(student.device)
+    fill = torch.finfo(torch.float32).min
+    log_p = torch.log_softmax((student.float() / temperature).masked_fill(hidden, fill), dim=1)
+    q = torch.softmax((target.float() / temperature).masked_fill(hidden, fill), dim=1)
+    return -torch.where(hidden, 0.0, q * log_p).sum() / student.shape[0]
 
 
 @register_method("icarl_online")
