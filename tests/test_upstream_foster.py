@@ -40,9 +40,9 @@ from torch import nn
 from pilot_online.engine.loop import build_loop
 from pilot_online.methods.foster import (
     HERDING_FEATURES,
-    balanced_distillation,
     effective_number_weights,
 )
+from pilot_online.methods.icarl import distillation_loss
 
 pytestmark = requires_pilot
 
@@ -207,13 +207,13 @@ def test_bkd_is_upstreams(built: Built) -> None:
         learner.per_cls_weights = weights[:columns]
         ours_in = student.clone().requires_grad_()
         theirs_in = student[:, :columns].clone().requires_grad_()
-        ours = balanced_distillation(ours_in, teacher, allowed, 2.0, weights)
+        ours = distillation_loss(ours_in, teacher, allowed, 2.0, weights)
         theirs = learner.BKD(theirs_in, teacher[:, :columns], 2.0)
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
         ours.backward(), theirs.backward()
         torch.testing.assert_close(ours_in.grad[:, :columns], theirs_in.grad, rtol=1e-5, atol=1e-8)
         assert (ours_in.grad[:, columns:] == 0).all()
-        kd = balanced_distillation(student, teacher, allowed, 2.0)
+        kd = distillation_loss(student, teacher, allowed, 2.0)
         torch.testing.assert_close(kd, _KD_loss(student[:, :columns], teacher[:, :columns], 2.0))
 
 

@@ -48,6 +48,7 @@ from ..engine.adapter import UpstreamDifference as Difference
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, plain_vit_overrides
 from ..engine.config import replay_keys
 from ..engine.registry import register_method
+from .icarl import distillation_loss
 
 #: Upstream's ``exps/foster.json``: ``memory_size`` 2000, ``fixed_memory`` true, 20 per class.
 FOSTER_MEMORY_SIZE, FOSTER_PER_CLASS = 2000, 20
@@ -64,27 +65,6 @@ def effective_number_weights(counts: torch.Tensor, classes: torch.Tensor, beta: 
     raw = torch.where(classes, (1.0 - beta) / effective, 0.0)
     scaled = raw / raw.sum().clamp_min(torch.finfo(torch.float64).tiny) * classes.sum()
     return torch.where(classes, scaled, 1.0).to(torch.float32)
-
-
-def balanced_distillation(
-    student: torch.Tensor,
-    teacher: torch.Tensor,
-    allowed: torch.Tensor,
-    temperature: float,
-    weights: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Upstream's ``BKD`` (``weights``: the teacher's softened probabilities times the class
-    weights, renormalised) or ``_KD_loss`` (None) over the ``allowed`` columns (bool ``[C]``):
-    ``-sum(q * log_softmax(student / T)) / rows``. Masked, not gathered (no host sync); a masked
-    column adds exp(min) = 0 to both normalisers, and no allowed column gives 0."""
-    hidden = ~allowed.to(student.device)
-    floor = torch.finfo(student.dtype).min
-    log_p = torch.log_softmax((student / temperature).masked_fill(hidden, floor), dim=1)
-    q = torch.softmax((teacher.to(student.dtype) / temperature).masked_fill(hidden, floor), dim=1)
-    if weights is not None:
-        q = q * weights.to(q.dtype)
-        q = q / q.sum(1, keepdim=True)
-    return -(q * log_p.masked_fill(hidden, 0.0)).sum() / student.shape[0]
 
 
 def simple_linear(
@@ -348,8 +328,8 @@ class FosterOnline(MethodAdapter):
         return {
             "fe": F.cross_entropy(fe_logits, labels),
             "kd": float(self.args["lambda_okd"])
-            * balanced_distillation(out.logits, old, network.known_classes, temperature),
-            "bkd": balanced_distillation(
+            * distillation_loss(out.logits, old, network.known_classes, temperature),
+            "bkd": distillation_loss(
                 out.extras["student_logits"], out.logits.detach(), seen, temperature, weights
             ),
         }

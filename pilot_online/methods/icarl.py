@@ -83,11 +83,16 @@ LOGITS_ONLY_EVALUATION = UpstreamDifference(
 
 
 def distillation_loss(
-    student: torch.Tensor, target: torch.Tensor, columns: torch.Tensor, temperature: float
+    student: torch.Tensor,
+    target: torch.Tensor,
+    columns: torch.Tensor,
+    temperature: float,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Upstream's ``_KD_loss`` over the ``columns`` (bool ``[C]``) of both logit tensors:
-    ``-sum(softmax(target / T) * log_softmax(student / T)) / rows``, no ``T**2`` factor, in
-    fp32 (iCaRL, DGR and COIL's two terms).
+    ``-sum(q * log_softmax(student / T)) / rows``, ``q = softmax(target / T)``, no ``T**2``
+    factor, in fp32 (iCaRL, DGR, COIL's two terms, FOSTER's ``_KD_loss``). With ``weights``
+    (``[C]``), FOSTER's ``BKD``: ``q`` times the class weights, renormalised per row.
 
     The columns are masked, not gathered (``logits[:, columns]`` would read the mask back to the
     host every step). Hidden columns are filled with the most negative finite value: the same
@@ -98,6 +103,9 @@ def distillation_loss(
     fill = torch.finfo(torch.float32).min
     log_p = torch.log_softmax((student.float() / temperature).masked_fill(hidden, fill), dim=1)
     q = torch.softmax((target.float() / temperature).masked_fill(hidden, fill), dim=1)
+    if weights is not None:
+        q = q * weights.to(q.device, q.dtype)
+        q = q / q.sum(1, keepdim=True)
     return -torch.where(hidden, 0.0, q * log_p).sum() / student.shape[0]
 
 
