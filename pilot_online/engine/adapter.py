@@ -382,6 +382,12 @@ class MethodAdapter:
         name = cls.base_model_name if own is None else own
         return f"models/{name}.py" if name else None
 
+    def run_seed(self) -> int:
+        """The run's integer seed, for draws a method makes itself (a firing's new layer): the
+        config's ``seed``, or the first of its list (PILOT hands each run one)."""
+        seed = self.args.get("seed", 0)
+        return int(seed[0] if isinstance(seed, (list, tuple)) else seed)
+
     def pilot_args(self, args: dict, **overrides: Any) -> dict:
         """A copy of ``args`` in which PILOT's factories recognise the upstream method."""
         return {**args, "model_name": self.base_model_name, **overrides}

@@ -302,7 +302,7 @@ class DEROnline(MethodAdapter):
     def grow(self, network: nn.Module, firing: int) -> None:
         """Add one branch (a trainable copy of the last), freeze the older ones, widen the head
         and restart the auxiliary head, drawing from the run's seed and ``firing``."""
-        generator = torch.Generator().manual_seed(self._seed() * 1_000_003 + firing)
+        generator = torch.Generator().manual_seed(self.run_seed() * 1_000_003 + firing)
         branches = self.branches(network)
         branches.append(self.new_branch(branches[-1]))
         self.freeze_old(network)
@@ -324,10 +324,6 @@ class DEROnline(MethodAdapter):
         """The new branch is a copy of the last, so at the firing its features are the last
         branch's: the class means extend by the last branch's columns, exactly."""
         return repeat_last_branch(means, int(network.out_dim), len(self.branches(network)))
-
-    def _seed(self) -> int:
-        seed = self.args.get("seed", 0)
-        return int(seed[0] if isinstance(seed, (list, tuple)) else seed)
 
     # -- checkpoints and the report -------------------------------------------------------------
     def extra_state(self, network: nn.Module) -> dict[str, Any]:

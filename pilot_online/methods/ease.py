@@ -235,7 +235,7 @@ class EaseOnline(MethodAdapter):
             adapters = backbone.cur_adapter  # the set PILOT built with the backbone
         else:
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self._seed() * 1_000_003 + 7919 * (firing + 1))
+                torch.manual_seed(self.run_seed() * 1_000_003 + 7919 * (firing + 1))
                 backbone.get_new_adapter()
             adapters = backbone.cur_adapter
         backbone.cur_adapter = nn.ModuleList()  # the subspaces replace PILOT's current set
@@ -248,10 +248,6 @@ class EaseOnline(MethodAdapter):
         network.class_means.append(
             PrototypeBank(int(self.args["nb_classes"]), width, device=device)
         )
-
-    def _seed(self) -> int:
-        seed = self.args.get("seed", 0)
-        return int(seed[0] if isinstance(seed, (list, tuple)) else seed)
 
     # -- the forward passes -------------------------------------------------------------------
     @staticmethod
@@ -332,7 +328,7 @@ class EaseOnline(MethodAdapter):
         old.requires_grad_(False)
         self._open_subspace(network, firing)
         self.opened_at.append(firing)
-        generator = torch.Generator().manual_seed(self._seed() * 1_000_003 + firing)
+        generator = torch.Generator().manual_seed(self.run_seed() * 1_000_003 + firing)
         network.fc.reset_parameters(generator)
         return [*old.parameters(), network.fc.weight, network.fc_sigma]
 

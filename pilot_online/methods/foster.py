@@ -366,7 +366,7 @@ class FosterOnline(MethodAdapter):
         else:
             self._grow(network)
             last_head = network.fc
-        generator = torch.Generator().manual_seed(self._seed() * 1_000_003 + firing)
+        generator = torch.Generator().manual_seed(self.run_seed() * 1_000_003 + firing)
         self._draw_heads(network, last_head, known, generator)
         self.firings += 1
         return [*network.backbones.parameters(), *network.snet.backbones.parameters()]
@@ -405,10 +405,6 @@ class FosterOnline(MethodAdapter):
             student.weight.copy_(torch.where(rows, last.weight, student.weight))
             student.bias.copy_(torch.where(known, last.bias, student.bias))
         network.fc, network.fe_fc, network.snet.fc = fc, fe_fc, student
-
-    def _seed(self) -> int:
-        seed = self.args.get("seed", 0)
-        return int(seed[0] if isinstance(seed, (list, tuple)) else seed)
 
     def map_prototypes(self, network: nn.Module, means: torch.Tensor) -> torch.Tensor:
         """After a firing both branches are the student (the first branch at the first firing),
