@@ -22,7 +22,15 @@ setup(
     packages=find_packages(include=["pilot_online", "pilot_online.*"]),
     # The paper's numbers (engine/paper.py reads them): tables, hp_grid, time_consumption; and
     # the FLOP model's counts per method (cli/estimate.py; written by benchmarks/flops.py).
-    package_data={"pilot_online": ["data/*.json", "cli/flops.json"]},
+    # data/backbones: the scale model's shipped ViT (fp16 safetensors) and its record.
+    package_data={
+        "pilot_online": [
+            "data/*.json",
+            "cli/flops.json",
+            "data/backbones/*.json",
+            "data/backbones/*.safetensors",
+        ]
+    },
     install_requires=[
         # 2.1: scaled_dot_product_attention's scale= (sdpa: true) and the foreach kernels of
         # FGH (core/fgh.py falls back to per-tensor copies where _foreach_copy_/_clone are

@@ -95,12 +95,12 @@ def count_method(method: str, args: argparse.Namespace) -> dict[str, Any]:
     forward; for a network that grows at its firings, also after each of
     :data:`GROWTH_FIRINGS` firings (``by_firings``)."""
     from pilot_online.engine.registry import get_method
-    from pilot_online.pilot.backbones import timm_overrides
+    from pilot_online.pilot.backbones import run_overrides
 
     config = method_config(method, args.classes)
     adapter = get_method(method)(args=config)
     torch.manual_seed(0)
-    with timm_overrides(adapter.backbone_kwargs(config)):
+    with run_overrides(adapter, config):
         network = adapter.build_network(config)
         counts = count_network(adapter, network, args)
         if not adapter.grows:

@@ -110,14 +110,14 @@ def build(method: str, args: argparse.Namespace, device: torch.device):
     """The method's adapter, network and resolved config (random weights, seeded)."""
     from pilot_online import get_method
     from pilot_online.engine.config import load_json, resolve_config
-    from pilot_online.pilot.backbones import timm_overrides
+    from pilot_online.pilot.backbones import run_overrides
 
     raw = load_json(ROOT / "exps" / f"smoke_{method}_online.json")
     raw.update(backbone_kwargs={"img_size": args.img_size}, **VARIANTS["base"])
     config = {**resolve_config(raw), "nb_classes": args.classes, "nb_tasks": 1}
     adapter = get_method(config["model_name"])(args=config)
     torch.manual_seed(0)
-    with timm_overrides(adapter.backbone_kwargs(config)):
+    with run_overrides(adapter, config):
         network = adapter.build_network(config)
     return adapter, network.to(device), config
 

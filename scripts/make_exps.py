@@ -225,6 +225,46 @@ def all_configs() -> dict[str, dict]:
             other = paper_config("coda", "fgh", blurry=False)
             other.update(prefix=f"fgh_{form}", fgh=copy.deepcopy(options))
             configs[f"coda_online_fgh_{form}.json"] = other
+    configs.update(scale_configs())
+    configs.update(quickstart_configs())
+    return configs
+
+
+def scale_configs() -> dict[str, dict]:
+    """``scale/<run>.json``: every run of the scale model's grid (``pilot_online/scale/grid.py``),
+    the method's paper config moved onto the shipped backbone and a scale benchmark."""
+    from pilot_online.scale import backbone
+    from pilot_online.scale.grid import runs, scale_config
+
+    keys = backbone.config_keys()
+    return {
+        f"scale/{run.name}.json": scale_config(
+            paper_config(run.method, run.variant, run.stream == "si_blurry"), run, keys
+        )
+        for run in runs()
+    }
+
+
+def quickstart_configs() -> dict[str, dict]:
+    """``quickstart_coda_online_{base,fgh}.json``: CODA and CODA + P + FGH on Split
+    Fashion-MNIST (5 tasks of 2, the quickstart's quarter of the stream), the shipped backbone,
+    the CPU, one seed: what ``make quickstart`` runs through PILOT's ``main.py``."""
+    from pilot_online.scale import backbone
+
+    configs = {}
+    for variant in ("base", "fgh"):
+        config = paper_config("coda", variant, blurry=False)
+        config.update(
+            prefix=f"quickstart_{variant}",
+            dataset="fashion_mnist_quick",
+            init_cls=2,
+            increment=2,
+            device=[-1],
+            seed=[0],
+            num_workers=0,
+            **backbone.config_keys(),
+        )
+        configs[f"quickstart_coda_online_{variant}.json"] = config
     return configs
 
 
@@ -248,9 +288,9 @@ def main() -> int:
     for config in configs.values():
         resolve_config(config)  # a bad key or value stops here, before any file is written
     stale = []
-    EXPS.mkdir(exist_ok=True)
     for name, config in configs.items():
         path = EXPS / name
+        path.parent.mkdir(parents=True, exist_ok=True)
         text = render(config)
         if not path.exists() or path.read_text() != text:
             stale.append(name)

@@ -159,10 +159,10 @@ def smoke_config(method: str, num_classes: int = 8, **overrides: Any) -> dict[st
 def build_network(adapter: MethodAdapter, config: dict[str, Any], build=None) -> nn.Module:
     """The method's network as ``OnlineLearner`` builds it, with seeded random weights (needs
     ``pilot_on_path``)."""
-    from pilot_online.pilot.backbones import timm_overrides
+    from pilot_online.pilot.backbones import run_overrides
 
     torch.manual_seed(0)
-    with timm_overrides(adapter.backbone_kwargs(config), config["pretrained_path"]):
+    with run_overrides(adapter, config):
         return (build or adapter.build_network)(config)
 
 

@@ -17,7 +17,7 @@ from pilot_online.engine.protocol import HP_GRID
 from pilot_online.engine.registry import get_method, list_methods, register_method
 
 ROOT = Path(__file__).resolve().parent.parent
-EXPS = sorted((ROOT / "exps").glob("*.json"))
+EXPS = sorted((ROOT / "exps").rglob("*.json"))  # the scale model's under exps/scale/
 
 
 def smoke(**changes):
@@ -51,7 +51,7 @@ def test_duplicate_registration_raises():
         register_method("coda_online")(type("Again", (MethodAdapter,), {}))
 
 
-@pytest.mark.parametrize("path", EXPS, ids=[p.name for p in EXPS])
+@pytest.mark.parametrize("path", EXPS, ids=[str(p.relative_to(ROOT / "exps")) for p in EXPS])
 def test_every_shipped_config_is_valid(path):
     config = resolve_config(load_json(path))
     assert config["batch_size"] == 100

@@ -85,12 +85,12 @@ def upstream_learner(
     trainable), and each class named in ``networks`` (looked up in the learner's module) returns
     a copy of that network, which our adapter built with the same PILOT constructor, with every
     parameter trainable (upstream's learner then freezes what it freezes, not our adapter)."""
-    from pilot_online.pilot.backbones import timm_overrides
+    from pilot_online.pilot.backbones import run_overrides
 
     module = sys.modules[learner_class.__module__]
     pilot_args = {**adapter.pilot_args(config), "device": [torch.device("cpu")], **args}
     with ExitStack() as patches:
-        patches.enter_context(timm_overrides(adapter.backbone_kwargs(config)))
+        patches.enter_context(run_overrides(adapter, config))
         if backbone is not None:
             patches.enter_context(pilot_backbone(backbone, thaw))
         for name, network in (networks or {}).items():

@@ -257,14 +257,16 @@ def weight_files(tmp_path_factory) -> tuple[dict[str, torch.Tensor], dict[str, P
     return state, files
 
 
-def check_network_backbones(name: str, path: Path, state: dict[str, torch.Tensor]) -> None:
-    """Build ``name``'s smoke network from ``path``; every ViT it built holds the file's
-    backbone weights exactly (oLoRA's wrapped projections included)."""
+def check_network_backbones(
+    name: str, path: Path, state: dict[str, torch.Tensor], depth: int | None = None
+) -> torch.nn.Module:
+    """Build ``name``'s smoke network from ``path`` (``vit_depth`` ``depth``; None: the
+    factory's 12); every ViT it built holds the file's backbone weights exactly (oLoRA's
+    wrapped projections included). Returns the network."""
     from pilot_online.engine.registry import get_method
 
-    config = smoke_config(name, pretrained=True, pretrained_path=str(path))
-    if "vit_depth" in config:  # DER's and MEMO's smoke ViTs keep 2 blocks: check all 12
-        config["vit_depth"] = None
+    # DER's and MEMO's smoke ViTs keep 2 blocks: checked at the depth asked for.
+    config = smoke_config(name, pretrained=True, pretrained_path=str(path), vit_depth=depth)
     adapter = get_method(name)(args=config)
     built: list[torch.nn.Module] = []
     original = timm.create_model
@@ -289,11 +291,15 @@ def check_network_backbones(name: str, path: Path, state: dict[str, torch.Tensor
         if hasattr(m, "blocks") and any(".attn.q_proj." in k for k in m.state_dict())
     ]
     assert vits, f"{name}: the network holds no ViT"
-    assert len([k for k in state if BACKBONE_KEY.fullmatch(k)]) == 4 + 12 * 12 + 2
+    blocks = depth or 12
+    assert len([k for k in state if BACKBONE_KEY.fullmatch(k)]) >= 4 + 12 * blocks + 2
     for vit in vits:
-        # MEMO splits the ViT: 11 generalized blocks, and specialized extractors whose unused
-        # blocks the port drops (their last_block starts random, as upstream's npz load leaves it).
-        assert len(vit.blocks) == 12 or (name == "memo_online" and len(vit.blocks) in (0, 11))
+        # MEMO splits the ViT: depth - 1 generalized blocks, and specialized extractors whose
+        # unused blocks the port drops (their last_block starts random, as upstream's npz load
+        # leaves it).
+        assert len(vit.blocks) == blocks or (
+            name == "memo_online" and len(vit.blocks) in (0, blocks - 1)
+        )
         expected = [k for k in blocks_it_has(vit, state) if BACKBONE_KEY.fullmatch(k)]
         own = {re.sub(r"attn\.qkv\.qkv\.", "attn.qkv.", k): v for k, v in vit.state_dict().items()}
         # vit_ease/vit_mos/vit_adapter also hold the MLP's layers on the block itself.
@@ -310,7 +316,8 @@ def check_network_backbones(name: str, path: Path, state: dict[str, torch.Tensor
                 assert torch.equal(value[:, -grid:], state[key][:, 1:]), f"{name}: pos_embed"
                 assert torch.equal(value[:, :extra], state[key][:, :1].expand(-1, extra, -1))
                 continue
-            assert torch.equal(value, state[key]), f"{name} ({path.suffix}): {key} differs"
+            assert torch.equal(value, state[key].to(value.dtype)), f"{name} ({path.suffix}): {key}"
+    return network
 
 
 @requires_pilot
@@ -353,3 +360,67 @@ def test_the_doctor_recognises_every_form(weight_files, tmp_path):
     state = random_vit_state("vit_tiny_patch16_224", 0, img_size=32)
     write_safetensors(shallow, {k: v for k, v in state.items() if not k.startswith("blocks.1")})
     assert missing_vit_keys(shallow) == ["blocks.11.mlp.fc2.weight"]
+
+
+# -- the shipped scale-model backbone --------------------------------------------------------------
+
+#: One method per ViT family PILOT builds: the prompt ViTs, the adapters, SSF, VPT, EASE, MOS,
+#: LAE and MEMO's pair.
+FAMILIES = (
+    "l2p_online",
+    "dualprompt_online",
+    "coda_online",
+    "aper_adapter_online",
+    "aper_ssf_online",
+    "aper_vpt_online",
+    "ease_online",
+    "mos_online",
+    "lae_online",
+    "memo_online",
+)
+
+
+def per_layer_names_kept(names: set[str], depth: int) -> set[str]:
+    """The parameter names of a 12-block build that a ``depth``-block build should have: every
+    index in a name (a block, an adapter of a layer, EASE's subspace of a layer) below ``depth``
+    (the smoke stream's other indices, branches and heads, stay below 5). MEMO's generalized
+    part holds the first ``depth - 1`` blocks (upstream's 11 of 12): its last is specialized."""
+
+    def kept(name: str) -> bool:
+        limit = depth - 1 if name.startswith("TaskAgnosticExtractor.blocks.") else depth
+        return all(int(part) < limit for part in name.split(".") if part.isdigit())
+
+    return {n for n in names if kept(n)}
+
+
+def test_the_shipped_backbone_matches_its_record():
+    from pilot_online.scale import backbone
+
+    record = backbone.verify()  # the SHA-256 of the file is the recorded one
+    assert backbone.WEIGHTS.stat().st_size == record["bytes"] <= 80 * 2**20
+    recipe = record["recipe"]
+    assert recipe["embed_dim"] == 768 and recipe["num_heads"] == 12 and recipe["depth"] >= 5
+    state = read_safetensors(backbone.WEIGHTS)
+    assert {v.dtype for v in state.values()} == {torch.float16}
+    blocks = {int(m.group(1)) for k in state if (m := re.match(r"blocks\.(\d+)\.", k))}
+    assert blocks == set(range(recipe["depth"]))
+    assert not [k for k in state if k.startswith("head")]
+
+
+@requires_pilot
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_builds_the_shipped_backbone_at_its_depth(pilot_on_path, name):
+    """``vit_depth`` is honoured when each family builds its network: every backbone tensor
+    equals the shipped file's, and the trainable set is the 12-block build's, less the layers
+    past the depth."""
+    from pilot_online.engine.registry import get_method
+    from pilot_online.scale import backbone
+
+    depth = backbone.record()["recipe"]["depth"]
+    state = read_state_dict(backbone.WEIGHTS)
+    network = check_network_backbones(name, backbone.WEIGHTS, state, depth)
+    trainable = {n for n, p in network.named_parameters() if p.requires_grad}
+    config = smoke_config(name, vit_depth=None)
+    full = build_network(get_method(name)(args=config), config)
+    full_trainable = {n for n, p in full.named_parameters() if p.requires_grad}
+    assert trainable == per_layer_names_kept(full_trainable, depth)

@@ -1,9 +1,10 @@
-"""Core-only demo: the synthetic dataset streamed through a small timm ViT, base vs + P + FGH.
+"""Core-only demo: Split Fashion-MNIST streamed through the shipped scale-model ViT, base vs
++ P + FGH.
 
 It uses the same loop, session, metrics and results file as the PILOT learners, with a plain timm
-model instead of a PILOT network, so it runs without PILOT (``pilot-online demo``). The ViT has
-random weights (nothing is downloaded) and stays frozen except its final norm and head, which train
-online: a stand-in for a frozen pretrained backbone with a trainable classifier.
+model instead of a PILOT network, so it runs without PILOT (``pilot-online demo``). The ViT is
+the one ``make quickstart`` uses (``pilot_online/data/backbones/scale_vit.safetensors``, pretrained
+here, 5 blocks, 32 px); it stays frozen except its final norm and head, which train online.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..core.datasets import make_synthetic
+from ..core.datasets import load_scale_dataset
 from ..core.progress import progress_line
 from ..core.streams import clear_stream
 from ..engine.adapter import MethodAdapter, StepOutput
@@ -29,35 +30,45 @@ from .report import variant_label
 
 logger = logging.getLogger(__name__)
 
+#: Split Fashion-MNIST: 5 tasks of 2 classes, as the quickstart's.
+DEMO_DATASET = "fashion_mnist_quick"
+TASK_CLASSES = 2
 
-class TimmViTAdapter(MethodAdapter):
-    """A 6-block ViT-Tiny (timm) at 32 px whose final norm and head train (not PILOT)."""
+
+class ScaleViTAdapter(MethodAdapter):
+    """The shipped scale-model ViT (timm) whose final norm and head train (not PILOT)."""
 
     base_model_name: ClassVar[str] = "timm_vit"
 
     def build_network(self, args: dict) -> nn.Module:
-        from timm.models.vision_transformer import VisionTransformer
+        from ..pilot.backbones import load_vit_state_dict, read_state_dict
+        from ..scale import backbone
+        from ..scale.pretrain import Recipe, build_vit
 
-        network = VisionTransformer(
-            img_size=32,
-            patch_size=4,
-            embed_dim=192,
-            depth=6,
-            num_heads=3,
-            num_classes=args["nb_classes"],
-        )
+        record = backbone.verify()
+        network = build_vit(Recipe(**record["recipe"]), num_classes=args["nb_classes"])
+        load_vit_state_dict(network, read_state_dict(backbone.WEIGHTS), str(backbone.WEIGHTS))
         network.requires_grad_(False)
         for module in (network.norm, network.head):
             module.requires_grad_(True)
         return network
 
     def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
-        x = (x - 0.5) / 0.25  # roughly standardised pixels: random patch embeddings need spread
+        x = (x - 0.5) / 0.25  # the normalisation the backbone was pretrained with
         features = network.forward_head(network.forward_features(x), pre_logits=True)
         return StepOutput(network.head(features), features)
 
     def classifier(self, network: nn.Module) -> nn.Linear:
         return network.head
+
+
+def demo_data(train_per_class: int) -> dict[str, np.ndarray]:
+    """The quickstart's Split Fashion-MNIST, its stream cut to ``train_per_class`` a class."""
+    arrays = load_scale_dataset(DEMO_DATASET, 32)
+    keep = np.concatenate(
+        [np.flatnonzero(arrays["train_y"] == c)[:train_per_class] for c in range(10)]
+    )
+    return {**arrays, "train_x": arrays["train_x"][keep], "train_y": arrays["train_y"][keep]}
 
 
 #: Results-file name -> the paper's ablation row (``config.VARIANTS``) it runs.
@@ -75,13 +86,19 @@ DEFINITIONS = (
 
 
 def run_demo(
-    train_per_class: int = 100, seed: int = 0, output: Path = Path("runs/demo")
+    train_per_class: int = 500, seed: int = 0, output: Path = Path("runs/demo")
 ) -> dict[str, dict]:
     """Run both variants on the same stream and print their accuracy matrices, AP and A_T, with
     a progress line (and the whole demo's ETA) after each task."""
     torch.manual_seed(seed)
-    arrays = make_synthetic(seed=seed, num_classes=50, train_per_class=train_per_class)
-    stream = clear_stream(arrays["train_y"], init_cls=10, increment=10, batch_size=100, seed=seed)
+    arrays = demo_data(train_per_class)
+    stream = clear_stream(
+        arrays["train_y"],
+        init_cls=TASK_CLASSES,
+        increment=TASK_CLASSES,
+        batch_size=100,
+        seed=seed,
+    )
     data = ArrayDataSource(arrays["train_x"], arrays["train_y"], arrays["test_x"], arrays["test_y"])
     num_classes = int(arrays["train_y"].max()) + 1
     output.mkdir(parents=True, exist_ok=True)
@@ -99,16 +116,16 @@ def run_demo(
         config = {key: spec.default for key, spec in ONLINE_KEYS.items()}
         config.update(
             variant,
-            init_lr=1e-2,
+            init_lr=5e-3,
             optimizer="adam",
             weight_decay=0.0,
             model_name="demo_timm_vit",
-            dataset="synthetic",
+            dataset=DEMO_DATASET,
             seed=seed,
             nb_classes=num_classes,
             batch_size=100,
         )
-        adapter = TimmViTAdapter(args=config)
+        adapter = ScaleViTAdapter(args=config)
         loop = build_loop(adapter, adapter.build_network(config), config, num_classes, "cpu")
         path = output / f"demo_{name}_{seed}.results.json"
         path.unlink(missing_ok=True)  # the demo overwrites its own previous output

@@ -308,9 +308,18 @@ def check_dataset(cfg: dict[str, Any]) -> list[Check]:
     from ..pilot.data import ARRAY_DATASETS, check_dataset_folders, dataset_root
 
     name = str(cfg.get("dataset") or "").lower()
-    if name in DATASETS:
+    if name in DATASETS or name == "fractal":
         return [Check("dataset", OK, f"{name} is generated in memory (no files)")]
     root = dataset_root()
+    if name.startswith("fashion_mnist"):
+        from ..core import fashion_mnist
+
+        try:
+            folder = fashion_mnist.find_folder(root)
+        except FileNotFoundError as err:
+            message, fix = str(err).split(" Fix: ", 1)
+            return [Check("dataset", FAIL, message, fix)]
+        return [Check("dataset", OK, f"Fashion-MNIST's IDX files in {folder}")]
     note = (
         f" (relative to {root}, so the run must start from this directory: PILOT reads data/ "
         "where python main.py or pilot-online run starts)"
@@ -608,9 +617,10 @@ def check_data_path(cfg: dict[str, Any], pilot_root: str | None, images: int = 1
 
 
 def _synthetic_names() -> set[str]:
-    from ..core.datasets import DATASETS
+    """Datasets held in memory (generated, or read whole from IDX files): no path to time."""
+    from ..core.datasets import plugin_datasets
 
-    return set(DATASETS)
+    return plugin_datasets()
 
 
 def check_compute(cfg: dict[str, Any]) -> list[Check]:

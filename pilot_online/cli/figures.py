@@ -207,7 +207,7 @@ def _mean_std(stack: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     return mean, std
 
 
-def _task_end_steps(results: dict[str, Any]) -> list[float]:
+def task_end_steps(results: dict[str, Any]) -> list[float]:
     """Optimizer steps at each task end: every task's batches (``ceil(samples / batch)``)."""
     stream = results["stream"]
     batch = stream.get("params", {}).get("batch_size") or results["config"].get("batch_size")
@@ -295,7 +295,7 @@ def gradient_trace_data(
         panels[f"task {k}"] = series
     first = next(iter(groups.values()))[0]
     limit = max_steps or math.inf
-    markers = [s for s in _task_end_steps(first) if s < limit]
+    markers = [s for s in task_end_steps(first) if s < limit]
     return FigureData("trace", panels, markers)
 
 

@@ -1,6 +1,6 @@
 """pilot-online: online, task-free training of LAMDA-PILOT's methods, with online prototypes and
 Fine-Grained Hypergradients. Commands: setup | run | sweep | best | tables | reproduce | doctor |
-check-config | methods | report | figures | demo."""
+check-config | methods | report | figures | scale-model | demo."""
 
 from __future__ import annotations
 
@@ -241,8 +241,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     figures.set_defaults(func=_cmd_figures)
 
-    demo = sub.add_parser("demo", help="core-only demo: synthetic stream, small timm ViT, P + FGH")
-    demo.add_argument("--train-per-class", type=int, default=100, help="stream length knob")
+    from .scale_model import add_scale_model_arguments, run_scale_model
+
+    scale = sub.add_parser(
+        "scale-model", help="the paper's experiments on the scale model, and docs/scale-model.md"
+    )
+    add_scale_model_arguments(scale)
+    scale.set_defaults(func=run_scale_model)
+
+    demo = sub.add_parser(
+        "demo", help="without PILOT: Split Fashion-MNIST, the shipped ViT, base vs + P + FGH"
+    )
+    demo.add_argument(
+        "--train-per-class",
+        type=int,
+        default=500,
+        help="stream images per class (at most 500, the quickstart's stream)",
+    )
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--output", type=Path, default=Path("runs/demo"), help="results folder")
     demo.set_defaults(func=_cmd_demo)

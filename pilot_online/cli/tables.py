@@ -79,6 +79,9 @@ DATASET_NAMES = {
     "cifar100": "CIFAR100",
     "cub": "CUB",
     "imagenetr": "Imagenet-R",
+    "fashion_mnist": "Fashion-MNIST",
+    "fashion_mnist_quick": "Fashion-MNIST (quick)",
+    "fractal": "Fractal (held out)",
 }
 #: Each stream kind's short name and LaTeX title, from its definition (``core.streams``).
 STREAM_NAMES = {kind: spec.short for kind, spec in STREAM_KINDS.items()}

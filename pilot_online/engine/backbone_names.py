@@ -33,6 +33,8 @@ from typing import Any
 #: feature width.
 VIT_B16_PARAMETERS = 85_798_656
 VIT_B16_WIDTH = 768
+#: Blocks of the ViT-B/16 PILOT's factories build (``vit_depth`` builds fewer).
+VIT_B16_BLOCKS = 12
 
 
 def plain_vit_overrides(args: Mapping[str, Any]) -> dict[str, Any]:

@@ -36,7 +36,9 @@ from ..core.memory import MEMORIES
 from ..core.realtime import DEFAULT_REFERENCE, check_realtime, check_realtime_config
 from ..core.streams import BLURRED_SELECTIONS, STREAMS
 from ..core.triggers import TRIGGERS
+from ..scale.backbone import resolve_weights
 from .adapter import ConfigKey
+from .backbone_names import VIT_B16_BLOCKS
 from .eval_cache import CACHE_MODES
 from .flops import check_flop_counts
 from .live_log import LOGGERS, check_logger_available
@@ -269,6 +271,13 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
         check=_fgh,
     ),
     "logit_mask": ConfigKey("batch", "training-loss logit mask", choices=LOGIT_MASKS),
+    "still_masked_rows": ConfigKey(
+        False,
+        "opt-in, not the paper's: classifier rows with exactly zero gradient at a step (classes "
+        "the batch mask shuts out) keep their weights and Adam moments, instead of moving on "
+        "momentum (docs/scale-model.md measures it); the paper's configs leave it off",
+        check=boolean,
+    ),
     "online_accuracy": ConfigKey(
         None,
         "score each stream batch before training on it (A_online, docs/protocol.md): an extra "
@@ -331,6 +340,12 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
     ),
     "backbone_kwargs": ConfigKey(
         {}, "extra kwargs for timm.create_model, e.g. {img_size: 32}", check=json_object
+    ),
+    "vit_depth": ConfigKey(
+        None,
+        "ViT blocks every network of the run is built with (null: its factory's, 12 for "
+        "ViT-B); a pretrained file of more blocks lends its first ones. The scale model: 5",
+        check=optional(integer(1, VIT_B16_BLOCKS)),
     ),
     "pretrained_path": ConfigKey(
         None,
@@ -611,6 +626,8 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
             )
     cfg = {key: spec.default for key, spec in schema.items()}
     cfg.update(raw)
+    if isinstance(cfg["pretrained_path"], str):  # the shipped scale backbone, by its package name
+        cfg["pretrained_path"] = resolve_weights(cfg["pretrained_path"])
     for key in ("dataset", "backbone_type"):
         if not cfg[key]:
             raise ConfigError(f"the config needs {key!r}")

@@ -98,26 +98,26 @@ def keeps_teacher(method: str) -> bool:
 
 
 def dataset_size(cfg: Mapping[str, Any]) -> DatasetSize:
-    """The run's dataset sizes: the paper's datasets, or the plugin's synthetic ones."""
+    """The run's dataset sizes: the paper's datasets, or the plugin's own."""
     name = str(cfg.get("dataset") or "").lower()
     if name in DATASET_SIZES:
         return DATASET_SIZES[name]
     try:
-        from ..core.datasets import DATASETS
+        from ..core.datasets import DATASETS, SCALE_DATASETS
 
-        spec = DATASETS.get(name)
+        spec = DATASETS.get(name) or SCALE_DATASETS.get(name)
     except ImportError:
         spec = None
     if spec is None:
         raise ValueError(
             f"the FLOP model knows no image counts for dataset {name!r}: it has "
-            f"{', '.join(DATASET_SIZES)} and the synthetic datasets"
+            f"{', '.join(DATASET_SIZES)}, the synthetic and the scale-model datasets"
         )
     return DatasetSize(
         spec.num_classes * spec.train_per_class,
         spec.num_classes * spec.test_per_class,
         spec.num_classes,
-        "synthetic spec",
+        "plugin spec",
     )
 
 

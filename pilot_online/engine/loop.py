@@ -130,6 +130,46 @@ def check_classifier(adapter: MethodAdapter, network: nn.Module) -> None:
         )
 
 
+class StillMaskedRows:
+    """``still_masked_rows``: the classifier rows whose gradient is exactly zero at a step keep
+    their weights and their optimiser state through it.
+
+    Why: the paper runs one Adam over the whole stream with the batch logit mask. The rows of
+    classes the mask shuts out get zero gradient, yet Adam moves them on their momentum, as far
+    as the trained rows move; upstream PILOT makes a fresh optimiser at each task, so its masked
+    rows stay still. Opt-in, a difference from the paper (``docs/scale-model.md``)."""
+
+    def __init__(self, classifier: nn.Linear, optimizer: torch.optim.Optimizer) -> None:
+        self.params = [p for p in (classifier.weight, classifier.bias) if p is not None]
+        self.optimizer = optimizer
+
+    def __enter__(self) -> None:
+        weight = self.params[0]
+        if weight.grad is None:
+            self.saved = []
+            return
+        still = weight.grad.flatten(1).eq(0).all(1)
+        for p in self.params[1:]:
+            if p.grad is not None:
+                still &= p.grad.eq(0)
+        self.rows = still.nonzero().flatten()
+        self.saved = [
+            (p, p.detach()[self.rows].clone(), {
+                k: v[self.rows].clone()
+                for k, v in self.optimizer.state.get(p, {}).items()
+                if torch.is_tensor(v) and v.shape[:1] == p.shape[:1] and v.ndim == p.ndim
+            })
+            for p in self.params
+        ]  # fmt: skip
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():
+            for p, value, state in self.saved:
+                p[self.rows] = value
+                for key, rows in state.items():
+                    self.optimizer.state[p][key][self.rows] = rows
+
+
 class OnlineLoop:
     """Single-pass training mechanics for one method adapter and its network."""
 
@@ -161,6 +201,7 @@ class OnlineLoop:
             lr_scales=[adapter.lr_scale(name, p) for name, p in self.named_parameters],
         )
         self.logit_mask = config.get("logit_mask", "batch")
+        self.still_masked_rows = bool(config.get("still_masked_rows", False))
         # A_online (docs/protocol.md): each stream batch scored before the step trains on it.
         self.online_accuracy = scores_online(config)
         # Optimiser steps per stream batch (``online_iter``, upstream Si-Blurry's).
@@ -468,7 +509,11 @@ class OnlineLoop:
         self._nonfinite_streak = 0
         self.transform_gradients()
         self._record_gradient_norms()
-        self.optimizer.step()
+        if self.still_masked_rows:
+            with StillMaskedRows(self.adapter.classifier(self.network), self.optimizer):
+                self.optimizer.step()
+        else:
+            self.optimizer.step()
         self.optimizer_steps += 1
         detached = _detached(terms)
         restarted = list(self.adapter.after_step(self.network, inputs, batch_labels, detached))

@@ -31,10 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.checks import integer, optional
 from ..core.masks import mask_logits, training_mask
 from ..engine.adapter import (
-    ConfigKey,
     MethodAdapter,
     StepOutput,
     TrainingBatch,
@@ -48,8 +46,6 @@ from .icarl import ONLINE_HERDING, REPLAY_LOGIT_MASK
 #: Upstream's ``exps/der.json`` and ``exps/memo.json``: ``memory_size`` 2000, ``fixed_memory``
 #: false (a quota of 2000 // classes seen).
 MEMORY_SIZE = 2000
-#: Blocks of the ViT-B/16 the ports build.
-VIT_BLOCKS = 12
 
 
 def auxiliary_loss(
@@ -138,11 +134,6 @@ class DEROnline(MethodAdapter):
             memory="herding",
             why="DER's and MEMO's memory_size 2000, fixed_memory false: 2000 // classes seen",
         ),
-        "vit_depth": ConfigKey(
-            None,
-            "ViT blocks kept of the 12 PILOT builds (null: all, upstream's); a CPU smoke setting",
-            check=optional(integer(1, VIT_BLOCKS)),
-        ),
     }
     #: Upstream grows at each task start: a firing at each task boundary of a clear stream whose
     #: tasks hold ``consolidation_new_classes`` classes.
@@ -225,11 +216,7 @@ class DEROnline(MethodAdapter):
     def build_network(self, args: dict) -> nn.Module:
         from utils.inc_net import DERNet  # PILOT, imported lazily
 
-        network = self.first_update_fc(DERNet(self.pilot_args(args), True), args)
-        depth = args.get("vit_depth")
-        for backbone in network.backbones:
-            backbone.blocks = backbone.blocks[:depth]  # None: all
-        return network
+        return self.first_update_fc(DERNet(self.pilot_args(args), True), args)
 
     def first_update_fc(self, network: nn.Module, args: Mapping[str, Any]) -> nn.Module:
         """Upstream's first ``update_fc`` with every class of the stream: one branch, the head

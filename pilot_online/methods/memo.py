@@ -114,9 +114,6 @@ class MEMOOnline(DEROnline):
         network = self.first_update_fc(AdaptiveNet(self.pilot_args(args), True), args)
         base = network.TaskAgnosticExtractor
         base.norm.requires_grad_(False)  # forward_features skips it
-        depth = args.get("vit_depth")
-        if depth is not None:  # the specialized extractor is the last block of the depth
-            base.blocks = base.blocks[: depth - 1]
         for extractor in network.AdaptiveExtractors:
             trim_specialized(extractor)
         return network

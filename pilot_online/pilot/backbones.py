@@ -28,6 +28,8 @@ prompt ViTs add to timm's ViT (prompts, prompt keys) and a classifier head sized
 from __future__ import annotations
 
 import contextlib
+import importlib
+import inspect
 import logging
 import re
 import sys
@@ -264,7 +266,10 @@ def blocks_it_has(model: nn.Module, state: Mapping[str, torch.Tensor]) -> dict[s
     (it walks ``model.blocks``): MEMO's 11-block ``Generalized_Vit`` takes a 12-block file the
     same way from an npz or a state dict (its ``Specialized_Vit.last_block`` stays random in
     both, as upstream's)."""
-    depth = len(model.blocks)
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        return dict(state)
+    depth = len(blocks)
     return {
         key: value
         for key, value in state.items()
@@ -317,8 +322,10 @@ def timm_overrides(
     backbone_kwargs: dict[str, Any] | None = None,
     pretrained_path: str | None = None,
     config_pretrained: bool | None = None,
+    depth: int | None = None,
 ) -> Iterator[None]:
-    """Within the block, ``timm.create_model`` gets ``backbone_kwargs`` and local weights.
+    """Within the block, ``timm.create_model`` gets ``backbone_kwargs`` and local weights, and
+    every ViT is built ``depth`` blocks deep (None: as its factory says, 12 for ViT-B).
 
     ``config_pretrained``: the config's ``pretrained``, so that a failed download the config did
     not ask for (PILOT's factory hard-codes ``pretrained=True``) names the adapter's fix instead
@@ -344,15 +351,13 @@ def timm_overrides(
                     f"pretrained weights for {model_name!r} could not be read from "
                     f"{pretrained_path}: {err}"
                 ) from err
-            if isinstance(model, tuple):  # PILOT's vit_memo: (Generalized_Vit, Specialized_Vit)
-                for part in model:
-                    report = load_vit_state_dict(
-                        part, blocks_it_has(part, state), source=str(pretrained_path)
-                    )
-                    log_load_report(report, str(pretrained_path), type(part).__name__)
-                return model
-            report = load_vit_state_dict(model, state, source=str(pretrained_path))
-            log_load_report(report, str(pretrained_path), model_name)
+            for part in model if isinstance(model, tuple) else (model,):
+                # PILOT's vit_memo is a pair (Generalized_Vit, Specialized_Vit); a model built
+                # shallower than the file (vit_depth) takes its first blocks.
+                report = load_vit_state_dict(
+                    part, blocks_it_has(part, state), source=str(pretrained_path)
+                )
+                log_load_report(report, str(pretrained_path), type(part).__name__)
             return model
         if pretrained and pretrained_path:
             kwargs["pretrained_cfg"] = {**_pretrained_cfg_for(model_name), "file": pretrained_path}
@@ -383,10 +388,96 @@ def timm_overrides(
 
     timm.create_model = create_model
     try:
-        with _patch_size(extra.get("img_size")):
+        with _patch_size(extra.get("img_size")), vit_depth(depth):
             yield
     finally:
         timm.create_model = original
+
+
+def run_overrides(adapter: Any, config: Mapping[str, Any]) -> contextlib.AbstractContextManager:
+    """:func:`timm_overrides` as a run builds its networks: the adapter's ``backbone_kwargs``,
+    the config's weights file and ``vit_depth`` (the one place the three are read)."""
+    return timm_overrides(
+        adapter.backbone_kwargs(config),
+        config.get("pretrained_path"),
+        config.get("pretrained"),
+        config.get("vit_depth"),
+    )
+
+
+#: PILOT 5240714's modules that define the ViT classes its factories build, each taking
+#: ``depth`` (``backbone/``); timm's own ``VisionTransformer`` is the other.
+PILOT_VIT_MODULES = (
+    "backbone.vit_adapter",
+    "backbone.vit_coda_promtpt",
+    "backbone.vit_dualprompt",
+    "backbone.vit_ease",
+    "backbone.vit_l2p",
+    "backbone.vit_lae",
+    "backbone.vit_memo",
+    "backbone.vit_mos",
+    "backbone.vit_ssf",
+    "backbone.vpt",
+)
+
+
+def vit_classes() -> list[type]:
+    """Every ViT class a build may construct: timm's, and PILOT's where PILOT is importable
+    (classes that define their own ``__init__`` with a ``depth`` parameter)."""
+    from timm.models import vision_transformer
+
+    modules = [vision_transformer]
+    for name in PILOT_VIT_MODULES:
+        try:
+            modules.append(importlib.import_module(name))
+        except ImportError:  # no PILOT on the path (the demo, plain timm): timm's ViT only
+            continue
+    found = []
+    for module in modules:
+        for value in vars(module).values():
+            if (
+                isinstance(value, type)
+                and issubclass(value, nn.Module)
+                and value.__module__ == module.__name__
+                and "__init__" in vars(value)
+                and "depth" in inspect.signature(value.__init__).parameters
+            ):
+                found.append(value)
+    return found
+
+
+@contextlib.contextmanager
+def vit_depth(depth: int | None) -> Iterator[None]:
+    """Within the block, every ViT class is built ``depth`` blocks deep, whatever depth its
+    factory passes (None: unchanged).
+
+    PILOT's factories and timm's pass ``depth=12`` together with the caller's kwargs, so a
+    ``depth`` in ``backbone_kwargs`` is a duplicate keyword (a ``TypeError``). Overriding the
+    constructor's argument instead sizes everything that follows the depth as the class itself
+    does: the blocks, VPT's deep prompts, the adapters of APER, EASE and MOS, MEMO's
+    generalized part (``depth - 1`` blocks) and its specialized block."""
+    if depth is None:
+        yield
+        return
+    originals = {cls: cls.__init__ for cls in vit_classes()}
+
+    def deep(init: Any) -> Any:
+        signature = inspect.signature(init)
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            bound = signature.bind_partial(self, *args, **kwargs)
+            bound.arguments["depth"] = depth
+            init(*bound.args, **bound.kwargs)
+
+        return __init__
+
+    for cls, init in originals.items():
+        cls.__init__ = deep(init)
+    try:
+        yield
+    finally:
+        for cls, init in originals.items():
+            cls.__init__ = init
 
 
 @contextlib.contextmanager

@@ -26,7 +26,16 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from ..core.datasets import DATASETS, PILOT_DATASETS, dataset_names, dataset_spec, make_synthetic
+from ..core.datasets import (
+    DATASETS,
+    PILOT_DATASETS,
+    SCALE_DATASETS,
+    dataset_names,
+    dataset_spec,
+    load_scale_dataset,
+    make_synthetic,
+    plugin_datasets,
+)
 from ..core.rng import seed_generators, seeded
 from ..engine.pixel_cache import DeviceEnd, Normalization, PixelCache
 
@@ -85,6 +94,29 @@ class SyntheticIData:
         self.test_data, self.test_targets = arrays["test_x"], arrays["test_y"]
 
 
+class ScaleIData(SyntheticIData):
+    """PILOT's ``iData`` over a scale-model benchmark (``fashion_mnist``, ``fractal``): images
+    at the backbone's ``img_size`` (``backbone_kwargs``), normalised as the shipped backbone was
+    pretrained (``scale/probe.py``), no augmentation."""
+
+    def __init__(self, name: str, args: dict[str, Any] | None = None) -> None:
+        from torchvision import transforms
+
+        self.name = name
+        self.spec = SCALE_DATASETS[name]
+        kwargs = (args or {}).get("backbone_kwargs") or {}
+        self.image_size = int(kwargs.get("img_size", 224))
+        self.class_order = list(range(self.spec.num_classes))
+        self.train_trsf: list = []
+        self.test_trsf: list = []
+        self.common_trsf = [transforms.ToTensor(), transforms.Normalize((0.5,) * 3, (0.25,) * 3)]
+
+    def download_data(self) -> None:
+        arrays = load_scale_dataset(self.name, self.image_size, str(dataset_root()))
+        self.train_data, self.train_targets = arrays["train_x"], arrays["train_y"]
+        self.test_data, self.test_targets = arrays["test_x"], arrays["test_y"]
+
+
 #: Online keys that PILOT 5240714's own configs (``exps/*.json``) set too: they do not mark a
 #: config as meant for pilot-online.
 UPSTREAM_KEYS = {"num_workers"}
@@ -121,6 +153,8 @@ def get_idata(dataset_name: str, args: dict[str, Any] | None = None) -> Syntheti
     name = dataset_name.lower()
     if name in DATASETS:
         return SyntheticIData(name)
+    if name in SCALE_DATASETS:
+        return ScaleIData(name, args)
     listing = "; ".join(f"{owner} datasets: {', '.join(n)}" for owner, n in dataset_names().items())
     raise NotImplementedError(f"Unknown dataset {dataset_name!r}. {listing}")
 
@@ -148,7 +182,7 @@ def prepare(idata: Any, dataset_name: str, args: dict[str, Any]) -> None:
     if problems:
         raise IncompleteDatasetError(" ".join(problems))
     base = _base_model_name(args)
-    if base and dataset_name.lower() not in DATASETS:
+    if base and dataset_name.lower() not in plugin_datasets():
         from utils.data_manager import _get_idata  # PILOT (the caller's own module)
 
         upstream = _get_idata(dataset_name, {**args, "model_name": base})
@@ -160,6 +194,8 @@ def _unavailable_message(dataset_name: str, err: BaseException) -> str:
     cwd = dataset_root()
     message = f"dataset {dataset_name!r} could not be loaded (working directory {cwd}): {err}."
     where = PILOT_DATASETS.get(dataset_name.lower())
+    if dataset_name.lower() in SCALE_DATASETS:
+        return message  # the error names the folders searched and the fix
     if where is None:
         message += " See PILOT's utils/data.py for the folders it reads."
     else:

@@ -26,7 +26,7 @@ from ..engine.loop import build_loop
 from ..engine.registry import get_method
 from ..engine.session import OnlineSession, RunInterrupted, unique_results_path
 from .attention import use_sdpa
-from .backbones import timm_overrides
+from .backbones import run_overrides
 from .data import PilotDataSource
 
 logger = logging.getLogger(__name__)
@@ -97,8 +97,7 @@ class OnlineLearner(BaseLearner):
         fresh copy of the method and of the reference method with (``OnlineSession``)."""
         if adapter is None:
             adapter = get_method(config["model_name"])(args=config)
-        overrides = adapter.backbone_kwargs(config)
-        with timm_overrides(overrides, config["pretrained_path"], config["pretrained"]):
+        with run_overrides(adapter, config):
             network = adapter.build_network(config)
         if config["sdpa"]:
             use_sdpa(network)

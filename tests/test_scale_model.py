@@ -1,0 +1,116 @@
+"""``pilot-online scale-model``: the grid's runs, the paired verdicts, and the report.
+
+The verdict arithmetic is checked against a paired t interval worked by hand; the report is
+written from results files made here (no training), and must carry the verdict lines.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pilot_online.cli import scale_model
+from pilot_online.scale.grid import LRS, Run, runs
+
+pytest.importorskip("scipy", reason="the t quantile comes from scipy (the pilot extra)")
+
+
+def test_paired_interval_worked_by_hand():
+    # Differences 5, 6, 3: mean 14/3, sample sd sqrt(7/3), t(0.975, 2) = 4.302653.
+    diff = scale_model.paired({0: 55, 1: 58, 2: 57}, {0: 50, 1: 52, 2: 54})
+    assert diff.n == 3 and diff.mean == pytest.approx(14 / 3)
+    assert diff.half_width == pytest.approx(4.302653 * (7 / 3) ** 0.5 / 3**0.5, rel=1e-6)
+    assert scale_model.verdict(diff) == "holds"
+    assert scale_model.verdict(diff, "<") == "does not hold"
+    wide = scale_model.paired({0: 51, 1: 49, 2: 53}, {0: 50, 1: 50, 2: 50})
+    assert wide.mean == pytest.approx(1.0)
+    assert scale_model.verdict(wide).startswith("inconclusive (these seeds detect effects beyond")
+    assert "fewer than two" in scale_model.verdict(scale_model.paired({0: 1.0}, {0: 0.0}))
+    # Only seeds both sides have are paired.
+    assert scale_model.paired({0: 1.0, 1: 2.0}, {1: 0.0, 2: 5.0}).n == 1
+
+
+def test_the_grid_is_the_issue_s_minimum():
+    grid = runs()
+    names = [r.name for r in grid]
+    assert len(names) == len(set(names))
+    parts = [r.part for r in grid]
+    assert parts == sorted(parts, key=("ablation", "figures", "rest").index)  # the order asked
+    ablation = [r for r in grid if r.part == "ablation"]
+    assert {(r.dataset, r.stream) for r in ablation} == {
+        ("fashion_mnist", "si_blurry"), ("fractal", "si_blurry"), ("fashion_mnist", "clear")
+    }  # fmt: skip
+    assert len([r for r in ablation if not r.still_masked_rows]) == 3 * len(LRS) * 4
+    still = [r for r in ablation if r.still_masked_rows]
+    assert {(r.variant, r.lr, r.stream) for r in still} == {
+        (v, lr, "clear") for v in ("base", "fgh") for lr in LRS
+    }
+    gammas = [r for r in grid if r.tag.startswith("gamma")]
+    assert len(gammas) == 4 and all(r.lr == 5e-5 for r in gammas)  # + gamma 1, the ablation's
+    methods = {r.method for r in grid if r.part == "rest"}
+    assert {"l2p", "dualprompt", "finetune", "linear_probe", "er", "er_linear_probe"} <= methods
+    assert {r.tag for r in grid} >= {"fgh_global", "fgh_element", "sgd"}
+
+
+def results(run: Run, seed: int, ap: float) -> dict:
+    from pilot_online.core.results import build_results
+
+    return build_results(
+        config={"prefix": run.name, "seed": seed, "model_name": f"{run.method}_online"},
+        stream={"tasks": []},
+        metrics={"accuracy_matrix": [[ap]], "A_k": [ap], "AP": ap, "A_T": ap - 10},
+        timing={
+            "train_seconds": 100.0,
+            "eval_seconds": 20.0,
+            "samples_per_second": 1.0,
+            "peak_memory_bytes": None,
+        },
+        counters={
+            "optimizer_steps": 1,
+            "samples_seen": 1,
+            "skipped_nonfinite_steps": 0,
+            "skipped_nonfinite_hypergradients": 0,
+        },
+    )
+
+
+def test_the_report_gives_each_claim_its_verdict(tmp_path, monkeypatch):
+    base = Run("ablation", "fashion_mnist", "si_blurry", "coda", "base", 5e-3)
+    plus_p = Run("ablation", "fashion_mnist", "si_blurry", "coda", "p", 5e-3)
+    folder = tmp_path / "results"
+    folder.mkdir()
+    for run, values in ((base, (50, 52, 54)), (plus_p, (55, 58, 57))):
+        for seed, ap in enumerate(values):
+            path = folder / f"{run.name}_{seed}.results.json"
+            path.write_text(json.dumps(results(run, seed, ap)))
+    doc = tmp_path / "docs" / "scale-model.md"
+    scale_model.write_report(folder, doc)
+    text = doc.read_text()
+    assert (
+        "- CODA, fashion_mnist si_blurry, 0.005: + P − base +4.67 [+0.87, +8.46], n=3: holds"
+        in (text)
+    )
+    assert "| + P | - | 56.67 ± 1.53 | - |" in text  # the ablation table
+    assert "6 seeded runs, 0.20 h of training and evaluation in all." in text
+    assert "inconclusive (fewer than two paired seeds)" in text  # the claims without runs yet
+    assert "Fig. 2" in text and "no results yet" in text
+
+
+def test_dry_run_lists_the_runs_it_would_start(tmp_path, capsys):
+    from pilot_online.cli.main import main
+
+    exps = tmp_path / "exps"
+    exps.mkdir()
+    selected = [r for r in runs() if r.part == "figures"]
+    source = scale_model.REPO / "exps" / "scale"
+    for run in selected:
+        (exps / f"{run.name}.json").write_text((source / f"{run.name}.json").read_text())
+    code = main(
+        ["scale-model", "--out", str(tmp_path / "out"), "--part", "figures", "--exps", str(exps),
+         "--dry-run"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert f"{len(selected)} runs of 3 seeds; 0 finished already" in out
+    assert all(f"to run: {r.name}" in out for r in selected)
