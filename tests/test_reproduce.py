@@ -27,6 +27,7 @@ def exps(tmp_path_factory) -> Path:
     generator = make_exps()
     folder = tmp_path_factory.mktemp("exps")
     for name, config in generator.all_configs().items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)  # scale/: the scale model's
         (folder / name).write_text(generator.render(config))
     return folder
 

@@ -114,3 +114,20 @@ def test_dry_run_lists_the_runs_it_would_start(tmp_path, capsys):
     assert code == 0
     assert f"{len(selected)} runs of 3 seeds; 0 finished already" in out
     assert all(f"to run: {r.name}" in out for r in selected)
+
+
+def test_only_picks_runs_by_name_and_refuses_unknown_ones(tmp_path, capsys):
+    from pilot_online.cli.main import main
+
+    name = next(r.name for r in runs() if r.part == "figures")
+    args = ["scale-model", "--out", str(tmp_path / "out"), "--dry-run", "--only"]
+    assert main([*args, name]) == 0
+    out = capsys.readouterr().out
+    assert "1 run of 3 seeds; 0 finished already" in out and f"to run: {name}" in out
+    with pytest.raises(SystemExit, match="no run named nope"):
+        main([*args, "nope"])
+
+
+def test_newest_task_reads_the_diagonal():
+    by_seed = {0: {"metrics": {"accuracy_matrix": [[90.0, 10.0], [None, 30.0]]}}}
+    assert scale_model.newest_task(by_seed) == {0: 60.0}

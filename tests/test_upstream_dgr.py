@@ -368,7 +368,8 @@ def test_difference_kd_ratio_without_gradient(dgr: Built) -> None:
     head = {"fc.weight": ours.pop("fc.weight"), "fc.bias": ours.pop("fc.bias")}
     assert_same_gradients(ours, learner._network, learner._network.backbone.parameters())
     for name, grad in head.items():
-        torch.testing.assert_close(grad[1:total], upstream[name].grad[1:], rtol=1e-5, atol=1e-8)
+        # float32 on both sides, summed in another order (1e-7 apart on some CPUs' kernels).
+        torch.testing.assert_close(grad[1:total], upstream[name].grad[1:], rtol=1e-4, atol=1e-6)
         # Row 0: the cross-entropy's gradient, reweighted, and no KD term.
         assert grad[0].abs().max() > 0
 
