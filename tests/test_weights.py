@@ -424,3 +424,15 @@ def test_every_family_builds_the_shipped_backbone_at_its_depth(pilot_on_path, na
     full = build_network(get_method(name)(args=config), config)
     full_trainable = {n for n, p in full.named_parameters() if p.requires_grad}
     assert trainable == per_layer_names_kept(full_trainable, depth)
+
+
+def test_the_doctor_checks_the_blocks_vit_depth_asks_for(tmp_path):
+    """A 5-block file is whole for ``vit_depth`` 5 and lacks block 11 for a 12-block run."""
+    from pilot_online.pilot.backbones import missing_vit_keys
+
+    state = random_vit_state("vit_tiny_patch16_224", 0, img_size=32)
+    shallow = tmp_path / "five.safetensors"
+    blocks_0_to_4 = {k: v for k, v in state.items() if not re.match(r"blocks\.([5-9]|1\d)\.", k)}
+    write_safetensors(shallow, blocks_0_to_4)
+    assert missing_vit_keys(shallow, 5) == []
+    assert missing_vit_keys(shallow) == ["blocks.11.mlp.fc2.weight"]

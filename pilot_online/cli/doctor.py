@@ -97,6 +97,10 @@ def load_config(path: Path | None) -> tuple[dict[str, Any], list[Check]]:
     except ConfigError as err:
         return {}, [Check("config", FAIL, str(err), "fix the JSON file")]
     weights = raw.pop("pretrained_path", None)
+    if isinstance(weights, str):  # the shipped scale backbone, by its package name
+        from ..scale.backbone import resolve_weights
+
+        weights = resolve_weights(weights)
     try:
         cfg = resolve_config(raw)
     except ConfigError as err:
@@ -255,7 +259,7 @@ def check_weights(cfg: dict[str, Any]) -> list[Check]:
             return [Check("weights", FAIL, f"pretrained_path {path} is not a file", fix)]
         try:
             check_weights_suffix(path)
-            missing = missing_vit_keys(path)
+            missing = missing_vit_keys(path, cfg.get("vit_depth"))
         except (ValueError, OSError, RuntimeError, KeyError) as err:
             return [Check("weights", FAIL, f"pretrained_path {path}: {err}", fix)]
         if missing:
@@ -263,7 +267,8 @@ def check_weights(cfg: dict[str, Any]) -> list[Check]:
                 Check(
                     "weights",
                     FAIL,
-                    f"pretrained_path {path} holds no timm ViT-B/16 weights: it lacks "
+                    f"pretrained_path {path} holds no timm ViT-B/16 weights (of the config's "
+                    f"vit_depth, if set): it lacks "
                     f"{', '.join(missing)} (a Hugging Face transformers checkpoint names its "
                     "tensors otherwise)",
                     fix,
@@ -579,7 +584,7 @@ def check_data_path(cfg: dict[str, Any], pilot_root: str | None, images: int = 1
     import torch
 
     if not cfg or str(cfg.get("dataset") or "").lower() in _synthetic_names():
-        return [Check("data path", OK, "synthetic data (or no config): not timed")]
+        return [Check("data path", OK, "data held in memory (or no config): not timed")]
     try:
         transform, what = _training_transform(cfg, pilot_root)
     except ImportError as err:

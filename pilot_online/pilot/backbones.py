@@ -120,13 +120,19 @@ REQUIRED_KEYS = {
 }
 
 
-def missing_vit_keys(path: str | Path) -> list[str]:
+def missing_vit_keys(path: str | Path, depth: int | None = None) -> list[str]:
     """Keys a ViT-B/16 weights file must hold that ``path`` lacks (the npz archive may prefix
-    them with ``opt/target/``); empty when it looks like one."""
+    them with ``opt/target/``); empty when it looks like one. ``depth`` (``vit_depth``): the
+    file needs that many blocks, not 12."""
     keys = set(weights_file_keys(path))
+    last = (depth or 12) - 1
     if Path(path).suffix.lower() in NPZ_SUFFIXES:
-        return [k for k in REQUIRED_KEYS["npz"] if k not in keys and f"opt/target/{k}" not in keys]
-    return [k for k in REQUIRED_KEYS["state_dict"] if k not in keys]
+        required = [
+            k.replace("encoderblock_11", f"encoderblock_{last}") for k in REQUIRED_KEYS["npz"]
+        ]
+        return [k for k in required if k not in keys and f"opt/target/{k}" not in keys]
+    required = [k.replace("blocks.11.", f"blocks.{last}.") for k in REQUIRED_KEYS["state_dict"]]
+    return [k for k in required if k not in keys]
 
 
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
