@@ -24,10 +24,9 @@ import platform
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from pilot_online.core.datasets import load_scale_dataset
+from pilot_online.core.datasets import first_of_each_class, load_scale_dataset
 from pilot_online.pilot.backbones import load_vit_state_dict, read_state_dict
 from pilot_online.scale import backbone, probe
 from pilot_online.scale.pretrain import (
@@ -50,9 +49,7 @@ PROBE_TRAIN_IMAGES = 6000
 def first_per_class(data: dict, total: int) -> dict:
     """``data`` with its training set cut to its first ``total / classes`` images a class."""
     classes = int(data["train_y"].max()) + 1
-    keep = np.concatenate(
-        [np.flatnonzero(data["train_y"] == c)[: total // classes] for c in range(classes)]
-    )
+    keep = first_of_each_class(data["train_y"], total // classes)
     return {**data, "train_x": data["train_x"][keep], "train_y": data["train_y"][keep]}
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..core.datasets import load_scale_dataset
+from ..core.datasets import first_of_each_class, load_scale_dataset
 from ..core.progress import progress_line
 from ..core.streams import clear_stream
 from ..engine.adapter import MethodAdapter, StepOutput
@@ -65,9 +65,7 @@ class ScaleViTAdapter(MethodAdapter):
 def demo_data(train_per_class: int) -> dict[str, np.ndarray]:
     """The quickstart's Split Fashion-MNIST, its stream cut to ``train_per_class`` a class."""
     arrays = load_scale_dataset(DEMO_DATASET, 32)
-    keep = np.concatenate(
-        [np.flatnonzero(arrays["train_y"] == c)[:train_per_class] for c in range(10)]
-    )
+    keep = first_of_each_class(arrays["train_y"], train_per_class)
     return {**arrays, "train_x": arrays["train_x"][keep], "train_y": arrays["train_y"][keep]}
 
 

@@ -191,6 +191,13 @@ SCALE_DATASETS: dict[str, ScaleDataset] = {
 }
 
 
+def first_of_each_class(labels: np.ndarray, per_class: int) -> np.ndarray:
+    """Indices of the first ``per_class`` samples of each class in ``labels``, class by class."""
+    return np.concatenate(
+        [np.flatnonzero(labels == c)[:per_class] for c in range(int(labels.max()) + 1)]
+    )
+
+
 def load_scale_dataset(name: str, image_size: int, root: str = ".") -> dict[str, np.ndarray]:
     """``{"train_x", "train_y", "test_x", "test_y"}`` of a :data:`SCALE_DATASETS` benchmark at
     ``image_size`` (uint8 RGB images ordered by class, int64 labels)."""

@@ -128,6 +128,8 @@ def benchmark(
     """The ``fashion_mnist`` benchmark: the first ``train_per_class`` images of each class in
     the stream half (file order) and the first ``test_per_class`` of each class in the test
     split, resized to ``image_size``, ordered by class."""
+    from .datasets import first_of_each_class
+
     data = load(root)
     arrays: dict[str, np.ndarray] = {}
     for split, part, per_class in (
@@ -135,9 +137,7 @@ def benchmark(
         ("test", slice(None), test_per_class),
     ):
         labels = data[f"{split}_y"][part]
-        chosen = np.concatenate(
-            [np.flatnonzero(labels == c)[:per_class] for c in range(len(CLASSES))]
-        )
+        chosen = first_of_each_class(labels, per_class)
         arrays[f"{split}_x"] = resize(data[f"{split}_x"][part][chosen], image_size)
         arrays[f"{split}_y"] = labels[chosen]
     return arrays

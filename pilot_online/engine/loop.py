@@ -145,17 +145,18 @@ class StillMaskedRows:
 
     def __enter__(self) -> None:
         weight = self.params[0]
+        self.saved = []
         if weight.grad is None:
-            self.saved = []
             return
         still = weight.grad.flatten(1).eq(0).all(1)
         for p in self.params[1:]:
             if p.grad is not None:
                 still &= p.grad.eq(0)
-        self.rows = still.nonzero().flatten()
+        # A row mask, no row indices: no host sync in the step (the head is small, C x D).
+        self.still = still
         self.saved = [
-            (p, p.detach()[self.rows].clone(), {
-                k: v[self.rows].clone()
+            (p, p.detach().clone(), {
+                k: v.clone()
                 for k, v in self.optimizer.state.get(p, {}).items()
                 if torch.is_tensor(v) and v.shape[:1] == p.shape[:1] and v.ndim == p.ndim
             })
@@ -165,9 +166,11 @@ class StillMaskedRows:
     def __exit__(self, *exc: Any) -> None:
         with torch.no_grad():
             for p, value, state in self.saved:
-                p[self.rows] = value
-                for key, rows in state.items():
-                    self.optimizer.state[p][key][self.rows] = rows
+                rows = self.still.view(-1, *[1] * (p.ndim - 1))
+                p.copy_(torch.where(rows, value, p))
+                for key, before in state.items():
+                    current = self.optimizer.state[p][key]
+                    current.copy_(torch.where(rows, before, current))
 
 
 class OnlineLoop:
