@@ -299,7 +299,7 @@ def test_check_config_rejects_malformed_json(tmp_path, capsys):
     path.write_text('{"model_name": "coda_online",\n "seed": [1993,]\n}')
     assert main(["check-config", str(path)]) == 1
     out = capsys.readouterr().out
-    assert out.strip() == f"invalid {path}: {path}: malformed JSON at line 2: Expecting value"
+    assert out.strip() == f"invalid {path}: not valid JSON at line 2, column 16: Expecting value"
 
 
 @pytest.mark.parametrize("name", list_methods())

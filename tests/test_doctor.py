@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from conftest import requires_pilot
 
@@ -163,28 +164,25 @@ def class_folders(root: Path, count: int = 200) -> None:
             (root / "data" / "cub" / split / f"{c:03d}.bird").mkdir(parents=True)
 
 
-def test_the_folders_are_those_of_the_working_directory_whatever_the_pilot_root(
-    tmp_path, monkeypatch
-):
-    """One rule for every entry point: PILOT reads ./data where the run starts (python main.py
-    and pilot-online run alike; --pilot-root only says where PILOT's code is), so doctor checks
-    the folders of the directory it runs in, with or without --pilot-root (it used to check the
-    checkout's data/, which `pilot-online run --pilot-root` started here never reads)."""
+def test_with_a_pilot_root_doctor_checks_its_data_folder_and_says_so(tmp_path, monkeypatch):
+    """python main.py reads data/ in the PILOT checkout it runs in: with --pilot-root, doctor
+    checks the checkout's data/ (it used to check the current folder's whatever the root), and
+    each line names the folder it checked; without it, the current folder's."""
     here, pilot = tmp_path / "plugin", tmp_path / "pilot"
     here.mkdir()
     monkeypatch.chdir(here)
     monkeypatch.delenv("PILOT_ROOT", raising=False)
-    class_folders(pilot)  # the checkout's data/: not what a run started here reads
+    class_folders(pilot)
     config = write_config(tmp_path, dataset="cub", pretrained=False, device=[-1])
-    dataset = by_name(run_checks(config, str(pilot), data_path=False))["dataset"]
+    (ok,) = by_name(run_checks(config, str(pilot), data_path=False))["dataset"]
+    assert ok.status == OK
+    assert ok.detail.startswith(f"{pilot / 'data/cub/train'}, {pilot / 'data/cub/test'} in place")
+    assert f"(checked {pilot}: --pilot-root, where python main.py runs;" in ok.detail
+    dataset = by_name(run_checks(config, None, data_path=False))["dataset"]
     assert [c.status for c in dataset] == [FAIL, FAIL]
     assert f"the training folder {here / 'data/cub/train'} does not exist" in dataset[0].detail
+    assert f"(checked {here}: the current folder; give --pilot-root" in dataset[0].detail
     assert dataset[0].fix.startswith("run from the folder that holds data/")
-    class_folders(here)
-    monkeypatch.setenv("PILOT_ROOT", str(pilot))
-    (ok,) = by_name(run_checks(config, None, data_path=False))["dataset"]
-    assert ok.status == OK
-    assert ok.detail.startswith(f"{here / 'data/cub/train'}, {here / 'data/cub/test'} in place")
 
 
 def test_the_run_reads_the_folder_doctor_checks(tmp_path, monkeypatch):
@@ -197,7 +195,7 @@ def test_the_run_reads_the_folder_doctor_checks(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     config = write_config(tmp_path, dataset="cub", pretrained=False, device=[-1])
-    (check, _) = by_name(run_checks(config, str(tmp_path / "pilot"), data_path=False))["dataset"]
+    (check, _) = by_name(run_checks(config, None, data_path=False))["dataset"]
     folder = str(tmp_path / "data" / "cub" / "train")
     assert folder in check.detail
     try:
@@ -215,7 +213,7 @@ def test_without_a_pilot_root_the_item_says_where_the_run_must_start(tmp_path, m
     config = write_config(tmp_path, dataset="cub", pretrained=False, device=[-1])
     (dataset,) = by_name(run_checks(config, None, data_path=False))["dataset"]
     assert dataset.status == OK
-    assert f"relative to {tmp_path}, so the run must start from this directory" in dataset.detail
+    assert f"(checked {tmp_path}: the current folder; give --pilot-root to check" in dataset.detail
 
 
 def test_a_missing_cifar_folder_fails_when_it_cannot_be_downloaded(tmp_path, monkeypatch):
@@ -228,7 +226,7 @@ def test_a_missing_cifar_folder_fails_when_it_cannot_be_downloaded(tmp_path, mon
     config = write_config(tmp_path, dataset="cifar224", pretrained=False, device=[-1])
     folder = tmp_path / "data" / "cifar-100-python"
     monkeypatch.setattr(doctor, "_host_answers", lambda url, timeout=5.0: False)
-    (dataset,) = by_name(run_checks(config, str(tmp_path / "pilot"), data_path=False))["dataset"]
+    (dataset,) = by_name(run_checks(config, None, data_path=False))["dataset"]
     assert dataset.status == FAIL
     assert dataset.detail.startswith(f"{folder} does not exist and {doctor.CIFAR_HOST} cannot")
     assert dataset.fix == f"offline, extract cifar-100-python.tar.gz into {tmp_path / 'data'}"
@@ -242,3 +240,50 @@ def test_a_missing_cifar_folder_fails_when_it_cannot_be_downloaded(tmp_path, mon
     folder.mkdir(parents=True)
     (dataset,) = by_name(run_checks(config, None, data_path=False))["dataset"]
     assert dataset.status == OK
+
+
+def test_the_data_rate_is_judged_against_the_run(tmp_path, monkeypatch):
+    """A GPU config's measured data rate against the images/s the run trains on at the
+    calibrated estimate's pace: ok at 1x or more, warn below, fail below 0.5x (24 img/s used to
+    be [ ok ] whatever the run)."""
+    from pilot_online.cli import doctor
+    from pilot_online.cli.estimate import calibration
+    from pilot_online.engine.flops import method_flops
+
+    monkeypatch.chdir(tmp_path)
+    config = write_config(
+        tmp_path,
+        dataset="cifar224",
+        model_name="finetune_online",
+        device=["0"],
+        num_workers=1,
+        backbone_kwargs={},  # 224 px, the FLOP table's size
+        online_prototypes=False,
+        fgh=None,
+    )
+    cfg = json.loads(config.read_text())
+    # By hand: finetune's FLOPs per stream image are the same at every task (it never grows), so
+    # the run trains on calibrated TFLOP/s / (FLOPs per image) images a second.
+    need = calibration().tflops * 1e12 / method_flops("finetune_online")["train_flops_per_image"]
+    assert doctor.run_data_rate(cfg) == pytest.approx(need, rel=1e-6)
+    for rate, status in ((1.2 * need, OK), (0.7 * need, "warn"), (0.3 * need, FAIL)):
+        monkeypatch.setattr(doctor, "measure_transform_rate", lambda t, s, r=rate: r)
+        (check,) = by_name(run_checks(config, None, data_path=True))["data path"]
+        assert check.status == status, (rate / need, check)
+        assert f"{rate / need:.2g}x the {need:.0f} img/s the run trains on" in check.detail
+        assert check.fix.startswith('the GPU will wait on data: raise "num_workers"')
+
+
+def test_doctor_leads_with_the_calibrated_estimate(tmp_path):
+    """One planning figure first (calibrated), the ideal one after it, as a floor."""
+    from pilot_online.cli.doctor import check_compute
+    from pilot_online.cli.estimate import estimate_config
+
+    cfg = json.loads(write_config(tmp_path, dataset="cub", device=["0"]).read_text())
+    estimate = estimate_config(cfg)
+    (check,) = check_compute(cfg)
+    first, *rest = check.detail.split("\n")
+    assert "ideal" not in first and "calibrated to the paper's measured times" in first
+    (floor,) = [line.strip() for line in rest if "ideal" in line]
+    assert floor.startswith("floor: ideal ") and "no run is faster" in floor
+    assert estimate.calibrated_seconds > 10 * estimate.ideal_seconds

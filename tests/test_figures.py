@@ -404,7 +404,7 @@ def test_rendered_figures_read_as_a_paper_needs(tmp_path) -> None:
     notes: list[str] = []
     written = figures.write_figures(runs, tmp_path, which=[], on_note=notes.append)
     assert notes == [
-        "2 run(s) set aside (1a, 1a): a seed run more than once with the same hyperparameters "
+        "2 runs set aside (1a, 1a): a seed run more than once with the same hyperparameters "
         "counts once, by its newest complete run."
     ]
     grid = figures.gradient_trace_figure(runs, tmp_path / "grid")
@@ -458,3 +458,88 @@ def test_the_si_blurry_smoke_config_evaluates_along_the_stream() -> None:
     )
     assert config["online_prototypes"] and config["fgh"] == PAPER_FGH
     assert config["device"] == [-1] and not config["pretrained"]
+
+
+def _heading(data: figures.FigureData) -> str:
+    """Every title a drawn figure shows: its figure title and each panel's."""
+    drawn = data.meta["drawn"]
+    return "\n".join([drawn["suptitle"], *(p["title"] for p in drawn["panels"])])
+
+
+def test_every_figure_names_its_dataset_stream_lr_seeds_and_runs(tmp_path) -> None:
+    """Before: a figure said what it plotted but not from which runs (issue 36)."""
+    runs = []
+    for seed in (0, 1, 2):
+        for fgh in (None, dict(PAPER_FGH)):
+            runs.append(
+                make_results(
+                    seed=seed,
+                    lr=5e-5,
+                    stream="si_blurry",
+                    fgh=fgh,
+                    g_n=[1.0, 0.5, 0.25],
+                    trace=[[1, 0, 0], [2, 1, 0], [1, 2, 1]],
+                    periodic=[(100, 50.0), (300, 60.0)],
+                    matrix=[[90.0, 80.0, 70.0], [None, 85.0, 75.0], [None, None, 95.0]],
+                )
+            )
+    subject = "dataset CIFAR100; Si-Blurry stream; LR 5e-5; seeds 0-2; n = 6 runs (3 per curve)"
+    drawn = [
+        figures.gradient_imbalance_figure(runs, tmp_path / "fig1"),
+        figures.gradient_trace_figure(runs, tmp_path / "fig2", tasks=[2]),
+        figures.gradient_trace_figure(runs, tmp_path / "grid"),
+        figures.accuracy_curve_figure(runs, tmp_path / "auc"),
+        figures.accuracy_matrix_figure(runs, tmp_path / "heat"),
+    ]
+    for data in drawn:
+        assert subject in _heading(data), (data.name, _heading(data))
+
+    sweep = [
+        make_results(seed=seed, lr=5e-3, fgh={"gamma": gamma}, ap=50.0 + gamma)
+        for seed in (0, 1)
+        for gamma in (1e-3, 1.0)
+    ]
+    gamma = figures.gamma_sensitivity_figure(sweep, tmp_path / "fig3")
+    assert _heading(gamma).startswith(
+        "Sensitivity to γ (AP), by FGH form\n"
+        "dataset CIFAR100; clear stream; LR 5e-3; seeds 0, 1; n = 4 runs"
+    )
+    # Runs that differ in dataset facts list every value (the legend tells the curves apart).
+    mixed = [
+        make_results(seed=s, lr=lr, g_n=[1.0, 0.5, 0.5]) for s in (0, 1) for lr in (5e-5, 5e-3)
+    ]
+    mixed.append(make_results(seed=7, lr=5e-3, stream="si_blurry", g_n=[1.0, 0.5, 0.5]))
+    heading = _heading(figures.gradient_imbalance_figure(mixed, tmp_path / "mixed"))
+    assert (
+        "dataset CIFAR100; Si-Blurry, clear streams; LRs 5e-5, 5e-3; seeds 0, 1, 7; "
+        "n = 5 runs (1-2 per curve)"
+    ) in heading
+    assert "1 run" in figures.subject_line(mixed[:1]) and "1 runs" not in figures.subject_line(
+        mixed[:1]
+    )
+
+
+def test_the_gradient_figures_define_g_k_in_a_caption(tmp_path) -> None:
+    """G^(k) as the paper defines it (Sec. 5.1) and as the code computes it, under each
+    gradient figure; tasks counted from 1 in every label."""
+    run = one_full_run()
+    trace = figures.gradient_trace_figure([run], tmp_path / "fig2", tasks=[2])
+    grid = figures.gradient_trace_figure([run], tmp_path / "grid")
+    bars = figures.gradient_imbalance_figure([run], tmp_path / "fig1")
+    for data, caption in ((trace, figures.TRACE_CAPTION), (grid, figures.TRACE_CAPTION),
+                          (bars, figures.IMBALANCE_CAPTION)):  # fmt: skip
+        (drawn,) = data.meta["drawn"]["captions"]
+        assert " ".join(drawn.split()) == " ".join(caption.split())
+        text = " ".join(drawn.split())
+        assert (
+            "the mean, over task k's classes (those first seen in task k), of the norm of the loss "
+            "gradient on each class's weights in the last (classifier) layer, bias included" in text
+        )
+        assert "Tasks are numbered from 1" in text
+    (panel,) = trace.meta["drawn"]["panels"]
+    assert panel["title"].startswith("task 2: $G^{(2)}$\n")
+    assert panel["ylabel"] == "$G^{(2)}$ (gradient norm)"
+    titles = [p["title"] for p in grid.meta["drawn"]["panels"] if p["title"]]
+    assert titles == ["task 1: $G^{(1)}$", "task 2: $G^{(2)}$", "task 3: $G^{(3)}$"]
+    assert bars.meta["drawn"]["panels"][0]["xlabel"] == "task k"
+    np.testing.assert_array_equal(bars.series()["CODA + P"].x, [1, 2, 3])

@@ -551,12 +551,11 @@ def test_the_paper_configs_carry_the_run_script_values_per_stream():
 def test_reproduce_sets_the_cells_dataset_values(tmp_path, cell, buffer):
     """``pilot-online reproduce`` starts from the CIFAR-100 paper config and sets the cell's
     dataset: the hard buffer follows it (8 on CUB's clear stream, Disjoint's cub200 config)."""
-    import json
     from pathlib import Path
 
     from pilot_online.cli import reproduce
 
     exps = Path(__file__).resolve().parent.parent / "exps"
-    paths, _ = reproduce.cell_configs(reproduce.parse_cell(cell), exps, tmp_path, {"seed": [0]})
-    (config,) = [json.loads(p.read_text()) for p in paths]
+    planned, _ = reproduce.cell_configs(reproduce.parse_cell(cell), exps, tmp_path, {"seed": [0]})
+    (config,) = planned.values()
     assert (config["dataset"], config["hard_buffer_size"]) == ("cub", buffer)

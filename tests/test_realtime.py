@@ -414,7 +414,7 @@ def test_the_compute_aware_table_and_the_paper_tables_keep_apart(tmp_path) -> No
     built = {t.name: t for t in tables.build_tables(tables.load_rows([folder]))}
     main = built["all_acc_clear"]
     assert main.cell("CODA", "", 1).values == [70.0]  # the 5e-3 column: the normal run only
-    assert any("4 run(s) of another protocol" in note for note in main.notes)
+    assert any("4 runs of another protocol" in note for note in main.notes)
     realtime = built["realtime_clear"]
     assert [g for g, _ in realtime.groups] == ["CIFAR100"]
     c, trained, online, ap = (realtime.cell("CODA", "", i) for i in range(4))

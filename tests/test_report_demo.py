@@ -77,7 +77,7 @@ def _table_rows(table: str) -> list[list[str]]:
     """Split a format_table output into cells (columns are separated by >= 2 spaces)."""
     lines = table.splitlines()
     assert set(lines[1].replace(" ", "")) == {"-"}  # the rule under the header
-    rows = [line for line in lines[2:] if not line.startswith("note: ")]
+    rows = lines[2 : lines.index("")]  # a blank line ends the table: notes and legend follow
     return [re.split(r"\s{2,}", line.strip()) for line in [lines[0], *rows]]
 
 
@@ -131,9 +131,9 @@ def test_a_seed_run_twice_counts_once_with_a_note(tmp_path, runs) -> None:
     table = format_table(rows)
     header, *lines = _table_rows(table)
     assert dict(zip(header, lines[0]))["runs"] == "3"
-    assert table.splitlines()[-1].startswith("note: AP is the paper's metric")
-    assert table.splitlines()[-2] == (
-        f"note: 1 run(s) set aside ({paths[0].name}): a seed run more than once with the same "
+    assert table.splitlines()[-1].startswith('note: PILOT\'s "Average Accuracy (CNN)" line is')
+    assert table.splitlines()[table.splitlines().index("") + 1] == (
+        f"note: 1 run set aside ({paths[0].name}): a seed run more than once with the same "
         "hyperparameters counts once, by its newest complete run."
     )
     per_seed = format_table(rows, group=False)
@@ -293,3 +293,70 @@ def test_paper_rows_are_registered_and_other_methods_follow_them():
     assert all(method_label(name) == name for name in unnamed)
     keys = [(label, "cifar224", "clear", 0.005, "base") for label in ("zzz_online", "CODA", "ER")]
     assert [k[0] for k in sorted(keys, key=_sort_key)] == ["ER", "CODA", "zzz_online"]
+
+
+def test_report_legend_defines_every_column_and_forgetting_by_hand(tmp_path, capsys) -> None:
+    """Before: the report's columns were not defined, forgetting's formula nowhere (issue 36).
+    The legend's words, applied by hand to a 3-task accuracy matrix, give the report's numbers."""
+    from pilot_online.core.metrics import METRIC_DEFINITIONS, summarize
+    from pilot_online.core.results import build_results, write_results
+
+    nan = float("nan")
+    # acc[l][k]: accuracy (%) on task l after training on task k (tasks 1..3 in the legend).
+    acc = [[90.0, 70.0, 60.0], [nan, 80.0, 85.0], [nan, nan, 95.0]]
+    results = build_results(
+        config={"model_name": "coda_online", "dataset": "cifar224", "stream": "clear",
+                "init_lr": 5e-3, "seed": 0, "online_prototypes": False, "fgh": None},
+        stream={"tasks": []},
+        metrics=summarize(acc),
+        timing={"train_seconds": 1.0, "eval_seconds": 1.0, "samples_per_second": 1.0,
+                "peak_memory_bytes": None},
+        counters={"optimizer_steps": 1, "samples_seen": 1, "skipped_nonfinite_steps": 0,
+                  "skipped_nonfinite_hypergradients": 0},
+    )  # fmt: skip
+    write_results(tmp_path / "coda.results.json", results)
+    assert cli.main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    header, (row,) = _table_rows(out)[0], _table_rows(out)[1:]
+    cells = dict(zip(header, row))
+
+    # Forgetting, as the legend words it: over tasks l = 1..T-1, task l's best accuracy after
+    # tasks l..T-1 minus its accuracy after the last task T, averaged (not clipped at 0).
+    task_1 = max(90.0, 70.0) - 60.0  # 30
+    task_2 = 80.0 - 85.0  # -5: task 2 improved at the end
+    assert cells["forgetting"] == f"{(task_1 + task_2) / 2:.2f}" == "12.50"
+    # PILOT's print_forget takes the max over all T columns: task 2 gives 0, F = 15.
+    # AP: the mean over task ends k of A_k (the mean accuracy on tasks 1..k after task k).
+    a_k = [90.0, (70.0 + 80.0) / 2, (60.0 + 85.0 + 95.0) / 3]
+    assert cells["AP"] == f"{sum(a_k) / 3:.2f}" and cells["A_T"] == f"{a_k[-1]:.2f}"
+
+    legend = out[out.index("columns (tasks numbered 1..T") :]
+    flat = " ".join(legend.split())
+    for column in header:
+        assert f"\n  {column} " in legend, column  # every column of the table is defined
+    assert " ".join(METRIC_DEFINITIONS["forgetting"].split()) in flat
+    assert (
+        "over tasks l = 1..T-1: task l's best accuracy after tasks l..T-1 minus its accuracy "
+        "after the last task T, averaged; negative where a task improved" in flat
+    )
+    assert "the mean over task ends k = 1..T of A_k" in flat
+    assert flat.endswith(
+        'note: PILOT\'s "Average Accuracy (CNN)" line is a different average: its top-1 over all '
+        "seen test images (sample-weighted, not per task), averaged over task ends; it is not the "
+        "paper's AP."
+    )
+
+
+def test_run_summary_line_names_the_papers_metric_and_pilots_other_average() -> None:
+    """The line a run logs at its end, just before PILOT's trainer logs its "Average Accuracy
+    (CNN)": AP is named as the paper's metric, PILOT's line as a different average."""
+    from pilot_online.core.metrics import run_summary_line
+
+    line = run_summary_line({"AP": 61.234, "A_T": 55.0}, "runs/coda_0_vit.results.json")
+    assert line == (
+        "AP 61.23 (the paper's metric: average performance, Sec. 4.1), A_T 55.00 (after the last "
+        'task). PILOT\'s "Average Accuracy (CNN)" line is a different average: its top-1 over all '
+        "seen test images (sample-weighted, not per task), averaged over task ends; it is not the "
+        "paper's AP. Results: runs/coda_0_vit.results.json"
+    )
+    assert run_summary_line({"AP": None, "A_T": float("nan")}).startswith("AP n/a (the paper's")

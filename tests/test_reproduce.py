@@ -1,6 +1,6 @@
 """``pilot-online reproduce``: cells of the paper's tables as configs, the dry-run listing, and
-the comparison printed after a run (no PILOT: configs are written with --dry-run, results by
-hand)."""
+the comparison printed after a run (no PILOT: configs are planned, as --dry-run plans them
+without writing anything, results are written by hand)."""
 
 from __future__ import annotations
 
@@ -32,8 +32,12 @@ def exps(tmp_path_factory) -> Path:
     return folder
 
 
-def _config(out: Path, name: str) -> dict:
-    return json.loads((out / "configs" / f"{name}.json").read_text())
+def planned_configs(argv: list[str]) -> dict[str, dict]:
+    """The configs ``pilot-online reproduce ARGV`` would write, by name (``plan`` writes none)."""
+    _, configs = reproduce.plan(reproduce_args(argv))
+    return {
+        path.stem: config for planned, _ in configs.values() for path, config in planned.items()
+    }
 
 
 def test_cells_parse_into_their_keys():
@@ -76,11 +80,14 @@ def test_configs_are_the_paper_rows_with_the_cells_keys_and_the_papers_seeds(
         "cub/clear/convprompt/base/5e-3",
         "cifar224/si_blurry/dualprompt/fgh_only/5e-3",
     ]
-    assert main(["reproduce", *cells, "--out", str(out), "--exps", str(exps), "--dry-run"]) == 0
-    names = sorted(p.stem for p in (out / "configs").glob("*.json"))
+    argv = ["reproduce", *cells, "--out", str(out), "--exps", str(exps)]
+    assert main([*argv, "--dry-run"]) == 0
+    assert not out.exists()  # a dry run writes nothing
+    configs = planned_configs(argv)
+    names = sorted(configs)
     assert len(names) == 10 + 10 + 10 + 3 + 10  # ConvPrompt: the paper's 3 seeds
 
-    coda = _config(out, "cifar224__si_blurry__coda__ours__5e-5__seed-9")
+    coda = configs["cifar224__si_blurry__coda__ours__5e-5__seed-9"]
     paper_row = json.loads((exps / "coda_online_fgh_blurry.json").read_text())
     assert coda["seed"] == [9] and coda["init_lr"] == 5e-5 and coda["dataset"] == "cifar224"
     assert coda["fgh"] == paper_row["fgh"] and coda["online_prototypes"] is True
@@ -89,15 +96,15 @@ def test_configs_are_the_paper_rows_with_the_cells_keys_and_the_papers_seeds(
 
     # Best HP: tagged for the column; L2P repeats its 5e-3 config, FGH included (its Best HP
     # cells are its 5e-3 cells); CODA runs hp_grid's 0.01 and gamma 0.1.
-    l2p = _config(out, "cub__clear__l2p__ours__best__seed-0")
+    l2p = configs["cub__clear__l2p__ours__best__seed-0"]
     assert (l2p["init_lr"], l2p["hp_column"]) == (0.005, "best")
     assert l2p["fgh"] == json.loads((exps / "l2p_online_fgh.json").read_text())["fgh"]
-    coda_best = _config(out, "imagenetr__clear__coda__ours__best__seed-0")
+    coda_best = configs["imagenetr__clear__coda__ours__best__seed-0"]
     assert (coda_best["init_lr"], coda_best["fgh"]["gamma"]) == (0.01, 0.1)
 
     conv = sorted(n for n in names if "convprompt" in n)
-    assert [_config(out, n)["seed"] for n in conv] == [[0], [1], [2]]
-    dual = _config(out, "cifar224__si_blurry__dualprompt__fgh_only__5e-3__seed-0")
+    assert [configs[n]["seed"] for n in conv] == [[0], [1], [2]]
+    dual = configs["cifar224__si_blurry__dualprompt__fgh_only__5e-3__seed-0"]
     assert dual["online_prototypes"] is False
     assert (
         dual["fgh"]
@@ -114,7 +121,8 @@ def test_best_hp_hp_grid_runs_the_bold_lr(tmp_path, capsys, exps):
     out = tmp_path / "r"
     args = ["reproduce", "cub/clear/l2p/base/best", "--out", str(out), "--exps", str(exps)]
     assert main([*args, "--best-hp", "hp_grid", "--dry-run"]) == 0
-    assert _config(out, "cub__clear__l2p__base__best__seed-0")["init_lr"] == 0.01
+    configs = planned_configs([*args, "--best-hp", "hp_grid"])
+    assert configs["cub__clear__l2p__base__best__seed-0"]["init_lr"] == 0.01
 
 
 def test_dry_run_lists_every_run_of_table_2_with_its_estimate(tmp_path, capsys, exps):
@@ -124,7 +132,7 @@ def test_dry_run_lists_every_run_of_table_2_with_its_estimate(tmp_path, capsys, 
     printed = capsys.readouterr().out
     # 14 rows x 3 datasets x 3 columns; 10 seeds each, 3 for oLoRA and ConvPrompt (3 rows).
     assert "reproduce: 126 cells, 1071 runs (one per seed)" in printed
-    assert len(list((out / "configs").glob("*.json"))) == 11 * 9 * 10 + 3 * 9 * 3
+    assert not out.exists()  # 11 x 9 x 10 + 3 x 9 x 3 runs listed, none written
     lines = printed.splitlines()
     for cell in paper.paper_cells():
         if cell.table != "all_acc_blurry":
@@ -185,7 +193,7 @@ def test_after_a_run_the_cells_are_compared_with_the_paper(tmp_path):
         "44.21 ± 8.04 (n=10) | -0.21 | within std |" in text
     )
     assert "override the paper's configs (dataset=synthetic_tiny)" in text
-    assert "Summary (1 cells): within std: 1, within 2 std: 0, differs: 0" in text
+    assert "Summary (1 cell): within std: 1, within 2 std: 0, differs: 0" in text
     assert (out / "vs_paper.md").read_text() == text
     assert (out / "vs_paper.tex").is_file()
 
@@ -221,8 +229,8 @@ def test_a_config_runs_the_papers_seed_count_or_is_refused(tmp_path, exps, seeds
         with pytest.raises(ConfigError, match=re.escape(message)):
             reproduce.cell_configs(cell, folder, tmp_path / "out", {})
         return
-    paths, _ = reproduce.cell_configs(cell, folder, tmp_path / "out", {})
-    assert sorted(json.loads(p.read_text())["seed"][0] for p in paths) == runs
+    planned, _ = reproduce.cell_configs(cell, folder, tmp_path / "out", {})
+    assert sorted(config["seed"][0] for config in planned.values()) == runs
 
 
 def test_dry_run_prices_real_time_runs(tmp_path, capsys, exps):
@@ -251,4 +259,5 @@ def test_dry_run_prices_real_time_runs(tmp_path, capsys, exps):
     assert f"real-time C={float(cost):.2f} (flops)" in line
     assert f"{math.ceil(95 / cost)} steps x 1 " in line
     assert "real-time runs (realtime)" in printed
-    assert _config(out, "cub__clear__coda__base__5e-3__seed-0")["realtime"] == "flops"
+    configs = planned_configs([*args[:-1], "--set", "realtime=flops"])
+    assert configs["cub__clear__coda__base__5e-3__seed-0"]["realtime"] == "flops"

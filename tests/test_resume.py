@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +34,7 @@ import torch
 from conftest import offline_env, requires_pilot
 from torch import nn
 
+from pilot_online.core.files import human_bytes, write_atomic_with
 from pilot_online.core.results import load_results
 from pilot_online.core.streams import clear_stream, si_blurry_stream
 from pilot_online.engine.adapter import MethodAdapter, StepOutput
@@ -559,9 +562,11 @@ def test_a_signal_checkpoints_says_where_and_the_rerun_resumes(
     (line,) = capsys.readouterr().err.strip().splitlines()
     name = signal.Signals(signum).name
     checkpoint = session.checkpoint_path
+    size = human_bytes(checkpoint.stat().st_size)
     assert line == (
         f"interrupted ({name}) at task 2 of 3, after 2 of its 4 batches (48 stream samples "
-        f"trained); checkpoint {checkpoint}; rerun the same command to resume"
+        f"trained); checkpoint {checkpoint} ({size}); rerun the same command to resume, or "
+        f"`pilot-online clean {checkpoint}` to delete it"
     )
     assert checkpoint.exists() and not list(folder.glob("*.results.json"))  # no partial file
     # The process's own handlers are back once the session's call is over.
@@ -574,6 +579,167 @@ def test_a_signal_checkpoints_says_where_and_the_rerun_resumes(
     resumed = (rerun, rerun.run())
     assert resumed[1]["extra"]["resumed_from"] == [{"task": 1, "step": 2, "samples_seen": 48}]
     assert_same_run(straight, resumed)
+
+
+class TwoSignalSource(NoisySource):
+    """Ctrl-C at stream batch ``at``, then again ``after`` seconds later from another thread
+    (the user who saw nothing happen), while the step in between is made ``slow``."""
+
+    def __init__(self, *data, at: int, after: float | None = None) -> None:
+        super().__init__(*data)
+        self.at, self.after = at, after
+        self.second_sent: float | None = None
+
+    def _second(self) -> None:
+        self.second_sent = time.monotonic()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    def train_batches(self, batches):
+        for batch in super().train_batches(batches):
+            if self.batches_yielded == self.at:
+                os.kill(os.getpid(), signal.SIGINT)
+                if self.after is None:
+                    self._second()
+                else:
+                    threading.Timer(self.after, self._second).start()
+            yield batch
+
+
+def test_the_first_signal_says_at_once_what_happens(tmp_path, caplog):
+    """The warning is logged from the handler, before the step that was running finishes."""
+    from pilot_online.engine.session import RunInterrupted
+
+    run = p_fgh_run()
+    session = run.session(tmp_path)
+    session.data = SignalSource(*run.data, signum=signal.SIGINT, at=6)
+    events = []
+    train_step = session.loop.train_step
+
+    def logged_step(*args):
+        out = train_step(*args)
+        events.append("step")
+        return out
+
+    session.loop.train_step = logged_step
+    handler = logging.Handler()
+    handler.emit = lambda record: events.append(record.getMessage())
+    logging.getLogger("pilot_online.engine.session").addHandler(handler)
+    try:
+        with caplog.at_level("WARNING"), pytest.raises(RunInterrupted):
+            session.run()
+    finally:
+        logging.getLogger("pilot_online.engine.session").removeHandler(handler)
+    line = (
+        f"SIGINT: the run stops after this batch (or evaluation) and writes a checkpoint to "
+        f"{session.checkpoint_path.resolve()}; press Ctrl-C again to stop at once (within 2 s), "
+        "keeping the last checkpoint on disk"
+    )
+    assert [r.levelname for r in caplog.records if r.getMessage() == line] == ["WARNING"]
+    # Batch 6 is the second of task 2: five steps ran before the signal, the sixth after it.
+    assert [e for e in events if e == "step" or e == line][-2:] == [line, "step"]
+
+
+def test_a_second_signal_stops_at_once_and_the_checkpoint_is_whole(tmp_path, capsys):
+    """Ctrl-C twice within one slow step: out in well under 2 s, with the line that says how old
+    the checkpoint is; the rerun resumes from it and ends as the uninterrupted run."""
+    from pilot_online.engine.session import RunInterrupted
+
+    run = p_fgh_run()
+    run.config = {**run.config, "checkpoint_every": "auto"}  # task ends only
+    straight = run.straight(tmp_path / "straight")
+    folder = tmp_path / "twice"
+    session = run.session(folder)
+    session.data = source = TwoSignalSource(*run.data, at=6, after=0.3)
+    train_step = session.loop.train_step
+
+    def slow_step(*args):
+        if source.batches_yielded == 6:  # a 20 s step: the first signal waits for its end
+            a = torch.randn(200, 200)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                a = torch.tanh(a @ a.T / 200)
+        return train_step(*args)
+
+    session.loop.train_step = slow_step
+    with pytest.raises(RunInterrupted) as stopped:
+        session.run()
+    waited = time.monotonic() - source.second_sent
+    assert waited < 2.0
+    assert stopped.value.code == 130
+    checkpoint = session.checkpoint_path.resolve()
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    prefix = "stopped at once (SIGINT twice); the last checkpoint is whole, written "
+    assert line.startswith(prefix)
+    age, rest = line[len(prefix) :].split(" s ago", 1)
+    assert 0 <= int(age) <= 25
+    assert rest == (
+        f", at the end of task 1 of 3 (32 stream samples trained): checkpoint {checkpoint} "
+        f"({human_bytes(checkpoint.stat().st_size)}); rerun the same command to resume, or "
+        f"`pilot-online clean {checkpoint}` to delete it"
+    )
+    assert run.session(folder).resume_position == (1, 0)
+    assert_same_run(straight, (rerun := run.session(folder), rerun.run()))
+
+
+def test_a_second_signal_during_the_checkpoint_write_keeps_the_previous_one(
+    tmp_path, monkeypatch, capsys
+):
+    """The first signal's checkpoint is being written when the second comes: the write is
+    abandoned, its temporary file removed, and the task-end checkpoint before it stays whole."""
+    import pilot_online.engine.session as session_module
+    from pilot_online.engine.session import RunInterrupted
+
+    run = p_fgh_run()
+    run.config = {**run.config, "checkpoint_every": "auto"}
+    straight = run.straight(tmp_path / "straight")
+    folder = tmp_path / "mid-write"
+    session = run.session(folder)
+    session.data = SignalSource(*run.data, signum=signal.SIGINT, at=6)
+    real_save = session_module.save_checkpoint
+
+    def save_then_interrupted(path, state, config):
+        if state["position"] == {"task": 1, "step": 2}:  # the first signal's checkpoint
+
+            def writer(handle):
+                handle.write(b"half a checkpoint")
+                os.kill(os.getpid(), signal.SIGINT)
+
+            write_atomic_with(path, writer)
+        real_save(path, state, config)
+
+    monkeypatch.setattr(session_module, "save_checkpoint", save_then_interrupted)
+    with pytest.raises(RunInterrupted):
+        session.run()
+    assert "the last checkpoint is whole" in capsys.readouterr().err
+    assert [p.name for p in folder.iterdir() if "ckpt" in p.name] == ["run.ckpt.pt"]
+    monkeypatch.undo()
+    assert run.session(folder).resume_position == (1, 0)
+    assert_same_run(straight, (rerun := run.session(folder), rerun.run()))
+
+
+def test_every_line_counts_tasks_from_one(tmp_path, caplog, capsys):
+    """The checkpoint lines, the progress bar and the interrupt line describe one moment alike:
+    the second batch of task 2 of 3 (PILOT's own lines and files keep its 0-based keys)."""
+    from pilot_online.engine.session import RunInterrupted
+
+    run = p_fgh_run()
+    run.config = {**run.config, "checkpoint_every": 1}
+    session = run.session(tmp_path)
+    session.progress = True
+    session.data = SignalSource(*run.data, signum=signal.SIGINT, at=6)
+    with caplog.at_level("INFO", logger="pilot_online"), pytest.raises(RunInterrupted):
+        session.run()
+    lines = [r.getMessage() for r in caplog.records]
+    saved = [line.split(":")[0] for line in lines if line.startswith("checkpoint at")]
+    assert (
+        saved[0] == "checkpoint at task 1 of 3, after 1 of its 4 batches (8 stream samples trained)"
+    )
+    assert "checkpoint at the end of task 1 of 3 (32 stream samples trained)" in saved
+    assert saved[-1].startswith("checkpoint at task 2 of 3, after 2 of its 4 batches")
+    err = capsys.readouterr().err
+    assert "task 1/3" in err and "task 2/3" in err and "task 0" not in err
+    assert "interrupted (SIGINT) at task 2 of 3, after 2 of its 4 batches" in err
+    assert not [line for line in lines if "task 0" in line]
 
 
 def test_a_signal_at_a_task_end_stops_after_its_evaluation(tmp_path, capsys):

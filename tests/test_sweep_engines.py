@@ -111,7 +111,7 @@ def test_local_engine_gives_each_run_one_gpu(tmp_path, monkeypatch):
         assert engines.run_jobs(jobs, engine, retries=0, say=lines.append) == [0] * 4
     finally:
         engine.close()
-    assert lines[0] == "engine local: 2 run(s) at a time on GPUs 3,5"
+    assert lines[0] == "engine local: 2 runs at a time on GPUs 3,5"
     # The whole sweep's progress after each run, with an ETA until the last.
     progress = [line.rsplit("[", 1)[1] for line in lines[1:]]
     assert [p.split(",")[0] for p in progress] == [f"sweep: {i}/4 runs" for i in range(1, 5)]
@@ -268,10 +268,10 @@ def local_sweep(pilot, run_env, tmp_path_factory) -> tuple[Path, Path, str]:
 
 def test_ray_engine_gives_the_local_engines_table(local_sweep, local_ray, pilot, tmp_path):
     base, local_out, local_printed = local_sweep
-    assert "engine local: 1 run(s) at a time on CPU" in local_printed
+    assert "engine local: 1 run at a time on CPU" in local_printed
     code, printed = run_sweep(sweep_args(base, tmp_path / "out", pilot, engine="ray"))
     assert code == 0, printed
-    assert "each run takes 0 GPU(s) and 1 CPU(s)" in printed  # a CPU-only cluster
+    assert "each run takes 0 GPUs and 1 CPU" in printed  # a CPU-only cluster
     assert printed.count(": done (") == 2
     rows = table_rows(tmp_path / "out")
     assert len(rows) == 2 and rows == table_rows(local_out)

@@ -139,7 +139,7 @@ def test_main_table_means_stds_bold_flags_and_missing(results):
     assert table.cell("L2P", "", 1).n == 0  # the gamma 0.1 runs did not land here
     notes = " ".join(table.notes)
     assert "over 3 seeds" in notes and "†" in notes and "—" in notes
-    assert "6 run(s) left out" in notes
+    assert "6 runs left out" in notes
 
     md = tables.to_markdown(table)
     assert _md_row(md, "CODA") == ["20.00 ± 8.16", "**75.00 ± 5.00** †(n=2)", "—"]
@@ -327,7 +327,7 @@ def test_a_seed_run_twice_counts_once_by_its_newest_run(paper_results):
         1.0,
         1,
     )
-    assert "1 run(s) set aside" in " ".join(table.notes)
+    assert "1 run set aside" in " ".join(table.notes)
 
 
 def test_a_best_hp_cell_of_two_settings_is_flagged_not_averaged(paper_results):
@@ -429,3 +429,78 @@ def test_one_seed_shows_no_std_and_plain_markdown_files_anyone_can_read(tmp_path
     finally:
         os.umask(old)
     assert written and all(path.stat().st_mode & 0o777 == 0o644 for path in written)
+
+
+# --- what the captions and rows say (issue 36) ------------------------------------------------
+
+
+def _best_hp_runs(folder: Path) -> None:
+    """CODA + ours in the Best HP column at LR 0.01, gamma 0.1 (two seeds)."""
+    for seed, ap in enumerate((70.0, 72.0)):
+        write_run(folder, lr=0.01, row="ours", seed=seed, ap=ap, gamma=0.1, hp_column="best")
+
+
+def test_best_hp_caption_says_found_on_vtab_only_after_a_vtab_search(tmp_path):
+    """Before: every main table's caption said the Best HP came from VTAB, whatever ran."""
+    alone = tmp_path / "alone"
+    _best_hp_runs(alone)
+    caption = tables.to_markdown(tables.main_table(tables.load_rows([alone]), "clear"))
+    caption = caption.splitlines()[0]
+    assert "VTAB" not in caption
+    assert (
+        "Best HP: the runs tagged hp_column: best, at the LR and γ of their configs: "
+        "CODA + ours LR 0.01, γ 0.1." in caption
+    )
+
+    searched = tmp_path / "searched"
+    _best_hp_runs(searched)
+    # The hp_grid search's own runs (VTAB, clear): (0.01, 0.1) has the best AP, as chosen.
+    for seed in range(2):
+        write_run(searched, dataset="vtab", lr=0.01, row="ours", seed=seed, ap=50.0, gamma=0.1)
+        write_run(searched, dataset="vtab", lr=0.001, row="ours", seed=seed, ap=40.0, gamma=1.0)
+    table = tables.main_table(tables.load_rows([searched]), "clear")
+    assert "found on VTAB by the hp_grid search" in tables.to_markdown(table).splitlines()[0]
+    assert r"LR and $\gamma$ found on VTAB by the hp\_grid search" in tables.to_latex(table)
+
+    # A search on VTAB that chose another point does not vouch for these runs.
+    other = tmp_path / "other"
+    _best_hp_runs(other)
+    for seed in range(2):
+        write_run(other, dataset="vtab", lr=0.01, row="ours", seed=seed, ap=30.0, gamma=0.1)
+        write_run(other, dataset="vtab", lr=0.001, row="ours", seed=seed, ap=40.0, gamma=1.0)
+    caption = tables.to_markdown(tables.main_table(tables.load_rows([other]), "clear"))
+    assert "found on VTAB" not in caption.splitlines()[0]
+    assert "CODA + ours LR 0.01, γ 0.1" in caption.splitlines()[0]
+
+    # No Best HP run at all: the caption says the column is empty, not where it came from.
+    plain = tmp_path / "plain"
+    write_run(plain, seed=0, ap=50.0)
+    caption = tables.main_table(tables.load_rows([plain]), "clear").caption
+    assert "VTAB" not in caption and r"no run here is tagged hp\_column: best" in caption
+
+
+def test_an_ours_row_never_sits_under_an_empty_base_row(tmp_path):
+    """Before: "CODA | — | — | —" and under it "↳ + ours" with the numbers."""
+    folder = tmp_path / "r"
+    for seed, ap in enumerate((60.0, 62.0)):
+        write_run(folder, row="ours", seed=seed, ap=ap)  # CODA: + ours only
+        write_run(folder, method="l2p_online", seed=seed, ap=ap - 10)  # L2P: base only
+        write_run(folder, method="l2p_online", row="ours", seed=seed, ap=ap + 10)
+    for table in tables.build_tables(tables.load_rows([folder])):
+        for block in table.blocks:
+            for row in block:
+                assert any(cell.n for cell in row.cells), (table.name, row)
+    main = tables.main_table(tables.load_rows([folder]), "clear")
+    md = tables.to_markdown(main)
+    assert _md_row(md, "CODA + ours") == ["—", "61.00 ± 1.00", "—"]
+    assert _md_row(md, "L2P") == ["—", "51.00 ± 1.00", "—"]
+    assert _md_row(md, "↳ + ours") == ["—", "**71.00 ± 1.00**", "—"]  # L2P's, under its row
+    assert "| CODA | — | — | — |" not in md
+    tex = tables.to_latex(main)
+    assert "CODA + ours & ---" in tex and r"$\hookrightarrow$ + ours" in tex
+    time = next(t for t in tables.build_tables(tables.load_rows([folder])) if t.kind == "time")
+    assert [tables._plain_label(r) for b in time.blocks for r in b] == [
+        "CODA + ours",
+        "L2P",
+        "L2P + ours",
+    ]

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..core.datasets import first_of_each_class, load_scale_dataset
-from ..core.progress import progress_line
+from ..core.progress import plural, progress_line
 from ..core.streams import clear_stream
 from ..engine.adapter import MethodAdapter, StepOutput
 from ..engine.config import ONLINE_KEYS, VARIANTS
@@ -129,7 +129,7 @@ def run_demo(
         path.unlink(missing_ok=True)  # the demo overwrites its own previous output
         session = OnlineSession(loop, stream, data, config, path, progress=False)
         start = time.perf_counter()
-        print(f"\n{label}: training on {stream.num_tasks} tasks...", flush=True)
+        print(f"\n{label}: training on {plural(stream.num_tasks, 'task')}...", flush=True)
         for task in range(stream.num_tasks):
             session.train_task(task)
             session.complete_task(task)

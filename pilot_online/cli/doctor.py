@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..core.progress import plural
+
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 #: The torch release setup.py requires (``torch>=2.1``).
 TORCH_FLOOR = (2, 1)
@@ -176,7 +178,8 @@ def check_cuda(cfg: dict[str, Any]) -> list[Check]:
             )
         ]
     name = torch.cuda.get_device_name(0)
-    checks = [Check("cuda", OK, f"{torch.cuda.device_count()} device(s), cuda:0 is {name}")]
+    devices = plural(torch.cuda.device_count(), "device")
+    checks = [Check("cuda", OK, f"{devices}, cuda:0 is {name}")]
     bf16 = torch.cuda.is_bf16_supported()
     wants = cfg.get("amp") == "bf16"
     checks.append(
@@ -302,20 +305,33 @@ def check_weights(cfg: dict[str, Any]) -> list[Check]:
 CIFAR_HOST = "https://www.cs.toronto.edu/~kriz/"
 
 
-def check_dataset(cfg: dict[str, Any]) -> list[Check]:
+def run_folder(pilot_root: str | None) -> tuple[Path, str]:
+    """The folder the run will start in, whose ``data/`` it reads (``pilot/data.py``
+    ``dataset_root``), and why: ``--pilot-root`` when given (``python main.py`` runs in the PILOT
+    checkout), else the folder doctor runs in."""
+    if pilot_root:
+        return Path(pilot_root).resolve(), (
+            "--pilot-root, where python main.py runs; pilot-online run reads data/ in the "
+            "folder it starts in"
+        )
+    return Path.cwd(), "the current folder; give --pilot-root to check the PILOT checkout's"
+
+
+def check_dataset(cfg: dict[str, Any], pilot_root: str | None = None) -> list[Check]:
     """The dataset's folders where the run will read them, by the one rule for every entry point
-    (``pilot/data.py`` ``dataset_root``: ``data/`` in the folder the run starts in, so run doctor
-    from there; ``--pilot-root`` only says where PILOT's code is). A dataset that is neither in
-    place nor downloadable from here fails: the run could not get it."""
+    (``pilot/data.py`` ``dataset_root``: ``data/`` in the folder the run starts in): under
+    ``--pilot-root`` when given, else here; the line says which folder was checked. A dataset
+    that is neither in place nor downloadable from here fails: the run could not get it."""
     if not cfg:
         return []
     from ..core.datasets import DATASETS, PILOT_DATASETS
-    from ..pilot.data import ARRAY_DATASETS, check_dataset_folders, dataset_root
+    from ..pilot.data import ARRAY_DATASETS, check_dataset_folders
 
     name = str(cfg.get("dataset") or "").lower()
     if name in DATASETS or name == "fractal":
         return [Check("dataset", OK, f"{name} is generated in memory (no files)")]
-    root = dataset_root()
+    root, why = run_folder(pilot_root)
+    checked = f" (checked {root / 'data'}: {why})"
     if name.startswith("fashion_mnist"):
         from ..core import fashion_mnist
 
@@ -323,11 +339,11 @@ def check_dataset(cfg: dict[str, Any]) -> list[Check]:
             folder = fashion_mnist.find_folder(root)
         except FileNotFoundError as err:
             message, fix = str(err).split(" Fix: ", 1)
-            return [Check("dataset", FAIL, message, fix)]
-        return [Check("dataset", OK, f"Fashion-MNIST's IDX files in {folder}")]
+            return [Check("dataset", FAIL, message + checked, fix)]
+        return [Check("dataset", OK, f"Fashion-MNIST's IDX files in {folder}{checked}")]
     note = (
-        f" (relative to {root}, so the run must start from this directory: PILOT reads data/ "
-        "where python main.py or pilot-online run starts)"
+        f" (checked {root}: {why}; PILOT reads data/ relative to the folder python main.py or "
+        "pilot-online run starts in)"
     )
     where = PILOT_DATASETS.get(name)
     if name in ARRAY_DATASETS and where is not None:
@@ -349,7 +365,7 @@ def check_dataset(cfg: dict[str, Any]) -> list[Check]:
                 fix,
             )
         ]
-    problems = check_dataset_folders(cfg)
+    problems = check_dataset_folders(cfg, root)
     if problems:
         fixes = [p.split("Fix: ", 1)[1] if "Fix: " in p else "" for p in problems]
         details = [p.split(" Fix: ", 1)[0] + note for p in problems]
@@ -520,7 +536,9 @@ def _training_transform(cfg: dict[str, Any], pilot_root: str | None):
     return transforms.Compose(steps), "a ViT training transform (PILOT not importable)"
 
 
-def _sample_images(cfg: dict[str, Any], count: int) -> tuple[list[Any], str]:
+def _sample_images(
+    cfg: dict[str, Any], count: int, root: Path | None = None
+) -> tuple[list[Any], str]:
     """``count`` image sources: CIFAR-sized arrays for CIFAR (PILOT holds them in memory); the
     dataset's own files when present (where the run reads them: ``dataset_root``); else
     generated JPEGs (500 x 375, CUB's typical size), as
@@ -537,7 +555,7 @@ def _sample_images(cfg: dict[str, Any], count: int) -> tuple[list[Any], str]:
     if name.startswith("cifar"):  # arrays in memory: 32 x 32 images, no decode
         arrays = rng.integers(0, 256, size=(count, 32, 32, 3), dtype=np.uint8)
         return [Image.fromarray(a) for a in arrays], f"{count} CIFAR-sized 32x32 arrays"
-    top = dataset_root() / where.folders[0] if where is not None else None
+    top = (root or dataset_root()) / where.folders[0] if where is not None else None
     if top is not None and top.is_dir():
         files = []
         for folder, _, names in os.walk(top):
@@ -581,15 +599,13 @@ def measure_transform_rate(transform, sources: list[Any], seconds: float = 2.0) 
 
 
 def check_data_path(cfg: dict[str, Any], pilot_root: str | None, images: int = 16) -> list[Check]:
-    import torch
-
     if not cfg or str(cfg.get("dataset") or "").lower() in _synthetic_names():
         return [Check("data path", OK, "data held in memory (or no config): not timed")]
     try:
         transform, what = _training_transform(cfg, pilot_root)
     except ImportError as err:
         return [Check("data path", WARN, f"cannot time it: {err}", "pip install torchvision")]
-    sources, of = _sample_images(cfg, images)
+    sources, of = _sample_images(cfg, images, run_folder(pilot_root)[0])
     per_worker = measure_transform_rate(transform, sources)
     workers = cfg.get("num_workers")
     if workers is None:
@@ -599,26 +615,51 @@ def check_data_path(cfg: dict[str, Any], pilot_root: str | None, images: int = 1
     rate = per_worker * max(1, int(workers))
     detail = (
         f"{per_worker:.0f} img/s per worker ({what}, decode included, {of}) x "
-        f"{max(1, int(workers))} workers = {rate:.0f} img/s"
+        f"{plural(max(1, int(workers)), 'worker')} = {rate:.0f} img/s"
     )
-    if not torch.cuda.is_available():
-        return [Check("data path", OK, detail)]
-    from .estimate import DEFAULT_SUSTAINED_TFLOPS, method_flops
-
-    try:
-        flops = method_flops(str(cfg["model_name"]))["train_flops_per_image"]
-    except ValueError:
-        return [Check("data path", OK, detail)]
-    need = DEFAULT_SUSTAINED_TFLOPS * 1e12 / flops
+    if not _gpu_run(cfg):
+        return [
+            Check(
+                "data path",
+                OK,
+                f"{detail}; the config trains on the CPU, whose compute, "
+                "not the data, sets the pace",
+            )
+        ]
+    need = run_data_rate(cfg)
+    if need is None:
+        return [Check("data path", OK, f"{detail}; no FLOP counts for this method to judge by")]
+    ratio = rate / need
+    status = OK if ratio >= 1.0 else WARN if ratio >= DATA_RATE_FAIL else FAIL
     return [
         Check(
             "data path",
-            OK if rate >= need else WARN,
-            f"{detail}; an H100 at the FLOP model's rate trains on {need:.0f} img/s",
-            'the GPU will wait on data: raise "num_workers" (null: one per CPU), or run on a '
-            "machine with more CPU cores",
+            status,
+            f"{detail}: {ratio:.2g}x the {need:.0f} img/s the run trains on at the calibrated "
+            "estimate's pace",
+            'the GPU will wait on data: raise "num_workers" (null: one per CPU), run on a '
+            "machine with more CPU cores, or store the images at the size the model reads",
         )
     ]
+
+
+#: The data rate, as a share of what the run trains on, below which doctor fails (below 1 it
+#: warns): at half, the GPU idles half the run.
+DATA_RATE_FAIL = 0.5
+
+
+def run_data_rate(cfg: dict[str, Any]) -> float | None:
+    """Stream images per second the run trains on at the calibrated estimate's pace
+    (``cli/estimate.py``: the paper's measured throughput), or None without FLOP counts."""
+    from ..engine.flops import dataset_size, run_flops
+    from .estimate import calibration
+
+    try:
+        train_flops = run_flops(cfg)["train"]
+    except (ValueError, KeyError):
+        return None
+    seconds = train_flops / (calibration().tflops * 1e12)
+    return dataset_size(cfg).train / seconds
 
 
 def _synthetic_names() -> set[str]:
@@ -660,7 +701,7 @@ def run_checks(config: Path | None, pilot_root: str | None, data_path: bool = Tr
     checks += check_cuda(cfg)
     checks += check_pilot(pilot_root)
     checks += check_weights(cfg)
-    checks += check_dataset(cfg)
+    checks += check_dataset(cfg, pilot_root)
     checks += check_memory(cfg)
     checks += check_disk(cfg)
     if data_path:
@@ -685,7 +726,7 @@ def run_doctor(args: argparse.Namespace) -> int:
             print(line)
     failed = [c.name for c in checks if c.status == FAIL]
     print(
-        f"doctor: {len(failed)} check(s) failed ({', '.join(failed)})"
+        f"doctor: {plural(len(failed), 'check')} failed ({', '.join(failed)})"
         if failed
         else "doctor: this machine can run it"
     )

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.progress import progress_line
+from ..core.progress import plural, progress_line
 
 ENGINES = ("local", "ray")
 USAGE_ERROR = 2  # argparse / `pilot-online run` refusals: deterministic, never retried
@@ -183,7 +183,7 @@ class LocalEngine:
             self._threads = str(max(1, (os.cpu_count() or 1) // slots))
         self._pool = concurrent.futures.ThreadPoolExecutor(slots, thread_name_prefix="sweep-run")
         where = f"GPUs {','.join(gpus)}" if gpus else "CPU"
-        say(f"engine local: {slots} run(s) at a time on {where}")
+        say(f"engine local: {plural(slots, 'run')} at a time on {where}")
 
     def _attempt(self, job: Job, attempt: int) -> Attempt:
         device = self._devices.get()
@@ -233,7 +233,7 @@ class RayEngine:
         elif gpus > cluster_gpus:
             self.close()
             raise EngineUnavailable(
-                f"--gpus-per-run {gpus:g}: the Ray cluster has {cluster_gpus:g} GPU(s); "
+                f"--gpus-per-run {gpus:g}: the Ray cluster has {plural(cluster_gpus, 'GPU')}; "
                 "start workers with GPUs or pass --gpus-per-run 0"
             )
         cpus = options.cpus_per_run
@@ -242,8 +242,8 @@ class RayEngine:
         )
         nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
         say(
-            f"engine ray: {nodes} node(s), {cluster_gpus:g} GPU(s); each run takes "
-            f"{gpus:g} GPU(s) and {cpus:g} CPU(s)"
+            f"engine ray: {plural(nodes, 'node')}, {plural(cluster_gpus, 'GPU')}; each run takes "
+            f"{plural(gpus, 'GPU')} and {plural(cpus, 'CPU')}"
         )
 
     def start(self, job: Job, attempt: int) -> concurrent.futures.Future[Attempt]:

@@ -8,7 +8,10 @@ its seeds, with the standard deviation where there are several. Runs are counted
 ``report`` and ``tables`` use (:func:`report.one_run_per_seed`): a seed run twice with the same
 hyperparameters counts once, and ``write_figures`` says which files it set aside.
 
-Task-wise gradient norms are written G^(k) (task k in parentheses: not a power). Fonts are
+Every figure's title ends with a line naming what it shows (:func:`subject_line`): dataset,
+stream, LR, seeds and the number of runs. Task-wise gradient norms are written G^(k) (task k in
+parentheses: not a power), defined in a caption under each gradient figure
+(:data:`TRACE_CAPTION`, :data:`IMBALANCE_CAPTION`); tasks are numbered from 1. Fonts are
 embedded as TrueType (``pdf.fonttype`` 42), never Type 3, which some publishers reject.
 
 ========================  ===========================================  ==========================
@@ -34,7 +37,9 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import sys
+import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +49,9 @@ import numpy as np
 
 from ..core.fgh import validate_options
 from ..core.metrics import task_gradient_trace
+from ..core.progress import plural
 from ..core.results import find_results, load_results
+from ..core.streams import STREAM_KINDS
 from ..engine.config import FGH_FORMS, PAPER_FGH
 from .report import (
     FORM_KEYS,
@@ -55,6 +62,7 @@ from .report import (
     one_run_per_seed,
     variant_label,
 )
+from .tables import DATASET_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +86,24 @@ RESULTS_FILE = "results_file"
 RC_PARAMS = {"pdf.fonttype": 42, "ps.fonttype": 42}
 #: The legend entry of the dotted vertical guide lines.
 TASK_END_LABEL = "task boundary (end of a task)"
+#: G^(k) in words, as ``core.fgh.class_grad_norms`` and ``core.metrics`` compute it (the paper's
+#: Sec. 5.1: g_t^j = grad of the loss on class j's column W^j, G^k the mean over task k's classes).
+TASK_NORM_WORDS = (
+    "the mean, over task k's classes (those first seen in task k), of the norm of the loss "
+    "gradient on each class's weights in the last (classifier) layer, bias included"
+)
+#: Under every gradient trace (Fig. 2 and its grid).
+TRACE_CAPTION = (
+    f"$G^{{(k)}}$ at an optimizer step: {TASK_NORM_WORDS}, as the optimizer receives it (after "
+    "FGH's reweighting in FGH runs); paper Sec.\u00a05.1. Tasks are numbered from 1; the dotted "
+    "lines are task ends."
+)
+#: Under Fig. 1 (``core.metrics.task_gradient_norms``).
+IMBALANCE_CAPTION = (
+    r"$G^{(k)}_n=G^{(k)}/\mathrm{max}_{l}\,G^{(l)}$, where $G^{(k)}$ is "
+    f"{TASK_NORM_WORDS}, averaged over every optimizer step of the stream (after FGH's "
+    "reweighting in FGH runs); paper Sec.\u00a05.1. Tasks are numbered from 1."
+)
 
 
 class FigureSkipped(RuntimeError):
@@ -184,7 +210,14 @@ def _labels(keys: Iterable[tuple]) -> dict[tuple, str]:
     ]
     labels = {}
     for key in keys:
-        extra = [f"lr {key[i]:g}" if _KEY_FIELDS[i] == "lr" else str(key[i]) for i in varying]
+        extra = [
+            f"LR {lr_text(key[i])}"
+            if _KEY_FIELDS[i] == "lr"
+            else stream_name(key[i])
+            if _KEY_FIELDS[i] == "stream"
+            else DATASET_NAMES.get(key[i], str(key[i]))
+            for i in varying
+        ]
         labels[key] = ", ".join([f"{key[0]} {key[4]}", *extra])
     return labels
 
@@ -235,6 +268,65 @@ def _groups_having(
     return groups
 
 
+# -- what a figure shows ---------------------------------------------------------------------------
+def lr_text(lr: float | None) -> str:
+    """0.005 -> "5e-3", 0.0015 -> "1.5e-3": the paper's way of writing a learning rate."""
+    if lr is None:
+        return "?"
+    mantissa, exponent = f"{float(lr):e}".split("e")
+    return f"{float(mantissa):g}e{int(exponent)}"
+
+
+def seeds_text(seeds: Iterable[Any]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5": runs of consecutive seeds as ranges."""
+    numbers = sorted({s for s in seeds if isinstance(s, int)})
+    others = sorted({str(s) for s in seeds if not isinstance(s, int)})
+    spans: list[list[int]] = []
+    for seed in numbers:
+        if spans and seed == spans[-1][1] + 1:
+            spans[-1][1] = seed
+        else:
+            spans.append([seed, seed])
+    texts = [str(a) if a == b else f"{a}, {b}" if b == a + 1 else f"{a}-{b}" for a, b in spans]
+    return ", ".join(texts + others)
+
+
+def stream_name(kind: str | None) -> str:
+    """``si_blurry`` -> "Si-Blurry", ``clear`` -> "clear" (the paper's names, as in its tables)."""
+    spec = STREAM_KINDS.get(str(kind))
+    return re.sub(r"\\textit\{(.*)\}", r"\1", spec.title) if spec else str(kind)
+
+
+def subject_line(runs: Sequence[dict[str, Any]], curves: Sequence[int] = ()) -> str:
+    """What a figure's numbers come from, for its title: dataset, stream, LR, seeds and the
+    number of runs (``curves``: the runs behind each curve, when there are several curves).
+    Values that differ between the runs are all listed; the legend tells the curves apart."""
+    configs = [r["config"] for r in runs]
+    datasets = sorted({DATASET_NAMES.get(c.get("dataset"), str(c.get("dataset"))) for c in configs})
+    streams = sorted({stream_name(c.get("stream")) for c in configs})
+    lrs = sorted({c.get("init_lr") for c in configs}, key=lambda lr: (lr is None, lr or 0))
+    seeds = [c.get("seed") for c in configs]
+    count = f"n = {plural(len(runs), 'run')}"
+    if len(curves) > 1:
+        low, high = min(curves), max(curves)
+        count += f" ({low if low == high else f'{low}-{high}'} per curve)"
+    return "; ".join(
+        [
+            ("dataset " if len(datasets) == 1 else "datasets ") + ", ".join(datasets),
+            ", ".join(streams) + (" stream" if len(streams) == 1 else " streams"),
+            ("LR " if len(lrs) == 1 else "LRs ") + ", ".join(lr_text(lr) for lr in lrs),
+            ("seed " if len(set(seeds)) == 1 else "seeds ") + seeds_text(seeds),
+            count,
+        ]
+    )
+
+
+def _subject_of(groups: dict[tuple, list[dict[str, Any]]]) -> str:
+    return subject_line(
+        [r for members in groups.values() for r in members], [len(m) for m in groups.values()]
+    )
+
+
 # -- the figures' data -----------------------------------------------------------------------------
 def gradient_imbalance_data(runs: Sequence[dict[str, Any]]) -> FigureData:
     """Fig. 1: G^k_n = G^k / max_l G^l per task k (``task_grad_norm_normalized``), per group."""
@@ -250,7 +342,7 @@ def gradient_imbalance_data(runs: Sequence[dict[str, Any]]) -> FigureData:
         mean, std = _mean_std(_stack_truncated(curves))
         series.append(Series(label, np.arange(1, len(mean) + 1), mean, std, len(curves)))
     fgh = [groups[key][0]["config"].get("fgh") is not None for key in groups]
-    return FigureData("imbalance", {"": series}, meta={"fgh": fgh})
+    return FigureData("imbalance", {"": series}, meta={"fgh": fgh, "subject": _subject_of(groups)})
 
 
 def gradient_trace_data(
@@ -296,7 +388,7 @@ def gradient_trace_data(
     first = next(iter(groups.values()))[0]
     limit = max_steps or math.inf
     markers = [s for s in task_end_steps(first) if s < limit]
-    return FigureData("trace", panels, markers)
+    return FigureData("trace", panels, markers, meta={"subject": _subject_of(groups)})
 
 
 #: Fig. 3 panel titles of the named FGH forms (``engine.config.FGH_FORMS``).
@@ -367,18 +459,21 @@ def gamma_sensitivity_data(runs: Sequence[dict[str, Any]], metric: str = "AP") -
     title_of: dict[tuple, str] = {}
     baseline_of: dict[tuple, tuple] = {}  # sweep -> the same configuration without FGH
     baselines: dict[tuple, list[float]] = {}
+    used: dict[tuple, list[dict[str, Any]]] = {}  # key -> its runs, for the subject line
     for results in counted_runs(runs)[0]:
         config = results["config"]
         value = results["metrics"].get(metric)
         value = np.nan if value is None else float(value)
         if config.get("fgh") is None:
             baselines.setdefault(_key(_fields(results)), []).append(value)
+            used.setdefault(("no FGH", _key(_fields(results))), []).append(results)
             continue
         gamma = float(validate_options(**config["fgh"])["gamma"])
         fgh = _sweep_form(config["fgh"])
         key = _key(_fields(results, {**config, "fgh": fgh}))
         title_of[key] = fgh_form_title(fgh)
         sweeps.setdefault(key, {}).setdefault(gamma, []).append(value)
+        used.setdefault(("FGH", key), []).append(results)
         bound = _at_upper_bound(results)
         if bound is not None:
             at_hi.setdefault(key, {}).setdefault(gamma, []).append(bound)
@@ -414,7 +509,12 @@ def gamma_sensitivity_data(runs: Sequence[dict[str, Any]], metric: str = "AP") -
             if CLAMP_PANEL + t in clamp_panels
         },
     }
-    return FigureData("gamma", ordered, meta={"metric": metric})
+    drawn = {("FGH", key): used[("FGH", key)] for key in sweeps} | {
+        ("no FGH", baseline_of[key]): used[("no FGH", baseline_of[key])]
+        for key in sweeps
+        if baseline_of[key] in baselines
+    }
+    return FigureData("gamma", ordered, meta={"metric": metric, "subject": _subject_of(drawn)})
 
 
 def accuracy_curve_data(runs: Sequence[dict[str, Any]]) -> FigureData:
@@ -438,7 +538,9 @@ def accuracy_curve_data(runs: Sequence[dict[str, Any]]) -> FigureData:
         mean, std = _mean_std(stack.reshape(len(curves), len(shared)))
         series.append(Series(label, np.array(shared, dtype=float), mean, std, len(curves)))
     first = next(iter(groups.values()))[0]
-    return FigureData("accuracy", {"": series}, _task_end_samples(first))
+    return FigureData(
+        "accuracy", {"": series}, _task_end_samples(first), meta={"subject": _subject_of(groups)}
+    )
 
 
 def accuracy_matrix_data(runs: Sequence[dict[str, Any]]) -> FigureData:
@@ -447,6 +549,7 @@ def accuracy_matrix_data(runs: Sequence[dict[str, Any]]) -> FigureData:
     file's ``acc[task][after]``); tasks not yet seen (k > l) are NaN (masked)."""
     groups = _group(runs)
     panels = {}
+    drawn: dict[tuple, list[dict[str, Any]]] = {}
     for key, label in _labels(groups).items():
         matrices = [_as_float(r["metrics"]["accuracy_matrix"]).T for r in groups[key]]
         shapes = {m.shape for m in matrices}
@@ -457,9 +560,10 @@ def accuracy_matrix_data(runs: Sequence[dict[str, Any]]) -> FigureData:
             continue
         tasks = np.arange(1, mean.shape[0] + 1)
         panels[label] = [Series(label, tasks, mean, std, len(matrices))]
+        drawn[key] = groups[key]
     if not panels:
         raise FigureSkipped("no results file holds a measured accuracy matrix")
-    return FigureData("heatmap", panels)
+    return FigureData("heatmap", panels, meta={"subject": _subject_of(drawn)})
 
 
 def _imbalance(results: dict[str, Any]) -> dict[str, Any]:
@@ -515,7 +619,22 @@ def _describe(fig) -> dict[str, Any]:
         "panels": panels,
         "figure_legend": [t.get_text() for lg in fig.legends for t in lg.get_texts()],
         "suptitle": fig._suptitle.get_text() if fig._suptitle is not None else "",
+        "captions": [t.get_text() for t in fig.texts if t is not fig._suptitle],
     }
+
+
+def _caption(fig, text: str) -> None:
+    """``text`` under the figure (below its axes and legends), wrapped to the figure's width;
+    ``bbox_inches="tight"`` keeps it in the saved file."""
+    width = max(60, int(fig.get_size_inches()[0] * 13))  # about 13 small characters an inch
+    wrapped = "\n".join(textwrap.wrap(text, width, break_on_hyphens=False))
+    fig.text(0.5, -0.01, wrapped, ha="center", va="top", fontsize="small")
+
+
+def _heading(data: FigureData, title: str) -> str:
+    """A figure's title over the line saying what it shows (:func:`subject_line`)."""
+    subject = data.meta.get("subject")
+    return f"{title}\n{subject}" if subject else title
 
 
 def _save(fig, stem: Path, data: FigureData | None = None, tight: bool = True) -> list[Path]:
@@ -584,9 +703,11 @@ def _draw_imbalance(data: FigureData, stem: Path) -> list[Path]:
     ax.set_xticks(series[0].x)
     ax.set_xlabel("task k")
     ax.set_ylabel(f"normalised gradient norm {task_norm('k', normalised=True)}")
-    ax.set_title(_imbalance_title(data.meta.get("fgh", [])))
+    ax.set_title(_heading(data, _imbalance_title(data.meta.get("fgh", []))))
     ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
-    return _save(fig, stem, data)
+    fig.tight_layout()
+    _caption(fig, IMBALANCE_CAPTION)
+    return _save(fig, stem, data, tight=False)
 
 
 def _draw_trace(data: FigureData, stem: Path) -> list[Path]:
@@ -606,10 +727,15 @@ def _draw_trace(data: FigureData, stem: Path) -> list[Path]:
         k = title.removeprefix("task ")
         ax.set_title(f"task {k}: {task_norm(k)}", fontsize="medium")
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel(task_norm(k))
+        ax.set_ylabel(f"{task_norm(k)} (gradient norm)")
     if single:
-        axes[0].legend(fontsize="small")
-        return _save(fig, stem, data)
+        (ax,) = axes
+        ax.set_title(_heading(data, ax.get_title()), fontsize="medium")
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        _caption(fig, TRACE_CAPTION)
+        return _save(fig, stem, data, tight=False)
+    fig.suptitle(_heading(data, f"{task_norm('k')} over the optimizer steps, one panel per task k"))
     handles, labels = axes[0].get_legend_handles_labels()
     free = [ax for ax in fig.axes if not ax.get_visible()]
     if free:  # the grid's empty slot holds the one legend
@@ -617,11 +743,12 @@ def _draw_trace(data: FigureData, stem: Path) -> list[Path]:
         slot.set_visible(True)
         slot.axis("off")
         slot.legend(handles, labels, loc="center", fontsize="small", frameon=False)
+        fig.tight_layout()
     else:
         fig.tight_layout(rect=(0, 0.03 * math.ceil(len(labels) / 2), 1, 1))
         fig.legend(handles, labels, loc="lower center", ncol=2, fontsize="small", frameon=False)
-        return _save(fig, stem, data, tight=False)
-    return _save(fig, stem, data)
+    _caption(fig, TRACE_CAPTION)
+    return _save(fig, stem, data, tight=False)
 
 
 def _draw_gamma(data: FigureData, stem: Path) -> list[Path]:
@@ -659,7 +786,7 @@ def _draw_gamma(data: FigureData, stem: Path) -> list[Path]:
             below.set_xscale("log")
             below.set_ylabel("α at clamp's upper bound\n(fraction, stream mean)")
         axes[rows - 1][column].set_xlabel("FGH γ")
-    fig.suptitle(f"Sensitivity to γ ({metric}), by FGH form")
+    fig.suptitle(_heading(data, f"Sensitivity to γ ({metric}), by FGH form"))
     return _save(fig, stem, data)
 
 
@@ -671,7 +798,7 @@ def _draw_accuracy(data: FigureData, stem: Path) -> list[Path]:
     _task_ends(ax, data.markers)
     ax.set_xlabel("stream samples seen")
     ax.set_ylabel("accuracy on seen classes (%)")
-    ax.set_title("Accuracy over the stream (its mean is $A_{auc}$)")
+    ax.set_title(_heading(data, "Accuracy over the stream (its mean is $A_{auc}$)"))
     ax.legend(fontsize="small")
     return _save(fig, stem, data)
 
@@ -695,6 +822,7 @@ def _draw_heatmap(data: FigureData, stem: Path) -> list[Path]:
         ax.set_xlabel("accuracy on task k")
         ax.set_ylabel("after task l")
         ax.set_title(_run_label(s), fontsize="small")
+    fig.suptitle(_heading(data, "Accuracy (%) on task k (columns) after task l (rows)"))
     fig.tight_layout()
     bar = fig.colorbar(image, ax=axes, fraction=0.046 / max(1, math.ceil(len(axes) / 3)), pad=0.04)
     bar.set_label("accuracy (%)")

@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import sys
-import warnings
 from pathlib import Path
 
 from ..engine.config import ConfigError, key_reference, load_json, resolve_config
@@ -73,7 +72,8 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
             resolve_config(load_json(path))
             print(f"ok      {path}")
         except ConfigError as err:
-            print(f"invalid {path}: {err}")
+            reason = str(err).removeprefix(f"{path}: ")  # the loader's errors name the file too
+            print(f"invalid {path}: {reason}")
             status = 1
     return status
 
@@ -201,7 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(func=run_doctor)
 
     check = sub.add_parser("check-config", help="validate configs without PILOT")
-    check.add_argument("configs", nargs="*", type=Path)
+    check.add_argument(
+        "configs",
+        nargs="*",
+        type=Path,
+        metavar="CONFIG",
+        help="JSON configs to resolve as a run would: 'ok' or 'invalid' and why, per file",
+    )
     check.add_argument("--keys", action="store_true", help="print the config-key reference")
     check.set_defaults(func=_cmd_check_config)
 
@@ -241,6 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     figures.set_defaults(func=_cmd_figures)
 
+    from .clean import add_clean_arguments, run_clean
+
+    clean = sub.add_parser(
+        "clean", help="delete the checkpoints interrupted runs left (lists them; --dry-run)"
+    )
+    add_clean_arguments(clean)
+    clean.set_defaults(func=run_clean)
+
     from .scale_model import add_scale_model_arguments, run_scale_model
 
     scale = sub.add_parser(
@@ -258,16 +272,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=500,
         help="stream images per class (at most 500, the quickstart's stream)",
     )
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--output", type=Path, default=Path("runs/demo"), help="results folder")
+    demo.add_argument(
+        "--seed", type=int, default=0, help="seeds the stream's order and the training (default 0)"
+    )
+    demo.add_argument(
+        "--output",
+        type=Path,
+        default=Path("runs/demo"),
+        help="folder for the two results files (default runs/demo)",
+    )
     demo.set_defaults(func=_cmd_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # timm 0.6 calls torch.jit.script at import, which recent torch deprecates loudly.
-    warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=FutureWarning)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

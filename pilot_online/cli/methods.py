@@ -1,6 +1,7 @@
 """``pilot-online methods``: every registered method with its paper name, the ablation rows it
 runs, its default consolidation trigger, its memory (and whether it distils from the engine
-teacher) and its own config keys; a filter narrows the list.
+teacher) and its own config keys; a filter narrows the list. The names are the adapters' own
+declared ``paper_name`` and ``full_name``: no table here to fall out of step.
 
 Methods registered from outside the package (the ``pilot_online.methods`` entry point group,
 ``engine/registry.py``) are listed too, with the module they come from.
@@ -32,6 +33,15 @@ def memory_of(adapter: Any) -> str:
     return memory + (" + teacher" if adapter.keeps_teacher else "")
 
 
+def paper_name_of(adapter: Any) -> str:
+    """``CODA``, or ``oLoRA (Online-LoRA)`` where the method's own paper names it in full;
+    ``-`` for a method that declares no name."""
+    names = list(dict.fromkeys(n for n in (adapter.paper_name, adapter.full_name) if n))
+    if len(names) == 2:
+        return f"{names[0]} ({names[1]})"
+    return names[0] if names else "-"
+
+
 def method_rows(pattern: str = "") -> list[dict[str, Any]]:
     """One record per registered method whose name, paper name or key names contain
     ``pattern`` (case-insensitive; "" matches all), sorted by name."""
@@ -39,13 +49,13 @@ def method_rows(pattern: str = "") -> list[dict[str, Any]]:
     for name in list_methods():
         adapter = get_method(name)
         keys = list(adapter.config_keys)
-        haystack = " ".join([name, adapter.paper_name, *keys]).lower()
+        haystack = " ".join([name, adapter.paper_name, adapter.full_name, *keys]).lower()
         if pattern.lower() not in haystack:
             continue
         records.append(
             {
                 "name": name,
-                "paper_name": adapter.paper_name or "-",
+                "paper_name": paper_name_of(adapter),
                 "rows": [ROW_NAMES.get(v, v) for v in adapter.variants],
                 "default_trigger": adapter.default_consolidation,
                 "memory": memory_of(adapter),

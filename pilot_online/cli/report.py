@@ -3,6 +3,7 @@ in ``figures.py``; ``report --plot`` draws Fig. 1 and 2 through it."""
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -10,6 +11,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..core.fgh import validate_options
+from ..core.metrics import METRIC_DEFINITIONS, PILOT_AVERAGE_NOTE
+from ..core.progress import plural
 from ..core.results import find_results, load_results
 from ..engine.config import FGH_FORMS, PAPER_FGH
 
@@ -26,16 +29,46 @@ DUPLICATE_RULE = (
 
 RunT = TypeVar("RunT")
 
-#: Which average is the paper's: PILOT's own log prints another one beside it.
-METRIC_NOTE = (
-    "AP is the paper's metric (Sec. 4.1: the mean over task ends k of A_k, each A_k the mean "
-    "over the tasks seen of their accuracy) and A_T its A_k after the last task; PILOT's log "
-    'line "Average Accuracy (CNN)" is PILOT\'s own average (top-1 over all seen test images, '
-    "sample-weighted, averaged over task ends): not a number of the paper's tables. A_online is "
-    "the average online accuracy of Ghunaim et al. (CVPR 2023): each stream batch predicted by "
-    "the model as it stood before training on it (docs/protocol.md); in real-time mode every "
-    "batch is scored and only one in every C is trained on."
-)
+#: What the columns other than the metrics hold (the metrics: ``core.metrics.METRIC_DEFINITIONS``).
+COLUMN_DEFINITIONS = {
+    "method": "the paper's row name of the method (its registered name where the paper has none)",
+    "dataset": "the dataset as PILOT names it (cifar224: CIFAR100)",
+    "stream": "clear (one task after another) or si_blurry (Si-Blurry)",
+    "variant": (
+        "base, + P (online prototypes), + FGH, + P + FGH (the paper's + ours); FGH options "
+        "and a protocol other than the paper's (real-time, online_iter) are named"
+    ),
+    "lr": "init_lr of the run's config",
+    "runs": "seeds counted (a seed run more than once counts once: its newest complete run)",
+    "seed": "the run's seed",
+}
+
+
+#: Characters per legend line (the table itself is as wide as its cells).
+LEGEND_WIDTH = 100
+
+
+def legend(group: bool = True) -> list[str]:
+    """The lines under the report's table that define its columns, forgetting's formula and
+    tasks included, from the same words as the metrics' code (``core.metrics``), so that a
+    reader need not guess which average or which forgetting a column holds."""
+    columns = ["method", "dataset", "stream", "lr", "variant", "runs" if group else "seed"]
+    columns += METRIC_COLUMNS
+    width = max(map(len, columns))
+    definitions = {**COLUMN_DEFINITIONS, **METRIC_DEFINITIONS}
+    cells = (
+        "mean±std over the seeds (population std); one seed: its value; -: not recorded"
+        if group
+        else "each run's own value; -: not recorded"
+    )
+    definitions["cells"] = cells
+    indent = " " * (width + 4)
+    lines = ["columns (tasks numbered 1..T, accuracies in %):"]
+    for name in [*columns, "cells"]:
+        text = f"  {name:<{width}}  {definitions[name]}"
+        lines += textwrap.wrap(text, LEGEND_WIDTH, subsequent_indent=indent, break_on_hyphens=False)
+    return [*lines, f"note: {PILOT_AVERAGE_NOTE}."]
+
 
 #: The paper's method rows (adapters' ``paper_name``), in its tables' order.
 PAPER_ROW_ORDER = (
@@ -177,7 +210,7 @@ def one_run_per_seed(
 def duplicates_note(set_aside: Sequence[str]) -> str:
     """The note for runs set aside (their files), as every output words it."""
     files = ", ".join(Path(f).name for f in set_aside)
-    return f"{len(set_aside)} run(s) set aside ({files}): {DUPLICATE_RULE}."
+    return f"{plural(len(set_aside), 'run')} set aside ({files}): {DUPLICATE_RULE}."
 
 
 def collect(paths: Iterable[Path]) -> list[dict[str, Any]]:
@@ -284,10 +317,10 @@ def format_table(rows: list[dict[str, Any]], group: bool = True) -> str:
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     table = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
     table += [fmt.format(*line).rstrip() for line in lines]
+    table.append("")
     if set_aside:
         table.append("note: " + duplicates_note([r["file"] for r in set_aside]))
-    if group:
-        table.append("note: " + METRIC_NOTE)
+    table += legend(group)
     return "\n".join(table)
 
 

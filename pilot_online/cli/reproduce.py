@@ -11,7 +11,8 @@ cell's dataset and learning rate, once per seed of the paper's count (the config
 seeds; 3 for ConvPrompt and oLoRA), each seed its own config so that the engines (``--engine
 local`` or ``ray``, as ``pilot-online sweep``) spread them over GPUs; finished runs are skipped.
 Then the ``--vs-paper`` comparison of those cells is printed and written beside the results.
-``--dry-run`` writes and checks the configs and lists the runs with their estimated GPU time.
+``--dry-run`` checks the configs and lists the runs with their estimated GPU time, and writes
+nothing: no config, no ``--out`` folder.
 
 The Best HP column runs hp_grid's bold LR (and gamma for + ours; the paper configs' gamma where
 hp_grid has none), tagged ``hp_column: best``. By default (``--best-hp tables``) a method whose
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..core.progress import plural
 from ..engine.config import PAPER_FGH, PILOT_KEYS, ConfigError, load_json
 from ..engine.paper import (
     BEST,
@@ -47,7 +49,7 @@ from ..engine.registry import get_method
 from .engines import EngineUnavailable, add_engine_arguments
 from .estimate import dataset_size, estimate_run_seconds
 from .protocol import parse_sets
-from .sweep import apply_point, build_configs, run_config_files, run_finished
+from .sweep import apply_point, plan_configs, run_config_files, run_finished, write_configs
 
 #: Our row names -> the exps/ variant they run (``engine.config.VARIANTS``).
 ROW_VARIANTS = {**HP_ROWS, "p": "p", "fgh_only": "fgh_only"}
@@ -55,6 +57,9 @@ COLUMN_NAMES = ("5e-5", "5e-3", BEST)
 BEST_HP_POLICIES = ("tables", "hp_grid")
 #: Keys that make a run another cell: ``--set`` may not change them.
 CELL_KEYS = ("model_name", "stream", "init_lr", "online_prototypes", "fgh", "hp_column")
+
+#: A cell's configs, one per seed, by the path each is written to (``sweep.plan_configs``).
+PlannedConfigs = dict[Path, dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -189,8 +194,9 @@ def cell_configs(
     out: Path,
     sets: dict[str, Any],
     policy: str = "tables",
-) -> tuple[list[Path], str]:
-    """Write and check one config per seed of ``cell``; returns them and the LR's reason."""
+) -> tuple[PlannedConfigs, str]:
+    """Check one config per seed of ``cell`` (nothing is written); returns them by the path
+    each goes to, and the LR's reason."""
     variant = ROW_VARIANTS[cell.row]
     path = (
         exps
@@ -232,7 +238,7 @@ def cell_configs(
         seeds = seeds[:count]
     config = apply_point(config, {k: v for k, v in sets.items() if k != "seed"})
     # One config per seed, <cell>__seed-<s>, so that the engines spread the seeds.
-    return build_configs(config, {"seed": seeds}, out, name_prefix=cell.name), why
+    return plan_configs(config, {"seed": seeds}, out, name_prefix=cell.name), why
 
 
 def _paper_cell(cell: CellSpec):
@@ -387,7 +393,7 @@ def add_reproduce_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dry-run",
         action="store_true",
-        help="write and check the configs, list the runs and their estimated GPU time",
+        help="check the configs, list the runs and their estimated GPU time; writes nothing",
     )
     parser.add_argument(
         "--tflops", type=float, help="sustained TFLOP/s for the FLOP model's estimate"
@@ -396,7 +402,10 @@ def add_reproduce_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
 
-def plan(args: argparse.Namespace) -> tuple[list[CellSpec], dict[CellSpec, tuple[list[Path], str]]]:
+def plan(
+    args: argparse.Namespace,
+) -> tuple[list[CellSpec], dict[CellSpec, tuple[PlannedConfigs, str]]]:
+    """The cells to run and their checked configs; nothing is written."""
     cells: list[CellSpec] = []
     for table in args.table:
         cells += table_cells(table)
@@ -432,11 +441,11 @@ def dry_run_listing(cells, configs, tflops: float | None) -> tuple[list[str], fl
     total_calibrated = 0.0
     priced, unpriced, reasons = 0, 0, {}
     for cell in cells:
-        paths, why = configs[cell]
-        config = load_json(paths[0])
-        seeds = len(paths)
+        planned, why = configs[cell]
+        config = next(iter(planned.values()))
+        seeds = len(planned)
         counted = step_count(config)
-        text = f"{cell.text:<42} {seeds:>2} runs  LR {config['init_lr']:g} ({why})"
+        text = f"{cell.text:<42} {plural(seeds, 'run'):>7}  LR {config['init_lr']:g} ({why})"
         paper = _paper_cell(cell)
         if paper is not None:
             text += f"  paper {paper.mean:.2f} ± {paper.std:.2f} (n={paper.n})"
@@ -469,8 +478,9 @@ def dry_run_listing(cells, configs, tflops: float | None) -> tuple[list[str], fl
             f"the priced runs: {duration(total_seconds)} ideal, "
             f"{duration(total_calibrated)} calibrated"
         )
-    lines.append(f"the FLOP model prices {priced} of {priced + unpriced} runs")
-    if any(load_json(configs[cell][0][0]).get("realtime") is not None for cell in cells):
+    lines.append(f"the FLOP model prices {priced} of {plural(priced + unpriced, 'run')}")
+    first_configs = (next(iter(configs[cell][0].values())) for cell in cells)
+    if any(config.get("realtime") is not None for config in first_configs):
         lines.append(
             "real-time runs (realtime): their steps are the ceil(B / C) of the stream's B batches "
             "the schedule trains, and their estimates add A_online's scoring pass on every "
@@ -487,8 +497,13 @@ def run_reproduce(args: argparse.Namespace) -> int:
 
     cells, configs = plan(args)
     out = args.out.resolve()
-    runs = sum(len(paths) for paths, _ in configs.values())
-    say(f"reproduce: {len(cells)} cells, {runs} runs (one per seed); configs in {out / 'configs'}")
+    runs = sum(len(planned) for planned, _ in configs.values())
+    where = (
+        f"nothing written (a run writes its configs to {out / 'configs'})"
+        if args.dry_run
+        else f"configs in {out / 'configs'}"
+    )
+    say(f"reproduce: {plural(len(cells), 'cell')}, {plural(runs, 'run')} (one per seed); {where}")
     for note in best_hp_discrepancies():
         if any(c.column == BEST and _methods()[c.method] == note.split(":")[0] for c in cells):
             say(f"note: {note}")
@@ -496,13 +511,14 @@ def run_reproduce(args: argparse.Namespace) -> int:
         lines, seconds, steps = dry_run_listing(cells, configs, args.tflops)
         for line in lines:
             say(line)
-        total = f"total: {runs} runs, {steps:,} training batch passes"
+        total = f"total: {plural(runs, 'run')}, {steps:,} training batch passes"
         if seconds:
             total += f", at least {_duration(seconds)} of GPU compute for the priced runs (ideal)"
         say(total)
         return 0
-    todo = [p for paths, _ in configs.values() for p in paths if not run_finished(p)]
-    say(f"{runs - len(todo)} run(s) already finished, {len(todo)} to run")
+    paths = [path for planned, _ in configs.values() for path in write_configs(planned)]
+    todo = [path for path in paths if not run_finished(path)]
+    say(f"{plural(runs - len(todo), 'run')} already finished, {len(todo)} to run")
     failed: list[str] = []
     if todo:
         try:
@@ -513,7 +529,7 @@ def run_reproduce(args: argparse.Namespace) -> int:
     report_text = vs_paper_for(cells, out, parse_sets(args.set))
     print(report_text)
     if failed:
-        print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
+        print(f"{plural(len(failed), 'run')} failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
 

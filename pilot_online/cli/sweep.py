@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..core.progress import plural
 from ..core.results import load_results, results_path
 from ..engine.config import (
     VARIANTS,
@@ -91,7 +92,23 @@ def build_configs(
 
     ``name_prefix`` starts every point's name (config file and results prefix): the method in a
     per-method sweep (``cli/protocol.py``)."""
-    paths: list[Path] = []
+    return write_configs(plan_configs(base, grid, out, name_prefix))
+
+
+def write_configs(planned: dict[Path, dict[str, Any]]) -> list[Path]:
+    """Write configs planned by :func:`plan_configs` to their paths."""
+    for path, config in planned.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(config, indent=4) + "\n")
+    return list(planned)
+
+
+def plan_configs(
+    base: dict[str, Any], grid: dict[str, list[Any]], out: Path, name_prefix: str = ""
+) -> dict[Path, dict[str, Any]]:
+    """Every grid point's config, validated, by the path it is written to; nothing is written,
+    so a dry run can list what a run would do and leave the disk as it was."""
+    planned: dict[Path, dict[str, Any]] = {}
     keys = list(grid)
     for values in itertools.product(*(grid[k] for k in keys)):
         point = dict(zip(keys, values))
@@ -102,15 +119,13 @@ def build_configs(
         if name_prefix:
             name = f"{name_prefix}__{name}" if point else name_prefix
         path = out / "configs" / f"{name}.json"
-        if path in paths:
+        if path in planned:
             continue
         config["prefix"] = name
         config["results_dir"] = str((out / "results").resolve())
         resolve_config(config)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(config, indent=4) + "\n")
-        paths.append(path)
-    return paths
+        planned[path] = config
+    return planned
 
 
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
@@ -191,7 +206,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     else:
         base = apply_point(load_json(args.config), parse_sets(getattr(args, "set", None) or []))
         paths = build_configs(base, parse_grid(args.grid), out)
-    print(f"{len(paths)} runs; configs in {out / 'configs'}")
+    print(f"{plural(len(paths), 'run')}; configs in {out / 'configs'}")
     todo = []
     for i, path in enumerate(paths, 1):
         finished = run_finished(path)
@@ -210,7 +225,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         if rows:
             print(format_table(rows))
     if failed:
-        print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
+        print(f"{plural(len(failed), 'run')} failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
 
@@ -233,5 +248,6 @@ def run_config_files(
         codes = run_jobs(jobs, engine, options.retries, say)
     finally:
         engine.close()
-    say(f"{len(jobs)} run(s) in {time.monotonic() - started:.0f} s on engine {options.engine}")
+    seconds = time.monotonic() - started
+    say(f"{plural(len(jobs), 'run')} in {seconds:.0f} s on engine {options.engine}")
     return [job.name for job, code in zip(jobs, codes) if code]

@@ -3,7 +3,11 @@
 Tables (file stems; each written as ``.md`` and ``.tex``):
 
 - ``all_acc_clear`` / ``all_acc_blurry`` (Tables 1-2): AP; rows are methods, each with its
-  "+ ours" (+ P + FGH) row under it; columns are dataset x {5e-5, 5e-3, Best HP}.
+  "+ ours" (+ P + FGH) row under it; columns are dataset x {5e-5, 5e-3, Best HP}. A row with
+  no entry is left out, and a method without its own row names itself on the others
+  ("CODA + ours"). The caption says the Best HP was "found on VTAB" only where the hp_grid
+  search's runs are among the results and chose it (:func:`best_hp_sentence`); else it gives
+  the LR and gamma the Best HP runs used.
 - ``total_clear`` / ``total_blurry``: the same layout for A_T (final average accuracy).
 - ``online_clear`` / ``online_blurry``: the same layout for A_online (average online accuracy:
   each stream batch predicted before training on it, docs/protocol.md); only when some run
@@ -53,6 +57,7 @@ from typing import Any
 
 from ..core.fgh import validate_options
 from ..core.files import write_atomic
+from ..core.progress import plural
 from ..core.results import find_results, load_results
 from ..core.streams import STREAM_KINDS, STREAMS
 from ..engine.config import PAPER_FGH, variant_of
@@ -63,7 +68,13 @@ from ..engine.paper import (
     paper_datasets,
     same_cell,
 )
-from ..engine.protocol import FIXED_LRS, HP_COLUMNS, method_short_name
+from ..engine.protocol import (
+    FIXED_LRS,
+    HP_COLUMNS,
+    HP_SEARCH_SETTINGS,
+    method_short_name,
+    select_best,
+)
 from .report import DUPLICATE_RULE, hyperparameters, method_label, one_run_per_seed, protocol_of
 
 #: Method blocks of the paper's tables (separated by rules), in its row order.
@@ -343,7 +354,7 @@ def _finish(table: Table, better: str = "max", bold_per_block: bool = False) -> 
         table.notes.append(f"{MISSING}: no results for this entry.")
     set_aside = sum(c.set_aside for c in cells)
     if set_aside:
-        table.notes.append(f"{set_aside} run(s) set aside: {DUPLICATE_RULE}.")
+        table.notes.append(f"{plural(set_aside, 'run')} set aside: {DUPLICATE_RULE}.")
     headers = [f"{g} {c}".strip() for g, columns_ in table.groups for c in columns_]
     mixed = [
         f"{_plain_label(row)}, {headers[i]}: "
@@ -385,9 +396,37 @@ def _plain_value(table: Table, column: int, values: list[float]) -> str:
     return mean if len(values) == 1 else f"{mean} ± {std}"
 
 
+def without_empty_rows(block: list[Row]) -> list[Row]:
+    """A method's rows less those with no entry at all; where its own (base) row goes, every
+    row left names the method (``CODA + ours``, not a "↳ + ours" under an empty "CODA" row)."""
+    kept = [row for row in block if any(cell.n for cell in row.cells)]
+    if any(row.kind == "base" for row in kept):
+        return kept
+    for row in kept:
+        row.depth = 0
+    return kept
+
+
+def _method_blocks(blocks: list[list[Row]]) -> list[list[Row]]:
+    """Each block with every method's empty rows dropped (:func:`without_empty_rows`); blocks
+    left empty are dropped too."""
+    cleaned = []
+    for block in blocks:
+        methods = list(dict.fromkeys(row.method for row in block))
+        rows = [
+            row
+            for method in methods
+            for row in without_empty_rows([r for r in block if r.method == method])
+        ]
+        if rows:
+            cleaned.append(rows)
+    return cleaned
+
+
 def main_table(runs: list[dict[str, Any]], stream: str, metric: str = "AP") -> Table:
     """Tables 1-2 (``AP``), the A_T tables (``A_T``), the A_online tables (``A_online``), or
     one per-task table (``task<k>``: the accuracy on task k at the end, 1-based)."""
+    best_hp = best_hp_sentence(runs, stream)
     selected = [r for r in runs if r["stream"] == stream and r["row"] in ("base", "ours")]
     ignored = sum(1 for r in selected if column_of(r) is None)
     selected = [r for r in selected if column_of(r) is not None]
@@ -412,7 +451,7 @@ def main_table(runs: list[dict[str, Any]], stream: str, metric: str = "AP") -> T
                     Row(method, ROW_LABELS[row], cells, depth=int(row != "base"), kind=row)
                 )
         blocks.append(block)
-    name, caption, label = _main_names(stream, metric)
+    name, caption, label = _main_names(stream, metric, best_hp)
     table = Table(
         name=name,
         caption=caption,
@@ -420,13 +459,13 @@ def main_table(runs: list[dict[str, Any]], stream: str, metric: str = "AP") -> T
         groups=[
             (_dataset_header(d), [_lr_header(c) for c in (*FIXED_LRS, BEST)]) for d in datasets
         ],
-        blocks=blocks,
+        blocks=_method_blocks(blocks),
         stream=stream,
         keys=columns,
     )
     if ignored:
         table.notes.append(
-            f"{ignored} run(s) left out: neither at a fixed LR "
+            f"{plural(ignored, 'run')} left out: neither at a fixed LR "
             f"({', '.join(map(_lr_header, FIXED_LRS))}) "
             "with the paper's FGH setting nor tagged hp_column: best."
         )
@@ -441,13 +480,127 @@ def _metric(run: dict[str, Any], metric: str) -> float | None:
     return run[metric]
 
 
-def _main_names(stream: str, metric: str) -> tuple[str, str, str]:
+def _gamma_of(hp: tuple) -> float | None:
+    """The FGH gamma of :func:`report.hyperparameters`' tuple; None without FGH."""
+    options = hp[1]
+    return None if options is None else float(dict(options)["gamma"])
+
+
+def _searched_choice(
+    runs: list[dict[str, Any]], method_key: str, row: str
+) -> tuple[float, float | None] | None:
+    """The (LR, gamma) that ``pilot-online best`` picks (``SELECTION_RULE``) from the hp_grid
+    search's runs of one method and row among ``runs``: those on the search's dataset and
+    stream (``HP_SEARCH_SETTINGS``: VTAB, clear), not tagged best; None without such runs. A
+    + ours row that hp_grid does not search (no gamma listed) takes the base row's LR with the
+    paper's gamma, as ``best`` derives it."""
+    search = [
+        r
+        for r in runs
+        if r["dataset"] == HP_SEARCH_SETTINGS["dataset"]
+        and r["stream"] == HP_SEARCH_SETTINGS["stream"]
+        and r["hp_column"] != BEST
+        and r["method_key"] == method_key
+        and r["lr"] is not None
+    ]
+    points: dict[tuple[float, float | None], dict[Any, Any]] = {}
+    for run in one_run_per_seed(search, _run_identity, _run_recency)[0]:
+        if run["row"] == row:
+            key = (run["lr"], _gamma_of(run["hp"]) if row == "ours" else None)
+            points.setdefault(key, {})[run["seed"]] = run["AP"] if _finite(run["AP"]) else None
+    if not points:
+        grid = _hp_grid().get(method_key)
+        if row == "ours" and not (grid and grid.gammas):
+            base = _searched_choice(runs, method_key, "base")
+            return None if base is None else (base[0], float(PAPER_FGH["gamma"]))
+        return None
+    try:
+        chosen = select_best(
+            [{"init_lr": lr, "gamma": gamma, "ap": ap} for (lr, gamma), ap in points.items()]
+        )
+    except ValueError:  # no grid point has an AP
+        return None
+    return chosen["init_lr"], chosen["gamma"]
+
+
+def _hp_grid() -> dict[str, Any]:
+    """``engine.protocol.HP_GRID``, read when needed: building it imports every method."""
+    from ..engine import protocol
+
+    return protocol.HP_GRID
+
+
+def _run_identity(run: dict[str, Any]) -> tuple:
+    return (run["method_key"], run["dataset"], run["stream"], run["row"], run["seed"], run["hp"])
+
+
+def _run_recency(run: dict[str, Any]) -> tuple:
+    return (run["created"], run["file"])
+
+
+def best_hp_sentence(runs: list[dict[str, Any]], stream: str) -> str:
+    """What the Best HP column of ``stream``'s main tables holds, for their caption (LaTeX).
+
+    "found on VTAB" only where it is so: the hp_grid search's own runs (VTAB, clear) are among
+    ``runs`` and pick the LR and gamma the Best HP runs used. Otherwise the caption gives those
+    numbers: the runs tagged ``hp_column: best`` ran at their configs' LR (and gamma), whether
+    ``reproduce`` took them from the paper or ``sweep --hp-from`` from a search elsewhere."""
+    best = [
+        r
+        for r in runs
+        if r["stream"] == stream and r["hp_column"] == BEST and r["row"] in ("base", "ours")
+    ]
+    if not best:
+        return _tex_note("Best HP: no run here is tagged hp_column: best.")
+    settings: dict[tuple[str, str], list[tuple]] = {}
+    for run in sorted(best, key=lambda r: (_sort_order(r["method"]), r["row"] != "base")):
+        hps = settings.setdefault((run["method"], run["row"]), [])
+        if run["hp"] not in hps:
+            hps.append(run["hp"])
+    keys = {r["method"]: r["method_key"] for r in best}
+    searched = {
+        (method, row)
+        for (method, row), hps in settings.items()
+        if all(
+            _searched_choice(runs, keys[method], row)
+            == (hp[0], _gamma_of(hp) if row == "ours" else None)
+            for hp in hps
+        )
+    }
+    if len(searched) == len(settings):
+        return _tex_note(
+            "Best HP refers to the best set of LR and γ found on VTAB by the hp_grid search "
+            "(its runs are among these results)."
+        )
+    rows = "; ".join(
+        f"{method}{' + ours' if row == 'ours' else ''} "
+        + " or ".join(_hyperparameter_label(hp) for hp in hps)
+        for (method, row), hps in settings.items()
+    )
+    text = f"Best HP: the runs tagged hp_column: best, at the LR and γ of their configs: {rows}."
+    if searched:
+        found = ", ".join(
+            f"{method}{' + ours' if row == 'ours' else ''}"
+            for method, row in settings
+            if (method, row) in searched
+        )
+        text += f" Found on VTAB by the hp_grid search: {found}."
+    return _tex_note(text)
+
+
+def _sort_order(method: str) -> tuple[int, str]:
+    """The paper's row order, then the name (methods the paper does not list)."""
+    order = [m for group in PAPER_GROUPS for m in group]
+    return (order.index(method) if method in order else len(order), method)
+
+
+def _main_names(stream: str, metric: str, best_hp: str = "") -> tuple[str, str, str]:
     short = STREAM_NAMES.get(stream, stream)
     setting = STREAM_TITLES.get(stream, stream)
     tail = (
-        r"\textit{+ ours} refers to combining the baselines with prototypes and FGH. Best HP "
-        r"refers to the best set of LR and $\gamma$ found on VTAB."
+        rf"\textit{{+ ours}} refers to combining the baselines with prototypes and FGH. {best_hp}"
     )
+    tail = tail.rstrip()
     if metric == "AP":
         return (
             f"all_acc_{short}",
@@ -515,7 +668,7 @@ def ablation_table(runs: list[dict[str, Any]], stream: str) -> Table:
         f"FGH: {_fgh_caption()}.",
         label="tab:ablation" if stream == "si_blurry" else f"tab:ablation_{short}",
         groups=[(_dataset_header(d), [_lr_header(lr) for lr in FIXED_LRS]) for d in datasets],
-        blocks=blocks,
+        blocks=_method_blocks(blocks),
         stream=stream,
         keys=columns,
     )
@@ -536,8 +689,6 @@ def time_table(runs: list[dict[str, Any]], dataset: str, stream: str) -> Table:
         for method in methods:
             for row in ("base", "p", "fgh_only", "ours"):
                 mine = [r for r in selected if r["method"] == method and r["row"] == row]
-                if not mine and row != "base":
-                    continue
                 cells = [  # every LR on purpose: not flagged as mixed
                     make_cell(mine, lambda r: r["seconds"], flag_mixed=False),
                     make_cell(
@@ -560,7 +711,7 @@ def time_table(runs: list[dict[str, Any]], dataset: str, stream: str) -> Table:
         "setting.",
         label=f"tab:time_consumption_{dataset}_{short}",
         groups=[("", ["Time", "Memory Footprint (MB)"])],
-        blocks=blocks,
+        blocks=_method_blocks(blocks),
         kind="time",
         stream=stream,
     )
@@ -631,7 +782,7 @@ def realtime_table(runs: list[dict[str, Any]], stream: str) -> Table:
             )
             for d, ref, mode in keys
         ],
-        blocks=blocks,
+        blocks=_method_blocks(blocks),
         kind="realtime",
         stream=stream,
     )
@@ -681,8 +832,8 @@ def build_tables(runs: list[dict[str, Any]]) -> list[Table]:
     if other:
         for table in tables:
             table.notes.append(
-                f"{other} run(s) of another protocol (real-time mode or online_iter > 1) left "
-                "out: the paper's tables hold its protocol only (real-time runs: realtime_*)."
+                f"{plural(other, 'run')} of another protocol (real-time mode or online_iter > 1) "
+                "left out: the paper's tables hold its protocol only (real-time runs: realtime_*)."
             )
     tables += [
         realtime_table(realtime, s) for s in STREAMS if any(r["stream"] == s for r in realtime)
@@ -726,7 +877,9 @@ def _md_cell(table: Table, column: int, cell: Cell) -> str:
 def _md_label(row: Row) -> str:
     """The row name; a sub-row ("+ ours") indented by em spaces, which Markdown keeps and a
     terminal shows as spaces (not raw ``&nbsp;`` entities)."""
-    return row.method if not row.label else "\u2003" * (row.depth - 1) + "↳ " + row.label
+    if not row.label or not row.depth:  # a method's own row, or one standing without it
+        return _plain_label(row)
+    return "\u2003" * (row.depth - 1) + "↳ " + row.label
 
 
 def to_markdown(table: Table) -> str:
@@ -795,8 +948,8 @@ def _tex_cell(table: Table, column: int, cell: Cell) -> str:
 
 
 def _tex_label(row: Row) -> str:
-    if not row.label:
-        return _latex_escape(row.method)
+    if not row.label or not row.depth:
+        return _latex_escape(_plain_label(row))
     return r"\ \ " * row.depth + r" $\hookrightarrow$ " + _latex_escape(row.label)
 
 
@@ -1004,7 +1157,7 @@ def _comparison_cells(c: Comparison) -> list[str]:
 def _summary(report: PaperReport) -> str:
     counts = report.counts()
     text = ", ".join(f"{verdict}: {n}" for verdict, n in counts.items())
-    return f"Summary ({len(report.comparisons)} cells): {text}." + (
+    return f"Summary ({plural(len(report.comparisons), 'cell')}): {text}." + (
         f" {report.unmatched} of our cells have no paper counterpart." if report.unmatched else ""
     )
 

@@ -64,3 +64,14 @@ def _fsync_directory(directory: Path) -> None:
         pass
     finally:
         os.close(dir_fd)
+
+
+def human_bytes(size: int) -> str:
+    """``1.03 GB``, ``74 MB``, ``512 B``: a file's size for people (decimal units, as ``ls -h
+    --si`` and file managers give them)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return (
+                f"{size / scale:.3g} {unit}" if size < 100 * scale else f"{size / scale:.0f} {unit}"
+            )
+    return f"{size} B"

@@ -31,6 +31,8 @@ import numpy as np
 from .checks import check_int
 
 __all__ = [
+    "METRIC_DEFINITIONS",
+    "PILOT_AVERAGE_NOTE",
     "accuracy_matrix",
     "area_under_curve",
     "average_accuracy",
@@ -40,6 +42,7 @@ __all__ = [
     "final_task_accuracies",
     "forgetting",
     "per_class_accuracy",
+    "run_summary_line",
     "summarize",
     "task_accuracies",
     "task_gradient_norms",
@@ -416,3 +419,53 @@ def summarize(
             else _number_or_none(class_forgetting(per_class_history))
         ),
     }
+
+
+# --------------------------------------------------------------------------------------------
+# The numbers in words: one definition for the run's log line and the report's legend
+# --------------------------------------------------------------------------------------------
+#: What each summary number is, in the words a reader checks against the functions above (the
+#: report's legend and the run's summary line both read these, so they cannot drift apart).
+METRIC_DEFINITIONS: dict[str, str] = {
+    "AP": (
+        "average performance, the paper's metric (Sec. 4.1): the mean over task ends k = 1..T "
+        "of A_k, where A_k is the mean accuracy (%) on tasks 1..k after training on task k"
+    ),
+    "A_T": "A_k after the last task T: the final average accuracy",
+    "forgetting": (
+        "average forgetting (Chaudhry et al., 2018) over tasks l = 1..T-1: task l's best "
+        "accuracy after tasks l..T-1 minus its accuracy after the last task T, averaged; "
+        'negative where a task improved (PILOT\'s "Forgetting (CNN)" takes the best over all '
+        "T task ends, so it never goes below 0)"
+    ),
+    "A_auc": (
+        "Si-Blurry's A_auc: the mean accuracy on the classes seen so far over the periodic "
+        "evaluations (one every eval_period stream samples); - when eval_period is off"
+    ),
+    "A_online": (
+        "average online accuracy (Ghunaim et al., CVPR 2023): the share of stream samples the "
+        "model predicted right before training on them; - unless online_accuracy is on (real-time "
+        "mode turns it on)"
+    ),
+}
+
+#: PILOT's own average, which its trainer logs beside ours: a different number from AP.
+PILOT_AVERAGE_NOTE = (
+    'PILOT\'s "Average Accuracy (CNN)" line is a different average: its top-1 over all seen test '
+    "images (sample-weighted, not per task), averaged over task ends; it is not the paper's AP"
+)
+
+
+def _percent(value: Any) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else f"{value:.2f}"
+
+
+def run_summary_line(metrics: dict[str, Any], results_file: Any = None) -> str:
+    """The line a run logs when it ends: AP named as the paper's metric, and PILOT's
+    "Average Accuracy (CNN)", which its trainer logs next, named as another average, so
+    that a reader of the log compares the right number with the paper."""
+    line = (
+        f"AP {_percent(metrics.get('AP'))} (the paper's metric: average performance, Sec. 4.1), "
+        f"A_T {_percent(metrics.get('A_T'))} (after the last task). {PILOT_AVERAGE_NOTE}."
+    )
+    return line if results_file is None else f"{line} Results: {results_file}"

@@ -1,5 +1,6 @@
-"""Durations and progress lines in one style, for estimates (``cli/estimate.py``), the demo and a
-run's own log (``engine/session.py``): the paper's time table writes ``5m55s``."""
+"""Durations, counts and progress lines in one style, for estimates (``cli/estimate.py``), the
+demo, the commands' summaries and a run's own log (``engine/session.py``): the paper's time table
+writes ``5m55s``, and a count reads as English (``1 cell``, ``2 cells``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,15 @@ def duration(seconds: float) -> str:
     hours, rest = divmod(whole, 3600)
     minutes, secs = divmod(rest, 60)
     return (f"{hours}h{minutes:02d}m" if hours else f"{minutes}m") + f"{secs:02d}s"
+
+
+def plural(count: float, singular: str, plural_form: str | None = None) -> str:
+    """``1 cell``, ``2 cells``, ``0.5 GPUs``: a count and its noun, so that no line says
+    ``1 cells`` or ``run(s)``; ``plural_form`` for a noun that does not just take an s
+    (``plural(n, "batch", "batches")``)."""
+    number = f"{count:g}" if isinstance(count, float) else str(count)
+    noun = singular if count == 1 else (plural_form or singular + "s")
+    return f"{number} {noun}"
 
 
 def progress_line(what: str, done: int, total: int, elapsed: float, unit: str = "tasks") -> str:

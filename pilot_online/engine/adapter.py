@@ -101,8 +101,12 @@ class MethodAdapter:
 
     #: The upstream PILOT model name whose network we reuse (its factories check this name).
     base_model_name: ClassVar[str] = ""
-    #: The method's row name in the paper's tables (``pilot-online report``); "" = registered name.
+    #: The method's row name in the paper's tables (``pilot-online report``), else the name its
+    #: own paper gives it; "" = registered name.
     paper_name: ClassVar[str] = ""
+    #: The name the method's own paper and the README give it, where the tables' ``paper_name``
+    #: shortens it (``Online-LoRA`` for ``oLoRA``); ``pilot-online methods`` shows both; "": none.
+    full_name: ClassVar[str] = ""
     #: The exact ``backbone_type`` names the method accepts: those PILOT's ``get_backbone`` builds
     #: for ``base_model_name`` (``engine/backbone_names.py``: ``pilot_backbones(...)``,
     #: ``PLAIN_VIT``). ``check-config`` refuses any other name and suggests only these; the

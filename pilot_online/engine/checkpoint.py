@@ -250,8 +250,8 @@ class CompletedRun:
         """Nothing to train: the stored run trained this task."""
         if not 0 <= task < len(self.task_reports):
             raise IndexError(
-                f"{self.written_path} holds {len(self.task_reports)} tasks, not task {task}: the "
-                "stream has changed; move the file away to train this seed again"
+                f"{self.written_path} holds {len(self.task_reports)} tasks, not task "
+                f"{task + 1}: the stream has changed; move the file away to train this seed again"
             )
 
     def complete_task(self, task: int) -> dict[str, Any]:

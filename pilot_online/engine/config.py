@@ -539,14 +539,20 @@ class ConfigError(ValueError):
 
 
 def load_json(path: str | Path) -> dict[str, Any]:
-    """Read a JSON config with errors that name the file and the line."""
+    """Read a JSON config. The one loader of every entry point (``check-config``, ``run``,
+    ``sweep``, PILOT's patched ``main.py``), so that a broken file is one ConfigError line that
+    names the file, the line and the column, never a traceback."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{path}: malformed JSON at line {err.lineno}: {err.msg}") from None
+        raise ConfigError(
+            f"{path}: not valid JSON at line {err.lineno}, column {err.colno}: {err.msg}"
+        ) from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a JSON object of keys")
     return data

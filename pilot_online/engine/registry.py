@@ -43,12 +43,14 @@ def register_method(name: str) -> Callable[[AdapterT], AdapterT]:
             )
         if not (isinstance(cls, type) and issubclass(cls, MethodAdapter)):
             raise TypeError(f"{cls!r} must subclass pilot_online.engine.adapter.MethodAdapter")
-        if cls.paper_name and "paper_name" not in vars(cls):
-            raise TypeError(
-                f"{cls.__name__} ({name!r}) inherits paper_name {cls.paper_name!r}, so reports "
-                f'would label it as that method: set paper_name in {cls.__name__} ("" labels it '
-                f"{name!r})"
-            )
+        for label in ("paper_name", "full_name"):  # a subclass is another method: own names
+            inherited = getattr(cls, label)
+            if inherited and label not in vars(cls):
+                raise TypeError(
+                    f"{cls.__name__} ({name!r}) inherits {label} {inherited!r}, so reports and "
+                    f"`pilot-online methods` would name it as that method: set {label} in "
+                    f'{cls.__name__} ("" labels it {name!r})'
+                )
         _METHODS[name] = cls
         return cls
 

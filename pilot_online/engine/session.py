@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..core import metrics
-from ..core.files import write_atomic
+from ..core.files import human_bytes, write_atomic
 from ..core.progress import progress_line
 from ..core.realtime import DEFAULT_REFERENCE, RealtimeSchedule, realtime_on
 from ..core.results import build_results, to_jsonable, write_results
@@ -83,8 +83,16 @@ class StopSignals:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        on_first: Callable[[int], None] | None = None,
+        on_second: Callable[[int], None] | None = None,
+    ) -> None:
+        """``on_first(signum)`` runs at the first signal (the session says, at once, what will
+        happen); ``on_second(signum)`` at the second, and should raise (the session says what
+        is on disk, then stops): without it, ``KeyboardInterrupt``."""
         self.received: int | None = None
+        self.on_first, self.on_second = on_first, on_second
         self._previous: dict[int, Any] = {}
         self._depth = 0
 
@@ -104,8 +112,12 @@ class StopSignals:
 
     def _note(self, signum: int, frame: Any) -> None:
         if self.received is not None:  # asked twice: stop now, without waiting for a checkpoint
+            if self.on_second is not None:
+                self.on_second(signum)
             raise KeyboardInterrupt
         self.received = signum
+        if self.on_first is not None:
+            self.on_first(signum)
 
 
 class DataSource(Protocol):
@@ -236,8 +248,10 @@ class OnlineSession:
         self.resumed_from: list[dict[str, int]] = []
         self.checkpoint_every = config.get("checkpoint_every", "auto") or None
         self.checkpoint_path = self._checkpoint_location(checkpoint_path)
-        self.stop_signals = StopSignals()
+        self.stop_signals = StopSignals(self._say_it_will_stop, self._stop_at_once)
         self._last_checkpoint = time.monotonic()
+        #: Where the checkpoint on disk stands, for people (``_position_text``), once known.
+        self._saved_at: str | None = None
         if self.checkpoint_path is not None:
             remove_stale_temporaries(self.checkpoint_path)
             if self.checkpoint_path.exists():
@@ -324,7 +338,7 @@ class OnlineSession:
         bar = tqdm(
             total=len(batch_indices),
             initial=first,
-            desc=f"task {task}",
+            desc=f"task {task + 1}/{self.stream.num_tasks}",
             disable=not self.progress,
             leave=False,
         )
@@ -492,12 +506,51 @@ class OnlineSession:
             self.live_log.close()
         where = self._position_text(task, step)
         if self.checkpoint_path is not None:
-            then = f"checkpoint {self.checkpoint_path.resolve()}; rerun the same command to resume"
+            then = self._resume_or_drop()
         else:
             then = "checkpoint_every is null, so nothing was saved; a rerun starts over"
         name = signal.Signals(received).name
         print(f"interrupted ({name}) at {where}; {then}", file=sys.stderr, flush=True)
         raise RunInterrupted(128 + received)
+
+    def _resume_or_drop(self) -> str:
+        """How to go on from the checkpoint on disk, and how to delete it instead."""
+        path = self.checkpoint_path.resolve()
+        size = human_bytes(path.stat().st_size)
+        return (
+            f"checkpoint {path} ({size}); rerun the same command to resume, or "
+            f"`pilot-online clean {path}` to delete it"
+        )
+
+    def _say_it_will_stop(self, signum: int) -> None:
+        """At the first signal, at once: what the run does now, and what a second one does."""
+        name = signal.Signals(signum).name
+        if self.checkpoint_path is None:
+            then = "checkpoint_every is null, so nothing will be saved"
+        else:
+            then = f"writes a checkpoint to {self.checkpoint_path.resolve()}"
+        logger.warning(
+            "%s: the run stops after this batch (or evaluation) and %s; press Ctrl-C again to "
+            "stop at once (within 2 s), keeping the last checkpoint on disk",
+            name,
+            then,
+        )
+
+    def _stop_at_once(self, signum: int) -> None:
+        """At the second signal: stop now, saying what the checkpoint on disk holds (it is
+        whole: every checkpoint is written to a temporary file and renamed)."""
+        name = signal.Signals(signum).name
+        path = self.checkpoint_path
+        if path is None or not path.exists():
+            why = "checkpoint_every is null" if path is None else "no checkpoint was written yet"
+            then = f"{why}, so a rerun starts over"
+        else:
+            age = time.time() - path.stat().st_mtime
+            at = "" if self._saved_at is None else f", at {self._saved_at}"
+            then = f"the last checkpoint is whole, written {age:.0f} s ago{at}: "
+            then += self._resume_or_drop()
+        print(f"stopped at once ({name} twice); {then}", file=sys.stderr, flush=True)
+        raise RunInterrupted(128 + signum)
 
     def _position_text(self, task: int, step: int) -> str:
         """Where ``step`` batches of ``task`` are trained, for people: ``task 2 of 10, after 5 of
@@ -694,13 +747,15 @@ class OnlineSession:
         self.resumed_from = list(state["resumed_from"])
         position = state["position"]
         self.resume_position = (int(position["task"]), int(position["step"]))
+        self._saved_at = self._position_text(*self.resume_position)
         restore_rng_state(state["rng"], self.loop.device)
 
     def save_checkpoint(self, task: int, step: int) -> None:
         """Write the checkpoint atomically (the previous one stays until the rename)."""
         save_checkpoint(self.checkpoint_path, self.state_dict(task, step), dict(self.config))
         self._last_checkpoint = time.monotonic()
-        logger.info("checkpoint at task %d, batch %d: %s", task, step, self.checkpoint_path)
+        self._saved_at = self._position_text(task, step)
+        logger.info("checkpoint at %s: %s", self._saved_at, self.checkpoint_path)
 
     def _say_why_it_starts_over(self) -> None:
         """A rerun that finds what an earlier attempt left, but no checkpoint, says so."""

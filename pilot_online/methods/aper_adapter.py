@@ -22,6 +22,7 @@ from .aper_finetune import AperFinetuneOnline
 
 @register_method("aper_adapter_online")
 class AperAdapterOnline(AperFinetuneOnline):
+    paper_name: ClassVar[str] = "APER w/ Adapter"
     base_model_name: ClassVar[str] = "aper_adapter"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("aper_adapter")
     tuned_parameters: ClassVar[tuple[str, ...]] = ("adaptmlp",)

@@ -31,7 +31,7 @@ from .finetune import FinetuneOnline
 
 @register_method("aper_finetune_online")
 class AperFinetuneOnline(FinetuneOnline):
-    paper_name: ClassVar[str] = ""
+    paper_name: ClassVar[str] = "APER w/ Finetune"
     base_model_name: ClassVar[str] = "aper_finetune"
     backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
     #: Substrings of the adapted branch's parameter names that train (PILOT's freezing rule for

@@ -15,6 +15,7 @@ from .aper_finetune import AperFinetuneOnline
 
 @register_method("aper_ssf_online")
 class AperSSFOnline(AperFinetuneOnline):
+    paper_name: ClassVar[str] = "APER w/ SSF"
     base_model_name: ClassVar[str] = "aper_ssf"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("aper_ssf")
     tuned_parameters: ClassVar[tuple[str, ...]] = ("ssf_scale", "ssf_shift_")

@@ -22,6 +22,7 @@ VPT_TYPES = ("deep", "shallow")
 
 @register_method("aper_vpt_online")
 class AperVPTOnline(AperFinetuneOnline):
+    paper_name: ClassVar[str] = "APER w/ VPT"
     base_model_name: ClassVar[str] = "aper_vpt"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("aper_vpt")
     tuned_parameters: ClassVar[tuple[str, ...]] = ("Prompt_Tokens",)

@@ -48,6 +48,7 @@ def _prompt_param(name: str, value: Any) -> list:
 @register_method("coda_online")
 class CodaOnline(MethodAdapter):
     paper_name: ClassVar[str] = "CODA"
+    full_name: ClassVar[str] = "CODA-Prompt"
     base_model_name: ClassVar[str] = "coda_prompt"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("coda_prompt")
     upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (

@@ -114,6 +114,7 @@ class OLoRAOnline(MethodAdapter):
         "vit_base_patch16_224_in21k",
     )
     paper_name: ClassVar[str] = "oLoRA"
+    full_name: ClassVar[str] = "Online-LoRA"
     #: One buffered batch: the same code paths, two passes a step instead of five (CI time).
     smoke_overrides: ClassVar[dict[str, Any]] = {"hard_buffer_size": 1}
     config_keys: ClassVar[dict[str, ConfigKey]] = {

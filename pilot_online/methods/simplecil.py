@@ -31,7 +31,7 @@ from .linear_probe import LinearProbeOnline
 
 @register_method("simplecil_online")
 class SimpleCILOnline(LinearProbeOnline):
-    paper_name: ClassVar[str] = ""
+    paper_name: ClassVar[str] = "SimpleCIL"
     base_model_name: ClassVar[str] = "simplecil"
     trains: ClassVar[bool] = False
     variants: ClassVar[tuple[str, ...]] = ("base",)  # P and FGH act on gradients: none here

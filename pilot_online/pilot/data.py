@@ -253,11 +253,12 @@ def dataset_root() -> Path:
     """The one rule for dataset folders: PILOT's ``utils/data.py`` reads ``./data/...``, relative
     to the working directory the run starts in, whether ``python main.py`` (usually in the PILOT
     checkout) or ``pilot-online run`` (wherever it is started; ``--pilot-root`` only says where
-    PILOT's code is). ``pilot-online doctor`` checks the folders of the directory it runs in."""
+    PILOT's code is). ``pilot-online doctor`` checks ``--pilot-root``'s ``data/`` when given
+    (where ``python main.py`` runs), else the directory it runs in."""
     return Path.cwd()
 
 
-def check_dataset_folders(args: dict[str, Any]) -> list[str]:
+def check_dataset_folders(args: dict[str, Any], root: Path | None = None) -> list[str]:
     """Problems, each with its fix, in the folders PILOT will read ``args["dataset"]`` from
     (under :func:`dataset_root`); empty when they are fine.
 
@@ -267,13 +268,14 @@ def check_dataset_folders(args: dict[str, Any]) -> list[str]:
     would shift every later label). CIFAR (torchvision downloads it) and the plugin's synthetic
     datasets have nothing to check, nor imagenet100/imagenet1000, whose folders the user sets in
     PILOT's ``utils/data.py`` (:func:`prepare` checks their class counts once they are loaded).
-    ``pilot-online doctor`` and :func:`prepare` call it.
+    ``pilot-online doctor`` (``root``: the folder the run will start in) and :func:`prepare`
+    call it.
     """
     name = str(args.get("dataset") or "").lower()
     where = PILOT_DATASETS.get(name)
     if where is None or name in (*ARRAY_DATASETS, *USER_FOLDER_DATASETS):
         return []
-    cwd, expected = dataset_root(), EXPECTED_CLASSES[name]
+    cwd, expected = root or dataset_root(), EXPECTED_CLASSES[name]
     reads_from = f"the working directory {cwd}, where the run starts"
     problems: list[str] = []
     classes: dict[str, list[str]] = {}

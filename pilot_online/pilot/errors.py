@@ -4,9 +4,10 @@ A user error is a wrong config, a missing dataset or missing weights, a checkpoi
 fit, an unpatched PILOT: its message already says what to change, and a traceback only buries
 it. Every entry point shows it the same way: ``pilot-online`` (its ``main()`` wraps each
 subcommand) and PILOT's own ``main.py``, which has no wrapper of ours, through
-:func:`install_excepthook` (the patched data manager's first call into the plugin installs it,
-before any data loads). A traceback comes back with ``pilot-online --verbose`` or
-``PILOT_ONLINE_TRACEBACK=1``; any other exception (a bug) keeps its traceback.
+:func:`install_excepthook` (the patched ``main.py`` installs it before it reads the config, and
+the patched data manager's first call into the plugin before any data loads). A traceback
+comes back with ``pilot-online --verbose`` or ``PILOT_ONLINE_TRACEBACK=1``; any other exception
+(a bug) keeps its traceback.
 """
 
 from __future__ import annotations

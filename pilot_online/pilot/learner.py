@@ -17,6 +17,7 @@ import torch
 from models.base import BaseLearner  # PILOT: this module is imported lazily
 from torch import nn
 
+from ..core.metrics import run_summary_line
 from ..core.results import results_path
 from ..core.streams import build_stream
 from ..engine.adapter import MethodAdapter
@@ -154,16 +155,20 @@ class OnlineLearner(BaseLearner):
         except BaseException as err:
             self.session.write(status="failed", error=f"{type(err).__name__}: {err}")
             raise
-        logger.info("accuracy after segment %d: %s", self._cur_task, cnn_accy["grouped"])
+        logger.info(
+            "accuracy after task %d of %d: %s",
+            self._cur_task + 1,
+            self.data_manager.nb_tasks,
+            cnn_accy["grouped"],
+        )
         if self._cur_task == self.data_manager.nb_tasks - 1:
             results = self.session.finish()
-            logger.info(
-                "AP %.2f  A_T %.2f  (AP is the paper's metric; PILOT's \"Average Accuracy "
-                '(CNN)" below is its own sample-weighted average; results: %s)',
-                results["metrics"]["AP"],
-                results["metrics"]["A_T"],
-                self.session.written_path,
-            )
+            # PILOT's trainer logs its "Average Accuracy (CNN)" right after: say which is which.
+            summary = run_summary_line(results["metrics"], self.session.written_path)
+            if logger.isEnabledFor(logging.INFO):
+                logger.info("%s", summary)
+            else:  # pilot-online run logs warnings only: print it, as PILOT prints its line
+                print(summary, flush=True)
         return cnn_accy, None
 
     def after_task(self) -> None:

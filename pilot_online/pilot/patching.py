@@ -1,9 +1,11 @@
-"""Hook pilot-online into a LAMDA-PILOT checkout: two small diffs plus config links.
+"""Hook pilot-online into a LAMDA-PILOT checkout: three small diffs plus config links.
 
 PILOT has no plugin mechanism: its model factory ends in ``assert 0`` and its dataset lookup
-raises for unknown names. ``patches/`` holds two small unified diffs that route unknown names to
-pilot-online instead; ``apply`` writes them into a checkout and links our ``exps/*.json`` into
-PILOT's ``exps/`` so that ``python main.py --config exps/<name>.json`` works as usual.
+raises for unknown names. ``patches/`` holds small unified diffs that route unknown names to
+pilot-online instead, and let ``main.py`` read its config through the plugin's loader (a broken
+file is one line with its line and column); ``apply`` writes them into a checkout and links our
+``exps/*.json`` into PILOT's ``exps/`` so that ``python main.py --config exps/<name>.json`` works
+as usual.
 
 Safety rules, because this edits someone else's checkout:
 
@@ -40,16 +42,19 @@ PINNED_COMMIT = "5240714"
 PATCHES: list[tuple[str, str]] = [
     ("utils/factory.py", "factory.diff"),
     ("utils/data_manager.py", "data_manager.diff"),
+    ("main.py", "main.diff"),
 ]
 
 # SHA-256 of the files at LAMDA-PILOT commit 5240714, and after applying our diffs to them.
 UPSTREAM_SHA256: dict[str, str] = {
     "utils/factory.py": "da71488c0e12f2433ed5de46a038d199dcc794b22371be715bee44af98eef2aa",
     "utils/data_manager.py": "74601c9c46d1e51ee95ee20c8a261b28325b997586bd3bf6e78a361d41289857",
+    "main.py": "23d494c98deaf6a408664865f7d7dc1259a417531ab2d0c975dcbb02d14117ca",
 }
 PATCHED_SHA256: dict[str, str] = {
     "utils/factory.py": "e003f1a35a38bc7978997c40c4f0081d1e818c3dd126820d0dd752202b22d2fc",
     "utils/data_manager.py": "8de062bc17cfee47f938751c088e21f3160f84ec45cf00705c45a96d79c62379",
+    "main.py": "5bd99e7074bf42090079a8151c2edadac987d16062f62d73ea0a23ef96719ff2",
 }
 
 # Files whose presence tells a LAMDA-PILOT checkout apart from any other folder.
