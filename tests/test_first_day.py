@@ -22,6 +22,7 @@ from conftest import offline_env, raw_smoke_config, requires_pilot
 from test_resume import comparable
 
 from pilot_online.cli.main import build_parser, main, run_overrides
+from pilot_online.core.files import human_bytes
 from pilot_online.core.results import load_results
 from pilot_online.engine.config import ConfigError, resolve_config
 from pilot_online.pilot import patching
@@ -98,7 +99,14 @@ def test_sigterm_then_the_same_command_gives_the_uninterrupted_results(pilot, tm
         (f"interrupted (SIGTERM) at {mid_task}", f"interrupted (SIGTERM) at {task_end}")
     )
     where = task_end_checkpoint.resolve()
-    assert line.endswith(f"checkpoint {where}; rerun the same command to resume")
+    size = human_bytes(where.stat().st_size)
+    assert line.endswith(
+        f"checkpoint {where} ({size}); rerun the same command to resume, or "
+        f"`pilot-online clean {where}` to delete it"
+    )
+    # The first signal's line came at once, before it, through PILOT's logging and on stderr.
+    warned = [x for x in said.splitlines() if "SIGTERM: the run stops after this batch" in x]
+    assert warned and said.index(warned[0]) < said.index(line)
     assert not list(task_end_checkpoint.parent.glob("*results.json"))  # no partial file either
 
     rerun = start_main(pilot, config, resumed_dir, tmp_path)

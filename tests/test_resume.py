@@ -559,7 +559,8 @@ def test_a_signal_checkpoints_says_where_and_the_rerun_resumes(
     with pytest.raises(RunInterrupted) as stopped:
         session.run()
     assert stopped.value.code == 128 + signum
-    (line,) = capsys.readouterr().err.strip().splitlines()
+    *first, line = capsys.readouterr().err.strip().splitlines()
+    assert all(x.startswith("WARNING SIG") for x in first)  # the first signal's line
     name = signal.Signals(signum).name
     checkpoint = session.checkpoint_path
     size = human_bytes(checkpoint.stat().st_size)
@@ -639,6 +640,26 @@ def test_the_first_signal_says_at_once_what_happens(tmp_path, caplog):
     assert [e for e in events if e == "step" or e == line][-2:] == [line, "step"]
 
 
+def test_the_first_signal_line_reaches_stderr_when_logs_go_to_stdout(tmp_path, capsys):
+    """PILOT's main.py logs to a file and stdout: the line is then printed on stderr too."""
+    from pilot_online.engine.session import RunInterrupted
+
+    run = p_fgh_run()
+    session = run.session(tmp_path)
+    session.data = SignalSource(*run.data, signum=signal.SIGINT, at=6)
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers = [logging.StreamHandler(sys.stdout)]
+    try:
+        with pytest.raises(RunInterrupted):
+            session.run()
+    finally:
+        root.handlers = saved
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("WARNING SIGINT: the run stops after this batch (or evaluation)")
+    assert err[1].startswith("interrupted (SIGINT) at task 2 of 3")
+
+
 def test_a_second_signal_stops_at_once_and_the_checkpoint_is_whole(tmp_path, capsys):
     """Ctrl-C twice within one slow step: out in well under 2 s, with the line that says how old
     the checkpoint is; the rerun resumes from it and ends as the uninterrupted run."""
@@ -667,7 +688,8 @@ def test_a_second_signal_stops_at_once_and_the_checkpoint_is_whole(tmp_path, cap
     assert waited < 2.0
     assert stopped.value.code == 130
     checkpoint = session.checkpoint_path.resolve()
-    (line,) = capsys.readouterr().err.strip().splitlines()
+    *first, line = capsys.readouterr().err.strip().splitlines()
+    assert all(x.startswith("WARNING SIG") for x in first)  # the first signal's line
     prefix = "stopped at once (SIGINT twice); the last checkpoint is whole, written "
     assert line.startswith(prefix)
     age, rest = line[len(prefix) :].split(" s ago", 1)

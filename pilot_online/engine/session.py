@@ -73,6 +73,24 @@ class RunInterrupted(SystemExit):
     traceback; the session has printed the one line that says where and what to do."""
 
 
+def _logs_reach_stderr(log: logging.Logger) -> bool:
+    """Whether a WARNING of ``log`` reaches stderr: through a handler of its chain writing there,
+    or, with no handler at all, through logging's last resort (which writes there)."""
+    handlers = []
+    current: logging.Logger | None = log
+    while current is not None:
+        handlers += current.handlers
+        current = current.parent if current.propagate else None
+    if not handlers:
+        return True
+    return any(
+        isinstance(h, logging.StreamHandler)
+        and getattr(h, "stream", None) is sys.stderr
+        and h.level <= logging.WARNING
+        for h in handlers
+    )
+
+
 class StopSignals:
     """While entered (``with``), SIGINT and SIGTERM only note that a stop was asked for; the
     session then checkpoints at its next whole point and stops (:class:`RunInterrupted`). A
@@ -529,12 +547,13 @@ class OnlineSession:
             then = "checkpoint_every is null, so nothing will be saved"
         else:
             then = f"writes a checkpoint to {self.checkpoint_path.resolve()}"
-        logger.warning(
-            "%s: the run stops after this batch (or evaluation) and %s; press Ctrl-C again to "
-            "stop at once (within 2 s), keeping the last checkpoint on disk",
-            name,
-            then,
+        line = (
+            f"{name}: the run stops after this batch (or evaluation) and {then}; press Ctrl-C "
+            "again to stop at once (within 2 s), keeping the last checkpoint on disk"
         )
+        logger.warning("%s", line)
+        if not _logs_reach_stderr(logger):  # PILOT's main.py logs to a file and stdout only
+            print(f"WARNING {line}", file=sys.stderr, flush=True)
 
     def _stop_at_once(self, signum: int) -> None:
         """At the second signal: stop now, saying what the checkpoint on disk holds (it is
