@@ -1,7 +1,7 @@
 """The scale model's pretraining: bit-identical from its seed, and across a resume.
 
-A tiny recipe (one block of width 48) runs the real code path: fractal batches, rotated
-unlabelled Fashion-MNIST, the checks, the checkpoint. Run A trains 6 steps in one sitting; run B
+A tiny recipe (one block of width 48) runs the real code path: fractal batches and unlabelled
+Fashion-MNIST under the HOG target, the checks, the checkpoint. Run A trains 6 steps in one sitting; run B
 stops at step 3, and a second call resumes it from the checkpoint on disk. Every weight and every
 optimiser moment must be equal bit for bit.
 """
@@ -74,7 +74,9 @@ def test_batches_are_pure_functions_of_the_step():
     # its partner.
     assert len(first[2]) == TINY.batch_size // 2
     assert first[3].tolist() == [4, 5, 6, 7, 0, 1, 2, 3]
-    rotation = Sources(dataclasses.replace(TINY, fashion_objective="rotation")).batch(4)
+    rotation = Sources(
+        dataclasses.replace(TINY, fashion_objective="rotation", fractal_objective="classes")
+    ).batch(4)
     assert len(rotation[2]) == 8 and set(rotation[3].tolist()) <= {0, 1, 2, 3}
 
 
@@ -106,3 +108,32 @@ def test_the_bar_is_the_issue_s():
     assert recipe.bar_met(check)
     assert not recipe.bar_met({**check, "fractal": {"probe": 39.9, "ncm": 30.0}})
     assert not recipe.bar_met({**check, "fashion": {"probe": 81.8, "ncm": 70.0}})
+
+
+def test_recipes_that_cannot_run_are_refused_before_any_work():
+    with pytest.raises(ValueError, match="fractal_objective 'hog' shares the Fashion-MNIST"):
+        Recipe(fashion_objective="contrastive")
+    with pytest.raises(ValueError, match="fashion_objective 'moco'"):
+        Recipe(fashion_objective="moco", fractal_objective="classes")
+    assert Recipe(fashion_objective="rotation", fractal_objective="classes").fashion_share == 0.5
+
+
+def test_hog_of_edges_worked_by_hand():
+    """A vertical step edge has a horizontal gradient only (orientation 0: bin 0), a horizontal
+    one a vertical gradient (90 degrees: 4.5 bins, split evenly between bins 4 and 5); cells
+    away from the edge are empty, and a cell's histogram is divided by its 2 x 2 block's norm."""
+    from pilot_online.scale.pretrain import HOG_BINS, hog
+
+    image = torch.zeros(1, 1, 8, 8)
+    image[..., 4:] = 1.0  # columns 4..7 bright: the step between columns 3 and 4
+    cells = hog(image).view(HOG_BINS, 2, 2)
+    # Central differences: columns 3 and 4 each see a gradient of 1 (one step over 2 pixels is
+    # 1 - 0), in all 4 rows of each cell: 4 pixels of magnitude 1 per cell, all in bin 0.
+    assert torch.allclose(cells[1:], torch.zeros(HOG_BINS - 1, 2, 2))
+    raw = torch.full((2, 2), 4.0)
+    # Every cell's block (itself and its right and lower neighbours, clamped at the border) holds
+    # two cells of 4 and two of 4: norm sqrt(mean of 16s) = 4.
+    assert torch.allclose(cells[0], raw / (4.0 + 1e-3))
+    flat = hog(image.transpose(-1, -2)).view(HOG_BINS, 2, 2)
+    assert torch.allclose(flat[4], flat[5]) and flat[4].sum() > 0
+    assert torch.allclose(flat[[0, 1, 2, 3, 6, 7, 8]], torch.zeros(7, 2, 2))

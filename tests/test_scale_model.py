@@ -128,6 +128,24 @@ def test_only_picks_runs_by_name_and_refuses_unknown_ones(tmp_path, capsys):
         main([*args, "nope"])
 
 
+def test_an_out_folder_of_another_backbone_is_refused(tmp_path):
+    """The configs name the shipped file, not its hash: runs of an earlier backbone in --out
+    would count as finished. The folder is stamped with the hash and refused once it differs."""
+    from pilot_online.scale import backbone
+
+    out = tmp_path / "out"
+    scale_model.check_backbone_of(out)
+    stamp = out / scale_model.BACKBONE_STAMP
+    assert stamp.read_text().strip() == backbone.record()["sha256"]
+    scale_model.check_backbone_of(out)  # the same file: accepted
+    stamp.write_text("0" * 64 + "\n")
+    with pytest.raises(SystemExit, match="holds runs of another backbone .*move the folder away"):
+        scale_model.check_backbone_of(out)
+    fresh = tmp_path / "fresh"
+    scale_model.check_backbone_of(fresh, write=False)  # a dry run writes nothing
+    assert not fresh.exists()
+
+
 def test_newest_task_reads_the_diagonal():
     by_seed = {0: {"metrics": {"accuracy_matrix": [[90.0, 10.0], [None, 30.0]]}}}
     assert scale_model.newest_task(by_seed) == {0: 60.0}

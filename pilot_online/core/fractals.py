@@ -168,6 +168,8 @@ def render(
 ) -> np.ndarray:
     """uint8 images ``[N, S, S, 3]`` (grey, as Fashion-MNIST's are) of the given classes; the
     samples' randomness depends only on ``key`` and ``seed``."""
+    if len(class_indices) == 0:
+        return np.zeros((0, image_size, image_size, 3), np.uint8)
     systems = [system(int(c), seed, image_size) for c in class_indices]
     rng = np.random.default_rng(np.random.SeedSequence([seed, _SAMPLE_KEY, *key]))
     grey = _render(systems, rng, image_size)
