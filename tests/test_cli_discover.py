@@ -38,8 +38,16 @@ def test_methods_lists_paper_name_rows_trigger_and_keys(capsys) -> None:
     assert cli.main(["methods"]) == 0
     rows = _table(capsys.readouterr().out)
     assert set(rows) == set(registry.list_methods())
-    # By hand, from the adapters' declarations (methods/coda.py, cofima.py, simplecil.py).
-    coda = ["coda_online", "CODA", "base,+P,+FGH,+P+FGH", "never", "-", "prompt_param"]
+    # By hand, from the adapters' declarations (coda_prompt.py: paper_name and full_name;
+    # cofima.py, simplecil.py).
+    coda = [
+        "coda_online",
+        "CODA (CODA-Prompt)",
+        "base,+P,+FGH,+P+FGH",
+        "never",
+        "-",
+        "prompt_param",
+    ]
     assert rows["coda_online"] == coda
     assert rows["cofima_online"][1:4] == ["CoFiMA", "base,+P,+FGH,+P+FGH", "new_classes"]
     assert rows["simplecil_online"][2] == "base"

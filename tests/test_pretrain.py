@@ -1,9 +1,9 @@
 """The scale model's pretraining: bit-identical from its seed, and across a resume.
 
 A tiny recipe (one block of width 48) runs the real code path: fractal batches and unlabelled
-Fashion-MNIST under the HOG target, the checks, the checkpoint. Run A trains 6 steps in one sitting; run B
-stops at step 3, and a second call resumes it from the checkpoint on disk. Every weight and every
-optimiser moment must be equal bit for bit.
+Fashion-MNIST under the HOG target, the checks, the checkpoint. Run A trains 6 steps in one
+sitting; run B stops at step 3, and a second call resumes it from the checkpoint on disk.
+Every weight and every optimiser moment must be equal bit for bit.
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ def test_an_out_folder_of_another_backbone_is_refused(tmp_path):
     assert stamp.read_text().strip() == backbone.record()["sha256"]
     scale_model.check_backbone_of(out)  # the same file: accepted
     stamp.write_text("0" * 64 + "\n")
-    with pytest.raises(SystemExit, match="holds runs of another backbone .*move the folder away"):
+    with pytest.raises(SystemExit, match=r"holds runs of another backbone .*move the folder away"):
         scale_model.check_backbone_of(out)
     fresh = tmp_path / "fresh"
     scale_model.check_backbone_of(fresh, write=False)  # a dry run writes nothing
