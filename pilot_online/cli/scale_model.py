@@ -301,9 +301,9 @@ CHOICES = """### How the recipe was chosen
   systems collapsed (7.6). Rotation prediction on unlabelled Fashion-MNIST (a quarter, then half
   of each batch) held the probe near 80.7 at step 200, but it fell under raw pixels' (79.8) as
   training went on (78.9 at step 500), while the held-out systems passed their bar (probe 52.8,
-  nearest class mean 28.6). A contrastive objective (SimCLR) instead: 76.3 at step 250. The
-  recipe adds to it a linear decoder of the image from the class token (a token that decodes
-  into the pixels gives a probe at least the pixels' information): 77.3 at step 250, 78.0 at
+  nearest class mean 28.6). A contrastive objective (SimCLR) instead: 76.3 at step 250. With a
+  linear decoder of the image from the class token added (a token that decodes into the
+  pixels gives a probe at least the pixels' information): 77.3 at step 250, 78.0 at
   500, held-out systems 52.7 / 27.1; at step 800 the tuned probe read 80.2 against pixels'
   84.3 on the benchmark (this file's first, provisional version). Those figures before step 800
   used a probe of fixed L2 (1e-4, 100 iterations); at 300 iterations the same rotation
