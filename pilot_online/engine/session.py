@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -110,7 +111,10 @@ class StopSignals:
         happen); ``on_second(signum)`` at the second, and should raise (the session says what
         is on disk, then stops): without it, ``KeyboardInterrupt``."""
         self.received: int | None = None
-        self.on_first, self.on_second = on_first, on_second
+        # Weakly: the session holds this object, and a strong bound method back to it would
+        # make a cycle that keeps the network alive until the garbage collector runs.
+        self._on_first = None if on_first is None else weakref.WeakMethod(on_first)
+        self._on_second = None if on_second is None else weakref.WeakMethod(on_second)
         self._previous: dict[int, Any] = {}
         self._depth = 0
 
@@ -130,12 +134,14 @@ class StopSignals:
 
     def _note(self, signum: int, frame: Any) -> None:
         if self.received is not None:  # asked twice: stop now, without waiting for a checkpoint
-            if self.on_second is not None:
-                self.on_second(signum)
+            on_second = self._on_second() if self._on_second is not None else None
+            if on_second is not None:
+                on_second(signum)
             raise KeyboardInterrupt
         self.received = signum
-        if self.on_first is not None:
-            self.on_first(signum)
+        on_first = self._on_first() if self._on_first is not None else None
+        if on_first is not None:
+            on_first(signum)
 
 
 class DataSource(Protocol):
