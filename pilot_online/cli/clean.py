@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 from ..core.files import human_bytes
+from ..core.progress import plural
 from ..engine.checkpoint import CHECKPOINT_SUFFIX
 
 
@@ -71,7 +72,7 @@ def run_clean(args: argparse.Namespace) -> int:
     sizes = [path.stat().st_size for path in checkpoints]
     for path, size in zip(checkpoints, sizes):
         print(f"{human_bytes(size):>9}  {path}")
-    count = f"{len(checkpoints)} checkpoint{'s' if len(checkpoints) != 1 else ''}"
+    count = plural(len(checkpoints), "checkpoint")
     total = human_bytes(sum(sizes))
     if args.dry_run:
         print(f"would delete {count} ({total}); nothing deleted (--dry-run)")

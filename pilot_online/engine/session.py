@@ -584,7 +584,7 @@ class OnlineSession:
         if step == 0:
             where = f"the end of task {task} of {tasks}" if task else "the start of the stream"
             return f"{where} ({samples} stream samples trained)"
-        batches = sum(1 for _ in self.stream.batches(task))
+        batches = len(self._batches_by_task[task])  # drawn once per session
         return (
             f"task {task + 1} of {tasks}, after {step} of its {batches} batches "
             f"({samples} stream samples trained)"
