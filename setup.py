@@ -20,13 +20,13 @@ setup(
     license="MIT",
     python_requires=">=3.9",
     packages=find_packages(include=["pilot_online", "pilot_online.*"]),
-    # The paper's numbers (engine/paper.py reads them): tables, hp_grid, time_consumption; and
-    # the FLOP model's counts per method (cli/estimate.py; written by benchmarks/flops.py).
+    # The paper's numbers (harness/paper.py reads them): tables, hp_grid, time_consumption; and
+    # the FLOP model's counts per method (data/flops.json, engine/flops.py; written by
+    # benchmarks/flops.py).
     # data/backbones: the scale model's shipped ViT (fp16 safetensors) and its record.
     package_data={
         "pilot_online": [
             "data/*.json",
-            "cli/flops.json",
             "data/backbones/*.json",
             "data/backbones/*.safetensors",
         ]

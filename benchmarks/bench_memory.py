@@ -66,7 +66,7 @@ def worker(args: argparse.Namespace) -> dict:
 
     import pilot_online.methods  # noqa: F401  (registers the adapters)
     from pilot_online.engine.config import load_json, resolve_config
-    from pilot_online.engine.loop import build_loop
+    from pilot_online.engine.mixins import build_loop
     from pilot_online.engine.registry import get_method
     from pilot_online.pilot.backbones import timm_overrides
 

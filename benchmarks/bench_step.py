@@ -1,9 +1,9 @@
 """Cost of a whole online training step with prototypes (P) and FGH, relative to the base step.
 
-Run ``python benchmarks/bench_step.py --device cpu`` (or ``--device cuda``). It builds four online
-loops with :func:`pilot_online.engine.loop.build_loop` (the paper's ablation rows: base, + P, + FGH,
-+ P + FGH) around the same adapter and identically initialised networks, feeds every loop the
-same batches (random images ``[B, 3, 32, 32]``, labels in 10 classes), and times
+Run ``python benchmarks/bench_step.py --device cpu`` (or ``--device cuda``). It builds four
+online loops with :func:`pilot_online.engine.mixins.build_loop` (the paper's ablation rows: base,
++ P, + FGH, + P + FGH) around the same adapter and identically initialised networks, feeds every
+loop the same batches (random images ``[B, 3, 32, 32]``, labels in 10 classes), and times
 ``loop.train_step`` interleaved round-robin, so machine load hits every variant alike. It prints
 steps/s and each variant's time relative to base: the paper claims P and FGH cost little.
 
@@ -30,7 +30,8 @@ from torch import nn
 
 from pilot_online.engine.adapter import MethodAdapter, StepOutput
 from pilot_online.engine.config import ONLINE_KEYS
-from pilot_online.engine.loop import OnlineLoop, build_loop
+from pilot_online.engine.loop import OnlineLoop
+from pilot_online.engine.mixins import build_loop
 
 VARIANTS = {
     "base": {"online_prototypes": False, "fgh": None},

@@ -17,7 +17,7 @@ P and FGH are element-wise (no matrix products), so the base variant stands for 
 A network that grows at its firings (``MethodAdapter.grows``: DER, MEMO, FOSTER) is also counted
 after 1 and 2 firings (``by_firings``), which the FLOP model extends task by task.
 It writes them, with the torch and timm versions, to the package data
-``pilot_online/cli/flops.json`` (``--no-write`` to leave it; ``--table-only`` to skip counting
+``pilot_online/data/flops.json`` (``--no-write`` to leave it; ``--table-only`` to skip counting
 and print from it), then prints the predicted GPU compute time of one CUB run (clear, 20 tasks,
 batch 100, one evaluation per task, query cache on) per method at ``--tflops`` sustained
 (default: an H100's bf16 peak at 40%, see ``pilot_online/cli/estimate.py``) beside the paper's
@@ -40,7 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-FLOPS_JSON = ROOT / "pilot_online" / "cli" / "flops.json"
+FLOPS_JSON = ROOT / "pilot_online" / "data" / "flops.json"
 #: The CODA + P + FGH target of issue 15 for a whole CUB run on an H100 (seconds).
 TARGET_SECONDS = 20.0
 
@@ -201,7 +201,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def paper_times() -> dict[tuple[str, str], int]:
     """Seconds per (paper method, row) of the paper's time table (the package's paper data)."""
-    from pilot_online.engine.paper import time_consumption
+    from pilot_online.harness.paper import time_consumption
 
     return {(r["method"], r["row"]): int(r["seconds"]) for r in time_consumption()["rows"]}
 
@@ -216,8 +216,8 @@ def duration(seconds: float) -> str:
 
 def print_table(tflops: float | None) -> bool:
     import pilot_online.methods  # noqa: F401  (registers every method: their paper names)
-    from pilot_online.cli import estimate
     from pilot_online.engine.registry import get_method
+    from pilot_online.harness import estimate
 
     estimate.load_flops.cache_clear()
     sustained = tflops or estimate.DEFAULT_SUSTAINED_TFLOPS

@@ -194,7 +194,7 @@ def step_peak(loop, batch, device) -> int:
 
 def bench_method(method: str, args: argparse.Namespace, device: torch.device) -> list[str]:
     from pilot_online.engine.eval_cache import QueryCache
-    from pilot_online.engine.loop import build_loop
+    from pilot_online.engine.mixins import build_loop
     from pilot_online.engine.session import ArrayDataSource
 
     adapter, network, config = build(method, args, device)

@@ -35,8 +35,8 @@ from typing import Any
 
 if __name__ == "__main__":  # as a script: this checkout's package (tests import it as a module)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pilot_online.engine.protocol import FIXED_LRS, HP_GRID, method_short_name
 from pilot_online.engine.registry import get_method, list_methods
+from pilot_online.harness.protocol import FIXED_LRS, HP_GRID, method_short_name
 
 EXPS = Path(__file__).resolve().parent.parent / "exps"
 
@@ -231,10 +231,11 @@ def all_configs() -> dict[str, dict]:
 
 
 def scale_configs() -> dict[str, dict]:
-    """``scale/<run>.json``: every run of the scale model's grid (``pilot_online/scale/grid.py``),
-    the method's paper config moved onto the shipped backbone and a scale benchmark."""
-    from pilot_online.scale import backbone
-    from pilot_online.scale.grid import runs, scale_config
+    """``scale/<run>.json``: every run of the scale model's grid
+    (``pilot_online/harness/scale/grid.py``), the method's paper config moved onto the shipped
+    backbone and a scale benchmark."""
+    from pilot_online.core import scale_backbone as backbone
+    from pilot_online.harness.scale.grid import runs, scale_config
 
     keys = backbone.config_keys()
     return {
@@ -249,7 +250,7 @@ def quickstart_configs() -> dict[str, dict]:
     """``quickstart_coda_online_{base,fgh}.json``: CODA and CODA + P + FGH on Split
     Fashion-MNIST (5 tasks of 2, the quickstart's quarter of the stream), the shipped backbone,
     the CPU, one seed: what ``make quickstart`` runs through PILOT's ``main.py``."""
-    from pilot_online.scale import backbone
+    from pilot_online.core import scale_backbone as backbone
 
     configs = {}
     for variant in ("base", "fgh"):

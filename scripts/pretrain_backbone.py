@@ -1,4 +1,4 @@
-"""Pretrain, resume and ship the scale model's backbone (``pilot_online/scale/pretrain.py``).
+"""Pretrain, resume and ship the scale model's backbone (``harness/scale/pretrain.py``).
 
     python scripts/pretrain_backbone.py                       # train (or resume) to the bar
     python scripts/pretrain_backbone.py --max-minutes 120     # one sitting; rerun to resume
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
+from pilot_online.core import scale_backbone as backbone
 from pilot_online.core.datasets import first_of_each_class, load_scale_dataset
-from pilot_online.pilot.backbones import load_vit_state_dict, read_state_dict
-from pilot_online.scale import backbone, probe
-from pilot_online.scale.pretrain import (
+from pilot_online.harness.scale import probe
+from pilot_online.harness.scale.pretrain import (
     Pretrainer,
     Recipe,
     backbone_state,
@@ -37,6 +37,7 @@ from pilot_online.scale.pretrain import (
     pretrain,
     sha256,
 )
+from pilot_online.pilot.backbones import load_vit_state_dict, read_state_dict
 
 DEFAULT_WORKDIR = Path.home() / ".cache" / "pilot-online" / "pretrain"
 

@@ -20,7 +20,7 @@ from torch import nn
 from pilot_online import get_method
 from pilot_online.engine.adapter import MethodAdapter
 from pilot_online.engine.config import ConfigError, load_json, resolve_config
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_CLASSES = 8

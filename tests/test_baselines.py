@@ -18,13 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pilot_online.cli.report import collect, format_table, variant_label
 from pilot_online.core.streams import clear_stream
 from pilot_online.engine.adapter import MethodAdapter, StepOutput
 from pilot_online.engine.config import ConfigError, load_json, resolve_config
-from pilot_online.engine.loop import build_loop
-from pilot_online.engine.mixins import ReplayMixin
+from pilot_online.engine.mixins import ReplayMixin, build_loop
 from pilot_online.engine.session import ArrayDataSource, OnlineSession
+from pilot_online.harness.report import collect, format_table, variant_label
 from pilot_online.methods.finetune import EROnline, FinetuneOnline
 from pilot_online.methods.linear_probe import ERLinearProbeOnline, LinearProbeOnline
 

@@ -22,7 +22,7 @@ import torch
 from conftest import build_network, requires_pilot, smoke_config
 
 from pilot_online import get_method
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.session import ArrayDataSource
 
 pytestmark = requires_pilot

@@ -103,7 +103,7 @@ def test_counts_read_as_english():
 def test_the_vs_paper_summary_counts_one_cell_as_one(tmp_path):
     from test_tables import write_run
 
-    from pilot_online.cli import reproduce
+    from pilot_online.harness import reproduce
 
     cell = reproduce.parse_cell("cifar224/si_blurry/coda/ours/5e-5")
     write_run(tmp_path / "results", dataset="synthetic_tiny", stream="si_blurry", lr=5e-5,

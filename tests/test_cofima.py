@@ -16,7 +16,7 @@ from conftest import TinyNet, unit_config
 from torch import nn
 
 from pilot_online.engine.adapter import StepOutput
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.methods.cofima import CoFiMAOnline, fisher_average
 
 NUM_CLASSES = 6

@@ -21,13 +21,13 @@ from torch import nn
 from pilot_online.core.transport import prospective_rows
 from pilot_online.engine.adapter import StepOutput, TrainingBatch
 from pilot_online.engine.config import VARIANTS, ConfigError, resolve_config
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
+from pilot_online.engine.teacher import distillation_loss
 from pilot_online.methods.coil import (
     NEW_BRANCH_WEIGHT,
     COILOnline,
     attach_coil_head,
 )
-from pilot_online.methods.icarl import distillation_loss
 
 C, D_IN, D = 6, 5, 4
 X = torch.randn(12, D_IN, generator=torch.Generator().manual_seed(5))

@@ -13,8 +13,8 @@ import pytest
 
 from pilot_online.engine.adapter import ConfigKey, MethodAdapter
 from pilot_online.engine.config import ConfigError, key_reference, load_json, resolve_config
-from pilot_online.engine.protocol import HP_GRID
 from pilot_online.engine.registry import get_method, list_methods, register_method
+from pilot_online.harness.protocol import HP_GRID
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPS = sorted((ROOT / "exps").rglob("*.json"))  # the scale model's under exps/scale/
@@ -49,6 +49,14 @@ def test_unknown_method_lists_the_valid_ones():
 def test_duplicate_registration_raises():
     with pytest.raises(ValueError, match="already registered"):
         register_method("coda_online")(type("Again", (MethodAdapter,), {}))
+
+
+def test_a_name_with_capitals_is_refused_at_registration():
+    """PILOT lower-cases model_name, and the lookup does too: "OVOR_online" could be registered
+    yet never found by a config. It is refused where it is written, with the name to use."""
+    with pytest.raises(ValueError, match="register 'ovor_online'"):
+        register_method("OVOR_online")(type("Ovor", (MethodAdapter,), {}))
+    assert "OVOR_online" not in list_methods() and "ovor_online" not in list_methods()
 
 
 @pytest.mark.parametrize("path", EXPS, ids=[str(p.relative_to(ROOT / "exps")) for p in EXPS])

@@ -52,7 +52,7 @@ from test_pilot_integration import check_online_run
 from pilot_online import get_method, list_methods
 from pilot_online.engine.checkpoint import load_checkpoint, save_checkpoint
 from pilot_online.engine.config import VARIANTS
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.session import ArrayDataSource
 
 METHODS = list_methods()

@@ -15,7 +15,7 @@ from pilot_online.core.conv_prompt import (
     mix_prefixes,
 )
 from pilot_online.engine.config import PAPER_FGH, resolve_config
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.registry import get_method, list_methods
 from pilot_online.methods.convprompt import ConvPromptNet, ConvPromptOnline
 

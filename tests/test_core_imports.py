@@ -1,13 +1,12 @@
-"""The dependency direction, checked by folder: ``core/`` needs torch and numpy alone,
+"""What each folder may pull in from outside the package: ``core/`` needs torch and numpy alone,
 ``engine/`` and ``methods/`` import no PILOT, timm or torchvision, and ``import pilot_online``
-pulls in no PILOT.
+pulls in no PILOT. (Imports inside the package, layer by layer: ``tests/test_layers.py``.)
 
 Every module file in a folder is imported, so a new file is covered without editing this test.
 """
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 import textwrap
@@ -78,37 +77,3 @@ def test_package_import_pulls_in_no_pilot():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
-
-
-#: The folders in their import order: a folder imports only from itself and those before it.
-LAYERS = ("core", "engine", "methods", "pilot", "cli")
-
-
-def imported_layers(path: Path) -> set[str]:
-    """The pilot_online folders a module imports (relative ``from ..x`` and absolute imports)."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            if node.level == 2 and node.module:
-                found.add(node.module.split(".")[0])
-            elif node.level == 0 and (node.module or "").startswith("pilot_online."):
-                found.add(node.module.split(".")[1])
-    return found & set(LAYERS)
-
-
-@pytest.mark.parametrize("folder", LAYERS)
-def test_folders_import_only_from_the_folders_before_them(folder):
-    allowed = set(LAYERS[: LAYERS.index(folder) + 1])
-    wrong = {
-        f.name: sorted(imported_layers(f) - allowed)
-        for f in sorted((PACKAGE / folder).glob("*.py"))
-        if imported_layers(f) - allowed
-    }
-    assert not wrong, f"pilot_online/{folder} imports from later folders: {wrong}"
-
-
-def test_the_layer_check_sees_a_backward_import(tmp_path):
-    module = tmp_path / "m.py"
-    module.write_text("from ..pilot.data import x\nfrom ..core import checks\n")
-    assert imported_layers(module) == {"pilot", "core"}

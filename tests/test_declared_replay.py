@@ -18,7 +18,7 @@ from pilot_online.core.memory import ClassBalancedMemory, normalized
 from pilot_online.engine import registry
 from pilot_online.engine.adapter import ConfigKey
 from pilot_online.engine.config import ConfigError, replay_keys, resolve_config
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.methods.finetune import FinetuneOnline
 
 C = 6

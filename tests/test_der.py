@@ -19,7 +19,7 @@ from pilot_online.core.memory import normalized
 from pilot_online.engine.backbone_names import VIT_B16_PARAMETERS
 from pilot_online.engine.checkpoint import load_checkpoint, save_checkpoint
 from pilot_online.engine.config import PAPER_FGH, ConfigError, resolve_config
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.methods.der import (
     DEROnline,
     auxiliary_loss,

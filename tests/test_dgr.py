@@ -16,7 +16,7 @@ from torch import nn
 
 from pilot_online.engine.adapter import StepOutput
 from pilot_online.engine.config import ConfigError, resolve_config
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.methods.dgr import (
     DGROnline,
     class_weights,

@@ -24,7 +24,7 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*$", re.MULTILINE)
 CODE_BLOCK = re.compile(r"^```[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 JSON_KEY = re.compile(r'"([a-z][a-z0-9_]*)"\s*:')
-#: Sweep axes that are not config keys (``cli/sweep.py``: ``variant`` rows, ``fgh.<option>``).
+#: Sweep axes that are not config keys (``harness/points.py``: ``variant`` rows, ``fgh.<option>``).
 GRID_AXES = {"variant"}
 
 

@@ -187,7 +187,8 @@ def test_with_a_pilot_root_doctor_checks_its_data_folder_and_says_so(tmp_path, m
 
 def test_the_run_reads_the_folder_doctor_checks(tmp_path, monkeypatch):
     """prepare (what main.py and pilot-online run reach) names the folder doctor names."""
-    from pilot_online.pilot.data import DatasetUnavailableError, prepare
+    from pilot_online.pilot.data import prepare
+    from pilot_online.pilot.errors import DatasetUnavailableError
 
     class MissingFolders:
         def download_data(self) -> None:
@@ -247,8 +248,8 @@ def test_the_data_rate_is_judged_against_the_run(tmp_path, monkeypatch):
     calibrated estimate's pace: ok at 1x or more, warn below, fail below 0.5x (24 img/s used to
     be [ ok ] whatever the run)."""
     from pilot_online.cli import doctor
-    from pilot_online.cli.estimate import calibration
     from pilot_online.engine.flops import method_flops
+    from pilot_online.harness.estimate import calibration
 
     monkeypatch.chdir(tmp_path)
     config = write_config(
@@ -277,7 +278,7 @@ def test_the_data_rate_is_judged_against_the_run(tmp_path, monkeypatch):
 def test_doctor_leads_with_the_calibrated_estimate(tmp_path):
     """One planning figure first (calibrated), the ideal one after it, as a floor."""
     from pilot_online.cli.doctor import check_compute
-    from pilot_online.cli.estimate import estimate_config
+    from pilot_online.harness.estimate import estimate_config
 
     cfg = json.loads(write_config(tmp_path, dataset="cub", device=["0"]).read_text())
     estimate = estimate_config(cfg)

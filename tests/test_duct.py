@@ -15,7 +15,7 @@ import torch
 from conftest import TinyNet, unit_config
 from torch import nn
 
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.methods.duct import ClassPeriods, DUCTOnline, sinkhorn, transported_rows
 
 NUM_CLASSES = 6

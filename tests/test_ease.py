@@ -16,14 +16,11 @@ from conftest import build_network, raw_smoke_config, requires_pilot, smoke_conf
 from torch import nn
 
 from pilot_online import get_method
+from pilot_online.core.cosine_head import attach_cosine_head
 from pilot_online.engine.adapter import StepOutput
 from pilot_online.engine.config import VARIANTS
-from pilot_online.engine.loop import build_loop
-from pilot_online.methods.ease import (
-    attach_cosine_head,
-    complemented_prototypes,
-    reweighted_logits,
-)
+from pilot_online.engine.mixins import build_loop
+from pilot_online.methods.ease import complemented_prototypes, reweighted_logits
 
 E = math.e
 

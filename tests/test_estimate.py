@@ -1,4 +1,4 @@
-"""The FLOP model's run estimate (``pilot_online/cli/estimate.py``) against hand-worked runs.
+"""The FLOP model's run estimate (``pilot_online/harness/estimate.py``) against hand-worked runs.
 
 A made-up FLOP table (3 GFLOP a training image, 2 of them the forward; 2 a test image, 1 of them
 the query pass) and CUB's 9,430 training and 2,358 test images over 20 tasks of 10 classes: the
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from pilot_online.cli import estimate
 from pilot_online.engine import flops
+from pilot_online.harness import estimate
 
 TABLE = {
     "methods": {

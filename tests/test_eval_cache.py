@@ -21,7 +21,7 @@ from conftest import TinyAdapter, TinyNet, build_smoke_method, requires_pilot
 from pilot_online.engine.adapter import MethodAdapter, StepOutput
 from pilot_online.engine.config import ConfigError, load_json, resolve_config
 from pilot_online.engine.eval_cache import QueryCache
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.registry import get_method, list_methods
 from pilot_online.engine.session import ArrayDataSource
 

@@ -18,7 +18,7 @@ from conftest import TinyAdapter, TinyNet
 from torch import nn
 
 from pilot_online.engine.adapter import StepOutput
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 
 C = 6
 

@@ -15,8 +15,8 @@ import torch
 from conftest import build_smoke_method, requires_pilot, smoke_config
 from torch import nn
 
-from pilot_online.engine.loop import build_loop
-from pilot_online.methods.ease import attach_cosine_head
+from pilot_online.core.cosine_head import attach_cosine_head
+from pilot_online.engine.mixins import build_loop
 from pilot_online.methods.fecam import FeCAMOnline, row_corrcoef
 from pilot_online.methods.ranpac import UNSEEN_LOGIT
 

@@ -236,7 +236,7 @@ def test_the_proxy_benchmark_writes_results_that_fig3_draws_by_form(tmp_path) ->
     import sys
     from pathlib import Path
 
-    from pilot_online.cli import figures
+    from pilot_online.harness import figures
 
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "fgh_proxy.py"
     tiny = ["--classes", "4", "--tasks", "2", "--dim", "8", "--train-per-class", "10"]
@@ -273,7 +273,7 @@ def test_every_fgh_paper_config_runs_paper_fgh() -> None:
 
     from pilot_online.engine.config import FGH_FORMS, PAPER_FGH, VARIANTS, variant_of
     from pilot_online.engine.registry import get_method
-    from pilot_online.scale.grid import runs as scale_runs
+    from pilot_online.harness.scale.grid import runs as scale_runs
 
     assert PAPER_FGH == {
         "gamma": 1.0,
@@ -284,7 +284,7 @@ def test_every_fgh_paper_config_runs_paper_fgh() -> None:
     }
     exps = make_exps()
     # The scale model's grid asks FGH's other forms on purpose (gamma sweep, granularities,
-    # SGD): its runs that set FGH options are left out (pilot_online/scale/grid.py).
+    # SGD): its runs that set FGH options are left out (pilot_online/harness/scale/grid.py).
     tagged = {f"scale/{r.name}.json" for r in scale_runs() if r.fgh}
     configs = {n: c for n, c in exps.all_configs().items() if n not in tagged}
     others = {f"coda_online_fgh_{name}.json": form for name, form in FGH_FORMS.items()}

@@ -1,4 +1,4 @@
-"""Figures (``cli/figures.py``) from tiny hand-written results files: the plotted numbers are
+"""Figures (``harness/figures.py``) from tiny hand-written results files: the plotted numbers are
 checked against values worked out by hand, and each figure is written as a non-empty PNG and PDF.
 """
 
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from pilot_online import cli
-from pilot_online.cli import figures
 from pilot_online.core.metrics import task_gradient_trace
 from pilot_online.core.results import build_results, to_jsonable
 from pilot_online.engine.config import PAPER_FGH
+from pilot_online.harness import figures
 
 pytest.importorskip("matplotlib", reason="figures need matplotlib: pip install -e '.[plots]'")
 

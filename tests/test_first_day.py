@@ -268,7 +268,7 @@ def test_run_takes_set_seed_and_device():
 def test_reproduce_and_sweep_configs_checkpoint_so_retries_resume(tmp_path):
     """reproduce --retries says a retried run resumes from its checkpoint: the configs it
     writes (through sweep's build_configs) must checkpoint, with no flag."""
-    from pilot_online.cli.sweep import build_configs
+    from pilot_online.harness.points import build_configs
 
     base = {**raw_smoke_config("coda_online")}
     (path,) = build_configs(base, {"seed": [[1993]]}, tmp_path)

@@ -26,12 +26,12 @@ from torch import nn
 from pilot_online import get_method
 from pilot_online.engine.checkpoint import load_checkpoint, save_checkpoint
 from pilot_online.engine.config import ConfigError, resolve_config
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
+from pilot_online.engine.teacher import distillation_loss
 from pilot_online.methods.foster import (
     HERDING_FEATURES,
     effective_number_weights,
 )
-from pilot_online.methods.icarl import distillation_loss
 
 NUM_CLASSES, WIDTH = 8, 16
 

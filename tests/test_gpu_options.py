@@ -23,7 +23,7 @@ from conftest import TinyAdapter, build_smoke_method, requires_pilot, smoke_conf
 from torch import nn
 
 from pilot_online.engine.config import ConfigError, load_json, resolve_config
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.registry import list_methods
 from pilot_online.engine.session import ArrayDataSource
 

@@ -19,7 +19,7 @@ from conftest import TinyAdapter, TinyNet, unit_config
 from torch import nn
 
 from pilot_online.engine.adapter import StepOutput
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 
 C, WIDTH = 6, 8
 

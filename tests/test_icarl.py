@@ -19,9 +19,10 @@ from torch import nn
 from pilot_online.engine.adapter import StepOutput, TrainingBatch
 from pilot_online.engine.checkpoint import load_checkpoint, save_checkpoint
 from pilot_online.engine.config import ConfigError, resolve_config
-from pilot_online.engine.loop import build_loop
-from pilot_online.engine.protocol import HP_GRID
-from pilot_online.methods.icarl import ICaRLOnline, distillation_loss
+from pilot_online.engine.mixins import build_loop
+from pilot_online.engine.teacher import distillation_loss
+from pilot_online.harness.protocol import HP_GRID
+from pilot_online.methods.icarl import ICaRLOnline
 
 C = 6
 #: Six stream batches of four: classes 0-1, 0-1, 2-3, 2-3, 4-5, 4-5. With two new classes per

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.methods.lae import LAEOnline, ensemble
 
 C = 5

@@ -19,7 +19,7 @@ from conftest import TinyAdapter, TinyNet, VectorSource, offline_env, requires_p
 from pilot_online.core.fgh import FineGrainedHypergradients
 from pilot_online.core.streams import clear_stream
 from pilot_online.engine.config import ConfigError, load_json, resolve_config
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.session import OnlineSession
 
 C, D_IN = 6, 5
@@ -224,8 +224,8 @@ def test_pilot_run_logs_live_and_draws_every_figure_from_its_results(pilot, tmp_
     gives every figure but the gamma sweep."""
     pytest.importorskip("tensorboard", reason="pip install tensorboard")
     pytest.importorskip("matplotlib", reason="pip install matplotlib")
-    from pilot_online.cli.figures import write_figures
     from pilot_online.core.results import load_results
+    from pilot_online.harness.figures import write_figures
 
     config = load_json(ROOT / "exps" / "smoke_coda_online.json")
     config.update(

@@ -20,8 +20,8 @@ from torch import nn
 from pilot_online.core.streams import clear_stream
 from pilot_online.engine.adapter import StepOutput
 from pilot_online.engine.config import ConfigError
-from pilot_online.engine.loop import NonFiniteLossError, OnlineLoop, build_loop
-from pilot_online.engine.mixins import FGHMixin, PrototypeMixin
+from pilot_online.engine.loop import NonFiniteLossError, OnlineLoop
+from pilot_online.engine.mixins import FGHMixin, PrototypeMixin, build_loop
 from pilot_online.engine.session import OnlineSession
 
 D_IN, HIDDEN, C = 5, 8, 6

@@ -16,7 +16,7 @@ from torch import nn
 
 from pilot_online.engine.checkpoint import load_checkpoint, save_checkpoint
 from pilot_online.engine.config import PAPER_FGH, ConfigError, resolve_config
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.methods.memo import (
     MEMO_BRANCH_PARAMETERS,
     MEMOOnline,

@@ -17,7 +17,7 @@ from pilot_online.core.class_stats import (
     sampling_factors,
 )
 from pilot_online.engine.config import ConfigError, resolve_config
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.session import ArrayDataSource
 from pilot_online.methods.mos import orth_loss, pull, pull_term, self_refined
 

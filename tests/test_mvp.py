@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pilot_online.cli.report import method_label
 from pilot_online.core.mvp_losses import (
     feature_scales,
     focal_weights,
@@ -22,8 +21,9 @@ from pilot_online.core.mvp_losses import (
     logit_gradients,
 )
 from pilot_online.engine.config import ConfigError, load_json, resolve_config
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.registry import get_method, list_methods
+from pilot_online.harness.report import method_label
 from pilot_online.methods.mvp import MVPNet, MVPOnline
 
 EXPS = Path(__file__).resolve().parent.parent / "exps"

@@ -24,7 +24,8 @@ from pilot_online.core.lora import (
     importance_loss,
 )
 from pilot_online.engine.config import resolve_config
-from pilot_online.engine.loop import OnlineLoop, build_loop
+from pilot_online.engine.loop import OnlineLoop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.registry import get_method
 
 
@@ -553,7 +554,7 @@ def test_reproduce_sets_the_cells_dataset_values(tmp_path, cell, buffer):
     dataset: the hard buffer follows it (8 on CUB's clear stream, Disjoint's cub200 config)."""
     from pathlib import Path
 
-    from pilot_online.cli import reproduce
+    from pilot_online.harness import reproduce
 
     exps = Path(__file__).resolve().parent.parent / "exps"
     planned, _ = reproduce.cell_configs(reproduce.parse_cell(cell), exps, tmp_path, {"seed": [0]})

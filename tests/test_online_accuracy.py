@@ -228,8 +228,8 @@ def test_tables_and_report_show_a_online_where_runs_record_it(tmp_path) -> None:
 
     from test_tables import write_run
 
-    from pilot_online.cli import tables
-    from pilot_online.cli.report import collect, format_table
+    from pilot_online.harness import tables
+    from pilot_online.harness.report import collect, format_table
 
     folder = tmp_path / "results"
     paths = [write_run(folder, lr=5e-5, seed=seed, ap=50.0) for seed in range(2)]

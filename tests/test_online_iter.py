@@ -17,7 +17,8 @@ from torch import nn
 
 from pilot_online.engine.adapter import MethodAdapter, StepOutput
 from pilot_online.engine.config import PAPER_FGH
-from pilot_online.engine.loop import OnlineLoop, build_loop
+from pilot_online.engine.loop import OnlineLoop
+from pilot_online.engine.mixins import build_loop
 
 
 class LinearNet(nn.Module):

@@ -44,11 +44,11 @@ from pilot_online.core.results import load_results
 from pilot_online.engine.config import ConfigError, load_json, resolve_config
 from pilot_online.pilot.data import (
     EXPECTED_CLASSES,
-    DatasetUnavailableError,
     IncompleteDatasetError,
     check_dataset_folders,
     prepare,
 )
+from pilot_online.pilot.errors import DatasetUnavailableError
 
 HERE = Path(__file__).resolve().parent
 EXPS = HERE.parent / "exps"

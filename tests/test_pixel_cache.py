@@ -22,7 +22,7 @@ from torchvision import transforms as T
 from pilot_online.core.rng import seeded
 from pilot_online.engine.adapter import StepOutput
 from pilot_online.engine.eval_cache import DEVICE_FRACTION
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.pixel_cache import DeviceEnd, PixelCache
 from pilot_online.pilot import data as data_module
 from pilot_online.pilot.data import PilotDataSource, split_transforms

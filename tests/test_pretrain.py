@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from pilot_online.scale.pretrain import Recipe, Sources, _lr, contrastive_loss, pretrain
+from pilot_online.harness.scale.pretrain import Recipe, Sources, _lr, contrastive_loss, pretrain
 
 TINY = Recipe(
     depth=1,
@@ -122,7 +122,7 @@ def test_hog_of_edges_worked_by_hand():
     """A vertical step edge has a horizontal gradient only (orientation 0: bin 0), a horizontal
     one a vertical gradient (90 degrees: 4.5 bins, split evenly between bins 4 and 5); cells
     away from the edge are empty, and a cell's histogram is divided by its 2 x 2 block's norm."""
-    from pilot_online.scale.pretrain import HOG_BINS, hog
+    from pilot_online.harness.scale.pretrain import HOG_BINS, hog
 
     image = torch.zeros(1, 1, 8, 8)
     image[..., 4:] = 1.0  # columns 4..7 bright: the step between columns 3 and 4

@@ -10,9 +10,9 @@ import pytest
 from test_tables import write_run
 
 from pilot_online.cli.main import main
-from pilot_online.engine import paper
 from pilot_online.engine.config import PAPER_FGH, load_json
-from pilot_online.engine.protocol import FIXED_LRS, HP_GRID, hp_grid_points, select_best
+from pilot_online.harness import paper
+from pilot_online.harness.protocol import FIXED_LRS, HP_GRID, hp_grid_points, select_best
 
 EXPS = Path(__file__).resolve().parent.parent / "exps"
 SMOKE = str(EXPS / "smoke_{method}_online.json")

@@ -20,14 +20,15 @@ from conftest import TinyAdapter, TinyNet, VectorSource
 from test_online_accuracy import CONFIG, TRAIN_X, TRAIN_Y, ClassSumAdapter, stream
 from test_resume import Run, assert_same_run, base_config, tiny_setup, vector_data
 
-from pilot_online.cli import estimate
 from pilot_online.core.realtime import RealtimeSchedule, check_realtime
 from pilot_online.core.streams import Stream, clear_stream
 from pilot_online.engine import flops
 from pilot_online.engine import session as session_module
 from pilot_online.engine.config import ConfigError, load_json, resolve_config
-from pilot_online.engine.loop import OnlineLoop, build_loop
+from pilot_online.engine.loop import OnlineLoop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.session import OnlineSession
+from pilot_online.harness import estimate
 
 EXPS = Path(__file__).resolve().parent.parent / "exps"
 
@@ -401,8 +402,8 @@ def test_the_compute_aware_table_and_the_paper_tables_keep_apart(tmp_path) -> No
     fill realtime_clear; the paper's tables take only the normal run, with a note."""
     from test_tables import write_run
 
-    from pilot_online.cli import tables
-    from pilot_online.cli.report import collect, format_table
+    from pilot_online.harness import tables
+    from pilot_online.harness.report import collect, format_table
 
     folder = tmp_path / "results"
     write_run(folder, lr=5e-3, seed=0, ap=70.0)

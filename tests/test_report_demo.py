@@ -13,18 +13,13 @@ import torch
 from conftest import TinyAdapter, TinyNet, VectorSource
 
 from pilot_online import cli
-from pilot_online.cli.report import (
-    collect,
-    format_table,
-    plot_gradient_imbalance,
-    plot_task_gradient_trace,
-    variant_label,
-)
 from pilot_online.core.results import load_results
 from pilot_online.core.streams import clear_stream
 from pilot_online.engine.config import PAPER_FGH
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.session import OnlineSession
+from pilot_online.harness.figures import plot_gradient_imbalance, plot_task_gradient_trace
+from pilot_online.harness.report import collect, format_table, variant_label
 
 C, D_IN, HIDDEN = 6, 5, 8
 SEEDS = (0, 1, 2)
@@ -285,7 +280,7 @@ def test_paper_rows_are_registered_and_other_methods_follow_them():
     """Every row of the paper's tables has a registered method; ``paper_name`` is optional: a
     method without one is labelled by its registered name and sorts after the paper's rows."""
     from pilot_online import get_method, list_methods
-    from pilot_online.cli.report import PAPER_ROW_ORDER, _sort_key, method_label
+    from pilot_online.harness.report import PAPER_ROW_ORDER, _sort_key, method_label
 
     labels = {method_label(name) for name in list_methods()}
     assert set(PAPER_ROW_ORDER) <= labels, set(PAPER_ROW_ORDER) - labels

@@ -12,10 +12,9 @@ import pytest
 from conftest import make_exps
 from test_tables import write_run
 
-from pilot_online.cli import reproduce
 from pilot_online.cli.main import main
-from pilot_online.engine import paper
 from pilot_online.engine.config import ConfigError
+from pilot_online.harness import paper, reproduce
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -240,7 +239,7 @@ def test_dry_run_prices_real_time_runs(tmp_path, capsys, exps):
     import math
     from fractions import Fraction
 
-    from pilot_online.cli.estimate import load_flops
+    from pilot_online.harness.estimate import load_flops
 
     counts = load_flops()["methods"]
 

@@ -45,7 +45,7 @@ from pilot_online.engine.checkpoint import (
     comparable_config,
 )
 from pilot_online.engine.config import ONLINE_KEYS, PAPER_FGH, ConfigError, resolve_config
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.session import OnlineSession
 from pilot_online.version import __version__
 

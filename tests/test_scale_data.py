@@ -14,7 +14,12 @@ import numpy as np
 import pytest
 
 from pilot_online.core import fashion_mnist, fractals
-from pilot_online.core.datasets import SCALE_DATASETS, dataset_names, load_scale_dataset
+from pilot_online.core.datasets import (
+    SCALE_DATASETS,
+    dataset_names,
+    fashion_mnist_benchmark,
+    load_scale_dataset,
+)
 
 
 def write_idx(path, magic: int, array: np.ndarray, compress: bool = True) -> None:
@@ -68,7 +73,7 @@ def test_fashion_mnist_has_its_documented_counts():
     assert np.bincount(data["train_y"]).tolist() == [6_000] * 10
     assert np.bincount(data["test_y"]).tolist() == [1_000] * 10
     # The benchmark streams the second half only, which pretraining never reads.
-    bench = fashion_mnist.benchmark(3, 2, 32)
+    bench = fashion_mnist_benchmark(3, 2, 32)
     assert bench["train_x"].shape == (30, 32, 32, 3) and bench["test_x"].shape == (20, 32, 32, 3)
     half = data["train_y"][fashion_mnist.STREAM_HALF]
     first = np.flatnonzero(half == 0)[0]
@@ -99,7 +104,7 @@ def test_fractal_classes_are_fixed_by_their_index_and_differ():
 
 
 def test_the_benchmark_classes_are_never_pretraining_classes():
-    from pilot_online.scale.pretrain import Recipe
+    from pilot_online.harness.scale.pretrain import Recipe
 
     assert Recipe().pretrain_classes <= fractals.VALIDATION_FIRST_CLASS
     assert fractals.VALIDATION_FIRST_CLASS + 1000 <= fractals.BENCHMARK_FIRST_CLASS

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from pilot_online.cli import scale_model
-from pilot_online.scale.grid import LRS, Run, runs
+from pilot_online.harness import scale_model
+from pilot_online.harness.scale.grid import LRS, Run, runs
 
 pytest.importorskip("scipy", reason="the t quantile comes from scipy (the pilot extra)")
 
@@ -128,10 +128,38 @@ def test_only_picks_runs_by_name_and_refuses_unknown_ones(tmp_path, capsys):
         main([*args, "nope"])
 
 
-def test_an_out_folder_of_another_backbone_is_refused(tmp_path):
-    """The configs name the shipped file, not its hash: runs of an earlier backbone in --out
+def test_results_go_to_the_committed_folder_unless_told_otherwise(tmp_path, capsys):
+    """The grid outlasts a sitting on one machine: its results default to a folder in the
+    repository (committed as runs finish), and every copied config points there."""
+    from pilot_online.cli.main import main
+
+    assert scale_model.DEFAULT_RESULTS == scale_model.REPO / "docs" / "scale-model" / "results"
+    name = next(r.name for r in runs() if r.part == "figures")
+    out, results = tmp_path / "out", tmp_path / "results"
+    args = ["scale-model", "--out", str(out), "--dry-run", "--only", name]
+    assert main([*args, "--results", str(results)]) == 0
+    copied = json.loads((out / "configs" / f"{name}.json").read_text())
+    assert copied["results_dir"] == str(results.resolve())
+    assert not results.exists()  # a dry run stamps nothing
+    assert main(args) == 0
+    copied = json.loads((out / "configs" / f"{name}.json").read_text())
+    assert copied["results_dir"] == str(scale_model.DEFAULT_RESULTS)
+    capsys.readouterr()
+
+
+def test_the_committed_results_are_of_the_shipped_backbone():
+    """The stamp beside the committed results names the shipped file: a new backbone needs
+    its own grid (``check_backbone_of`` refuses to mix them)."""
+    from pilot_online.core import scale_backbone as backbone
+
+    stamp = scale_model.DEFAULT_RESULTS / scale_model.BACKBONE_STAMP
+    assert stamp.read_text().strip() == backbone.record()["sha256"]
+
+
+def test_a_results_folder_of_another_backbone_is_refused(tmp_path):
+    """The configs name the shipped file, not its hash: runs of an earlier backbone in --results
     would count as finished. The folder is stamped with the hash and refused once it differs."""
-    from pilot_online.scale import backbone
+    from pilot_online.core import scale_backbone as backbone
 
     out = tmp_path / "out"
     scale_model.check_backbone_of(out)

@@ -17,7 +17,7 @@ from torch import nn
 
 from pilot_online.core.prototypes import PrototypeBank
 from pilot_online.engine.config import ConfigError, load_json, resolve_config
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.methods.simplecil import SimpleCILOnline
 
 REPO = Path(__file__).resolve().parent.parent

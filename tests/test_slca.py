@@ -14,7 +14,8 @@ from conftest import TinyAdapter, TinyNet
 from torch import nn
 
 from pilot_online.core.class_stats import ClassGaussians, normalised_logits
-from pilot_online.engine.loop import build_loop, make_optimizer
+from pilot_online.engine.loop import make_optimizer
+from pilot_online.engine.mixins import build_loop
 from pilot_online.methods.slca import SLCAOnline, mean_scales
 
 C = 6

@@ -8,27 +8,27 @@ from pathlib import Path
 
 import pytest
 
-from pilot_online.cli import engines, sweep
 from pilot_online.engine.config import PAPER_FGH, ConfigError, load_json
+from pilot_online.harness import engines, points, sweep
 
 EXPS = Path(__file__).resolve().parent.parent / "exps"
 SMOKE = EXPS / "smoke_coda_online.json"
 
 
 def test_grid_values_are_json_or_bare_strings():
-    grid = sweep.parse_grid(["init_lr=5e-5,0.005", "stream=clear,si_blurry", "grad_trace=false"])
+    grid = points.parse_grid(["init_lr=5e-5,0.005", "stream=clear,si_blurry", "grad_trace=false"])
     assert grid == {
         "init_lr": [5e-5, 0.005],
         "stream": ["clear", "si_blurry"],
         "grad_trace": [False],
     }
     with pytest.raises(ConfigError, match="KEY=V1,V2"):
-        sweep.parse_grid(["init_lr"])
+        points.parse_grid(["init_lr"])
 
 
 def test_variants_expand_to_the_paper_rows_and_gamma_only_where_fgh_runs(tmp_path):
-    grid = sweep.parse_grid(["variant=base,p,fgh_only,fgh", "fgh.gamma=0.1,1"])
-    paths = sweep.build_configs(load_json(SMOKE), grid, tmp_path)
+    grid = points.parse_grid(["variant=base,p,fgh_only,fgh", "fgh.gamma=0.1,1"])
+    paths = points.build_configs(load_json(SMOKE), grid, tmp_path)
     # base and + P have no FGH, so no gamma axis: 1 + 1 + 2 + 2 runs.
     assert [p.stem for p in paths] == [
         "variant-base",
@@ -54,9 +54,9 @@ def test_variants_expand_to_the_paper_rows_and_gamma_only_where_fgh_runs(tmp_pat
 
 def test_a_bad_grid_value_is_refused_before_anything_runs(tmp_path):
     with pytest.raises(ConfigError, match="stream"):
-        sweep.build_configs(load_json(SMOKE), sweep.parse_grid(["stream=clear,blurry"]), tmp_path)
+        points.build_configs(load_json(SMOKE), points.parse_grid(["stream=clear,blurry"]), tmp_path)
     with pytest.raises(ConfigError, match="variant 'ours'"):
-        sweep.build_configs(load_json(SMOKE), sweep.parse_grid(["variant=ours"]), tmp_path)
+        points.build_configs(load_json(SMOKE), points.parse_grid(["variant=ours"]), tmp_path)
 
 
 def test_runs_get_absolute_paths_from_a_relative_out_dir(tmp_path, monkeypatch):

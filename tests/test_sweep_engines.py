@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from conftest import offline_env
 
-from pilot_online.cli import engines, sweep
-from pilot_online.cli.report import METRIC_COLUMNS, collect, format_table
 from pilot_online.engine.config import ConfigError, load_json
+from pilot_online.harness import engines, points, sweep
+from pilot_online.harness.report import METRIC_COLUMNS, collect, format_table
 
 EXPS = Path(__file__).resolve().parent.parent / "exps"
 RAY_REASON = 'Ray is not installed: pip install -e ".[ray]" to run the Ray-engine tests'
@@ -197,7 +197,7 @@ def test_every_run_gets_the_sweeps_pilot_root(tmp_path, monkeypatch):
 def test_a_seed_axis_makes_one_run_per_seed(tmp_path):
     """Seeds as runs of their own spread over a cluster (a config's seed list runs in turn)."""
     base = tiny_base(tmp_path / "base.json")
-    paths = sweep.build_configs(load_json(base), sweep.parse_grid(["seed=1,2"]), tmp_path)
+    paths = points.build_configs(load_json(base), points.parse_grid(["seed=1,2"]), tmp_path)
     assert [json.loads(p.read_text())["seed"] for p in paths] == [[1], [2]]
 
 

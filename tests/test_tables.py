@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from pilot_online.cli import tables
 from pilot_online.cli.main import main
 from pilot_online.core.results import build_results, results_path, write_results
 from pilot_online.engine.config import PAPER_FGH
+from pilot_online.harness import tables
 
 ROWS = {
     "base": {"online_prototypes": False, "fgh": None},

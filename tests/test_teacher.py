@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from conftest import TinyAdapter, TinyNet, unit_config
 
-from pilot_online.cli.estimate import method_flops, run_flops
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.teacher import Teacher, teacher_bytes
+from pilot_online.harness.estimate import method_flops, run_flops
 
 C = 6
 
@@ -174,7 +174,7 @@ def test_the_teacher_lives_on_the_loops_device(device):
 def test_doctor_and_the_flop_model_count_the_teacher(monkeypatch):
     # A ViT-B/16 (85,798,656 parameters) and a 100-class head of 768 + 1 inputs, fp32.
     assert teacher_bytes(100) == 4 * (85_798_656 + 100 * 769)
-    import pilot_online.engine.flops as flops  # the FLOP model's arithmetic (cli/estimate's)
+    import pilot_online.engine.flops as flops  # the FLOP model's arithmetic (harness/estimate's)
 
     cfg = {"model_name": "er_online", "dataset": "cifar224", "batch_size": 100}
     counts = method_flops("er_online")

@@ -23,7 +23,7 @@ from pilot_online.core.triggers import (
     make_trigger,
 )
 from pilot_online.engine.config import ConfigError, resolve_config
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 
 
 def firings(trigger: ConsolidationTrigger, batches, losses=None) -> list[int]:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from conftest import requires_pilot, unit_config
 from torch import nn
 
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.methods.cofima import CoFiMAOnline, fisher_average
 from pilot_online.methods.slca import mean_scales
 

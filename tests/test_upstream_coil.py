@@ -47,9 +47,9 @@ from pilot_online.core.masks import training_mask
 from pilot_online.core.memory import normalized
 from pilot_online.engine.adapter import MethodAdapter, StepOutput
 from pilot_online.engine.config import resolve_config
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
+from pilot_online.engine.teacher import distillation_loss
 from pilot_online.methods.coil import COILOnline
-from pilot_online.methods.icarl import distillation_loss
 
 pytestmark = requires_pilot
 

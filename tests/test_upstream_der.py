@@ -47,8 +47,8 @@ from pilot_online import get_method
 from pilot_online.core.masks import training_mask
 from pilot_online.core.memory import ClassBalancedMemory
 from pilot_online.engine.adapter import TrainingBatch
-from pilot_online.engine.loop import build_loop
-from pilot_online.engine.protocol import HP_GRID
+from pilot_online.engine.mixins import build_loop
+from pilot_online.harness.protocol import HP_GRID
 
 pytestmark = requires_pilot
 

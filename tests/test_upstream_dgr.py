@@ -42,7 +42,7 @@ from torch import nn
 from pilot_online.core.masks import training_mask
 from pilot_online.core.memory import ClassBalancedMemory
 from pilot_online.engine.adapter import StepOutput, TrainingBatch
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 
 pytestmark = requires_pilot
 

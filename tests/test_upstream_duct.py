@@ -27,7 +27,7 @@ import torch
 from conftest import requires_pilot, unit_config
 from torch import nn
 
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.methods.duct import DUCTOnline, sinkhorn
 
 pytestmark = requires_pilot

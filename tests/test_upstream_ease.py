@@ -21,14 +21,10 @@ from conftest import requires_pilot
 from torch import nn
 
 from pilot_online import get_method
+from pilot_online.core.cosine_head import attach_cosine_head
 from pilot_online.core.masks import mask_logits
 from pilot_online.engine.adapter import StepOutput
-from pilot_online.methods.ease import (
-    EaseOnline,
-    attach_cosine_head,
-    complemented_prototypes,
-    reweighted_logits,
-)
+from pilot_online.methods.ease import EaseOnline, complemented_prototypes, reweighted_logits
 
 pytestmark = requires_pilot
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from pilot_online.core.masks import training_mask
 from pilot_online.engine.adapter import StepOutput
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 
 pytestmark = requires_pilot
 

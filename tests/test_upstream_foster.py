@@ -37,12 +37,12 @@ from test_upstream_finetune import (
 )
 from torch import nn
 
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
+from pilot_online.engine.teacher import distillation_loss
 from pilot_online.methods.foster import (
     HERDING_FEATURES,
     effective_number_weights,
 )
-from pilot_online.methods.icarl import distillation_loss
 
 pytestmark = requires_pilot
 

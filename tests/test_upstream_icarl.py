@@ -42,7 +42,7 @@ from pilot_online.core.masks import training_mask
 from pilot_online.core.memory import ClassBalancedMemory, herding_order, normalized
 from pilot_online.engine.adapter import StepOutput
 from pilot_online.engine.config import resolve_config
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.methods.icarl import ICaRLOnline
 
 pytestmark = [

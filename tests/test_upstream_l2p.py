@@ -30,7 +30,7 @@ from test_upstream_finetune import (
 )
 from torch import nn
 
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 
 pytestmark = requires_pilot
 

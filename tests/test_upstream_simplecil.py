@@ -21,7 +21,7 @@ from conftest import build_smoke_method, requires_pilot
 from test_upstream_finetune import NUM_CLASSES, images, one_batch, upstream_learner
 from torch import nn
 
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 
 pytestmark = requires_pilot
 

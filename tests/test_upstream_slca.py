@@ -21,7 +21,7 @@ from torch import nn
 
 from pilot_online.core.class_stats import ClassGaussians
 from pilot_online.core.rng import key_seed
-from pilot_online.engine.loop import build_loop
+from pilot_online.engine.mixins import build_loop
 from pilot_online.methods.slca import SLCAOnline
 
 D = 8  # feature width

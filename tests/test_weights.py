@@ -394,7 +394,7 @@ def per_layer_names_kept(names: set[str], depth: int) -> set[str]:
 
 
 def test_the_shipped_backbone_matches_its_record():
-    from pilot_online.scale import backbone
+    from pilot_online.core import scale_backbone as backbone
 
     record = backbone.verify()  # the SHA-256 of the file is the recorded one
     assert backbone.WEIGHTS.stat().st_size == record["bytes"] <= 80 * 2**20
@@ -413,8 +413,8 @@ def test_every_family_builds_the_shipped_backbone_at_its_depth(pilot_on_path, na
     """``vit_depth`` is honoured when each family builds its network: every backbone tensor
     equals the shipped file's, and the trainable set is the 12-block build's, less the layers
     past the depth."""
+    from pilot_online.core import scale_backbone as backbone
     from pilot_online.engine.registry import get_method
-    from pilot_online.scale import backbone
 
     depth = backbone.record()["recipe"]["depth"]
     state = read_state_dict(backbone.WEIGHTS)

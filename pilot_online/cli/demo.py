@@ -24,9 +24,9 @@ from ..core.progress import plural, progress_line
 from ..core.streams import clear_stream
 from ..engine.adapter import MethodAdapter, StepOutput
 from ..engine.config import ONLINE_KEYS, VARIANTS
-from ..engine.loop import build_loop
+from ..engine.mixins import build_loop
 from ..engine.session import ArrayDataSource, OnlineSession
-from .report import variant_label
+from ..harness.report import variant_label
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +41,9 @@ class ScaleViTAdapter(MethodAdapter):
     base_model_name: ClassVar[str] = "timm_vit"
 
     def build_network(self, args: dict) -> nn.Module:
+        from ..core import scale_backbone as backbone
+        from ..harness.scale.pretrain import Recipe, build_vit
         from ..pilot.backbones import load_vit_state_dict, read_state_dict
-        from ..scale import backbone
-        from ..scale.pretrain import Recipe, build_vit
 
         record = backbone.verify()
         network = build_vit(Recipe(**record["recipe"]), num_classes=args["nb_classes"])

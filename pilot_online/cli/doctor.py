@@ -22,7 +22,7 @@ Checks, in order:
 - **data path**: the run's training transform timed on a few images (the dataset's own files
   when present, else generated JPEGs), per worker and for the run's workers, against the images
   per second the GPU consumes at the FLOP model's rate (a warning when slower);
-- **compute**: the FLOP model's GPU time for the run (``cli/estimate.py``): the ideal floor and
+- **compute**: the FLOP model's GPU time for the run (``harness/estimate.py``): the ideal floor and
   the figure calibrated to the paper's time table, each with what it assumes; unknown without a
   CUDA device.
 
@@ -100,7 +100,7 @@ def load_config(path: Path | None) -> tuple[dict[str, Any], list[Check]]:
         return {}, [Check("config", FAIL, str(err), "fix the JSON file")]
     weights = raw.pop("pretrained_path", None)
     if isinstance(weights, str):  # the shipped scale backbone, by its package name
-        from ..scale.backbone import resolve_weights
+        from ..core.scale_backbone import resolve_weights
 
         weights = resolve_weights(weights)
     try:
@@ -379,9 +379,9 @@ def check_dataset(cfg: dict[str, Any], pilot_root: str | None = None) -> list[Ch
 
 def _paper_memory_mb(cfg: dict[str, Any]) -> float | None:
     """The paper's GPU footprint (MB) of the config's method and row, CUB, batch 100."""
-    from ..engine.paper import time_consumption
     from ..engine.registry import get_method
-    from .tables import row_kind
+    from ..harness.paper import time_consumption
+    from ..harness.tables import row_kind
 
     try:
         adapter = get_method(str(cfg["model_name"]))
@@ -398,7 +398,7 @@ def _method_state_bytes(cfg: dict[str, Any]) -> int:
     count."""
     from ..engine.registry import get_method
     from ..engine.teacher import teacher_bytes
-    from .estimate import dataset_size
+    from ..harness.estimate import dataset_size
 
     try:
         adapter = get_method(str(cfg["model_name"]))
@@ -410,7 +410,7 @@ def _method_state_bytes(cfg: dict[str, Any]) -> int:
 
 
 def _test_images(cfg: dict[str, Any]) -> int:
-    from .estimate import dataset_size
+    from ..harness.estimate import dataset_size
 
     try:
         return dataset_size(cfg).test
@@ -650,9 +650,9 @@ DATA_RATE_FAIL = 0.5
 
 def run_data_rate(cfg: dict[str, Any]) -> float | None:
     """Stream images per second the run trains on at the calibrated estimate's pace
-    (``cli/estimate.py``: the paper's measured throughput), or None without FLOP counts."""
+    (``harness/estimate.py``: the paper's measured throughput), or None without FLOP counts."""
     from ..engine.flops import dataset_size, run_flops
-    from .estimate import calibration
+    from ..harness.estimate import calibration
 
     try:
         train_flops = run_flops(cfg)["train"]
@@ -670,13 +670,13 @@ def _synthetic_names() -> set[str]:
 
 
 def check_compute(cfg: dict[str, Any]) -> list[Check]:
-    """The FLOP model's two figures for the run (``cli/estimate.py``), each with what it assumes;
-    "unknown" on a machine without a CUDA device, where no GPU time can be had."""
+    """The FLOP model's two figures for the run (``harness/estimate.py``), each with what it
+    assumes; "unknown" on a machine without a CUDA device, where no GPU time can be had."""
     if not cfg:
         return []
     import torch
 
-    from .estimate import estimate_config
+    from ..harness.estimate import estimate_config
 
     try:
         estimate = estimate_config(cfg)

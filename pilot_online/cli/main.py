@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 
 from ..engine.config import ConfigError, key_reference, load_json, resolve_config
+from ..harness.presets import add_best_arguments, run_best
+from ..harness.reproduce import add_reproduce_arguments, run_reproduce
+from ..harness.sweep import add_sweep_arguments, run_sweep
+from ..harness.tables import add_tables_arguments, run_tables
 from ..pilot import patching
 from .doctor import add_doctor_arguments, run_doctor
-from .protocol import add_best_arguments, run_best
-from .reproduce import add_reproduce_arguments, run_reproduce
-from .sweep import add_sweep_arguments, run_sweep
-from .tables import add_tables_arguments, run_tables
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -52,7 +52,7 @@ def _device_list(text: str) -> list:
 def run_overrides(args: argparse.Namespace) -> dict:
     """The config keys ``run``'s flags set: every ``--set KEY=VALUE`` (a JSON value, as in
     ``sweep``), then ``--seed`` and ``--device``."""
-    from .protocol import parse_sets
+    from ..harness.points import parse_sets
 
     values = parse_sets(args.set)
     if args.seed is not None:
@@ -79,7 +79,8 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .report import collect, format_table, plot_gradient_imbalance, plot_task_gradient_trace
+    from ..harness.figures import plot_gradient_imbalance, plot_task_gradient_trace
+    from ..harness.report import collect, format_table
 
     rows = collect(args.paths)
     if not rows:
@@ -97,7 +98,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_figures(args: argparse.Namespace) -> int:
-    from .figures import load_runs, write_figures
+    from ..harness.figures import load_runs, write_figures
 
     runs = load_runs(args.paths)
     if not runs:
@@ -230,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.set_defaults(func=_cmd_report)
 
-    from .figures import FIGURES, GAMMA_METRICS
+    from ..harness.figures import FIGURES, GAMMA_METRICS
 
     figures = sub.add_parser("figures", help="the paper's figures (PNG + PDF) from results files")
     figures.add_argument("paths", nargs="+", type=Path, help="results files or folders to search")
@@ -255,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_clean_arguments(clean)
     clean.set_defaults(func=run_clean)
 
-    from .scale_model import add_scale_model_arguments, run_scale_model
+    from ..harness.scale_model import add_scale_model_arguments, run_scale_model
 
     scale = sub.add_parser(
         "scale-model", help="the paper's experiments on the scale model, and docs/scale-model.md"

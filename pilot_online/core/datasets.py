@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -198,14 +199,35 @@ def first_of_each_class(labels: np.ndarray, per_class: int) -> np.ndarray:
     )
 
 
+def fashion_mnist_benchmark(
+    train_per_class: int, test_per_class: int, image_size: int, root: str | Path = "."
+) -> dict[str, np.ndarray]:
+    """The ``fashion_mnist`` benchmarks: the first ``train_per_class`` images of each class in
+    the stream half (file order) and the first ``test_per_class`` of each class in the test
+    split, resized to ``image_size``, ordered by class."""
+    from . import fashion_mnist
+
+    data = fashion_mnist.load(root)
+    arrays: dict[str, np.ndarray] = {}
+    for split, part, per_class in (
+        ("train", fashion_mnist.STREAM_HALF, train_per_class),
+        ("test", slice(None), test_per_class),
+    ):
+        labels = data[f"{split}_y"][part]
+        chosen = first_of_each_class(labels, per_class)
+        arrays[f"{split}_x"] = fashion_mnist.resize(data[f"{split}_x"][part][chosen], image_size)
+        arrays[f"{split}_y"] = labels[chosen]
+    return arrays
+
+
 def load_scale_dataset(name: str, image_size: int, root: str = ".") -> dict[str, np.ndarray]:
     """``{"train_x", "train_y", "test_x", "test_y"}`` of a :data:`SCALE_DATASETS` benchmark at
     ``image_size`` (uint8 RGB images ordered by class, int64 labels)."""
-    from . import fashion_mnist, fractals
+    from . import fractals
 
     spec = SCALE_DATASETS[name]
     if name.startswith("fashion_mnist"):
-        return fashion_mnist.benchmark(spec.train_per_class, spec.test_per_class, image_size, root)
+        return fashion_mnist_benchmark(spec.train_per_class, spec.test_per_class, image_size, root)
     return fractals.make_split(
         fractals.FractalSplit(
             fractals.BENCHMARK_FIRST_CLASS,

@@ -31,7 +31,7 @@ CLASSES = (
     "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
 )  # fmt: skip
 #: The training split's two halves: pretraining may read the first without its labels
-#: (``scale/pretrain.py``); the ``fashion_mnist`` benchmark streams the second.
+#: (``harness/scale/pretrain.py``); the ``fashion_mnist`` benchmark streams the second.
 PRETRAIN_HALF = slice(0, 30_000)
 STREAM_HALF = slice(30_000, 60_000)
 DEBIAN_FOLDER = Path("/usr/share/datasets/fashion-mnist")
@@ -119,27 +119,6 @@ def load(root: str | Path = ".") -> dict[str, np.ndarray]:
             )
         arrays[f"{split}_x"] = images
         arrays[f"{split}_y"] = labels.astype(np.int64)
-    return arrays
-
-
-def benchmark(
-    train_per_class: int, test_per_class: int, image_size: int, root: str | Path = "."
-) -> dict[str, np.ndarray]:
-    """The ``fashion_mnist`` benchmark: the first ``train_per_class`` images of each class in
-    the stream half (file order) and the first ``test_per_class`` of each class in the test
-    split, resized to ``image_size``, ordered by class."""
-    from .datasets import first_of_each_class
-
-    data = load(root)
-    arrays: dict[str, np.ndarray] = {}
-    for split, part, per_class in (
-        ("train", STREAM_HALF, train_per_class),
-        ("test", slice(None), test_per_class),
-    ):
-        labels = data[f"{split}_y"][part]
-        chosen = first_of_each_class(labels, per_class)
-        arrays[f"{split}_x"] = resize(data[f"{split}_x"][part][chosen], image_size)
-        arrays[f"{split}_y"] = labels[chosen]
     return arrays
 
 

@@ -11,6 +11,7 @@ results and tables.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import tempfile
 from collections.abc import Callable
@@ -75,3 +76,12 @@ def human_bytes(size: int) -> str:
                 f"{size / scale:.3g} {unit}" if size < 100 * scale else f"{size / scale:.0f} {unit}"
             )
     return f"{size} B"
+
+
+def sha256(path: str | os.PathLike[str]) -> str:
+    """The file's SHA-256, hex, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -40,7 +40,7 @@ SCALE_RANGE = (0.65, 0.95)
 MAX_ROTATION = np.pi / 6
 INTENSITY_RANGE = (0.55, 1.0)
 
-#: Class ranges: pretraining uses ``0 .. pretrain_classes - 1`` (``scale/pretrain.py``); its
+#: Class ranges: pretraining uses ``0 .. pretrain_classes - 1`` (``harness/scale/pretrain.py``); its
 #: stopping rule reads the validation systems; the ``fractal`` benchmark streams its own.
 VALIDATION_FIRST_CLASS = 100_000
 BENCHMARK_FIRST_CLASS = 200_000

@@ -1,4 +1,4 @@
-"""Durations, counts and progress lines in one style, for estimates (``cli/estimate.py``), the
+"""Durations, counts and progress lines in one style, for estimates (``harness/estimate.py``), the
 demo, the commands' summaries and a run's own log (``engine/session.py``): the paper's time table
 writes ``5m55s``, and a count reads as English (``1 cell``, ``2 cells``)."""
 

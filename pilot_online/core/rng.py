@@ -111,3 +111,13 @@ def seed_generators(*key: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.default_generator.manual_seed(seed)
+
+
+def run_seed(seed: Any) -> int:
+    """A run's integer seed: ``seed``, or the one element of a list (PILOT's trainer hands each
+    run one seed of the config's list; a longer list here is a config that never reached it)."""
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != 1:
+            raise ValueError(f"a run has one seed, got the list {list(seed)}")
+        seed = seed[0]
+    return int(seed)

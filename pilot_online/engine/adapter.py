@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.masks import mask_logits
+from ..core.rng import run_seed
 
 
 @dataclass
@@ -387,10 +388,9 @@ class MethodAdapter:
         return f"models/{name}.py" if name else None
 
     def run_seed(self) -> int:
-        """The run's integer seed, for draws a method makes itself (a firing's new layer): the
-        config's ``seed``, or the first of its list (PILOT hands each run one)."""
-        seed = self.args.get("seed", 0)
-        return int(seed[0] if isinstance(seed, (list, tuple)) else seed)
+        """The run's integer seed, for draws a method makes itself (a firing's new layer):
+        :func:`~pilot_online.core.rng.run_seed` of the config's ``seed``."""
+        return run_seed(self.args.get("seed", 0))
 
     def pilot_args(self, args: dict, **overrides: Any) -> dict:
         """A copy of ``args`` in which PILOT's factories recognise the upstream method."""

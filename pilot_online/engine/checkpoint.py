@@ -266,3 +266,14 @@ class CompletedRun:
     def write(self, status: str = "complete", error: str | None = None) -> dict[str, Any]:
         """Nothing to write: the complete results are on disk already."""
         return self.stored
+
+
+def tensors_to(value: Any, device: torch.device) -> Any:
+    """``value`` (tensors, lists and dicts of them, None) on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [tensors_to(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: tensors_to(v, device) for k, v in value.items()}
+    return value

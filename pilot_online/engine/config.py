@@ -34,9 +34,9 @@ from ..core.fgh import validate_options as validate_fgh_options
 from ..core.masks import LOGIT_MASKS
 from ..core.memory import MEMORIES
 from ..core.realtime import DEFAULT_REFERENCE, check_realtime, check_realtime_config
+from ..core.scale_backbone import resolve_weights
 from ..core.streams import BLURRED_SELECTIONS, STREAMS
 from ..core.triggers import TRIGGERS
-from ..scale.backbone import resolve_weights
 from .adapter import ConfigKey
 from .backbone_names import VIT_B16_BLOCKS
 from .eval_cache import CACHE_MODES
@@ -44,7 +44,6 @@ from .flops import check_flop_counts
 from .live_log import LOGGERS, check_logger_available
 from .loop import AMP_MODES, MATMUL_PRECISIONS, OPTIMIZERS
 from .pixel_cache import PIXEL_CACHE_MODES
-from .protocol import HP_COLUMNS
 
 #: Suffixes ``pretrained_path`` accepts: the timm 0.6 npz, a torch state dict, a safetensors file.
 NPZ_SUFFIXES = (".npz",)
@@ -170,6 +169,9 @@ def _registered_method(name: str, value: Any) -> str:
 described("a registered method", _registered_method)
 
 _CHECKPOINT_EVERY = 'null, "auto" or a positive integer'
+#: ``hp_column`` values: a run fills its init_lr's column, or the "Best HP" column (the
+#: protocol, ``harness/protocol.py``, reads them from here, where the key is checked).
+HP_COLUMNS: tuple[str, ...] = ("lr", "best")
 
 
 def _checkpoint_every(name: str, value: Any) -> Any:

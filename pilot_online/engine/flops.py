@@ -1,10 +1,10 @@
 """The FLOP model's arithmetic: a run's FLOPs from the per-image counts of each method's real
-network (``pilot_online/cli/flops.json``, written by ``benchmarks/flops.py``), and real-time
+network (``pilot_online/data/flops.json``, written by ``benchmarks/flops.py``), and real-time
 mode's cost C from them (issue 29).
 
-It lives in the engine, not beside the CLI's estimates (``cli/estimate.py``, which re-exports
-every name here and documents the model), because real-time mode prices a run's step from it
-when the session starts: the engine may not import the CLI (``tests/test_core_imports.py``).
+It lives in the engine, not beside the harness's estimates (``harness/estimate.py``, which
+re-exports every name here and documents the model), because real-time mode prices a run's step
+from it when the session starts: the engine may not import the harness (``tests/test_layers.py``).
 No PILOT, no torch.
 """
 
@@ -60,8 +60,8 @@ def _tokens(img_size: int) -> int:
 
 @lru_cache(maxsize=1)
 def load_flops() -> dict[str, Any]:
-    """The package data ``pilot_online/cli/flops.json`` (written by ``benchmarks/flops.py``)."""
-    text = (resources.files("pilot_online") / "cli" / "flops.json").read_text(encoding="utf-8")
+    """The package data ``pilot_online/data/flops.json`` (written by ``benchmarks/flops.py``)."""
+    text = (resources.files("pilot_online") / "data" / "flops.json").read_text(encoding="utf-8")
     return json.loads(text)
 
 
@@ -310,7 +310,7 @@ def realtime_trained_fraction(
 
 def check_flop_counts(cfg: Mapping[str, Any]) -> None:
     """``realtime`` ``"flops"``/``"flops_counted"`` needs the FLOP model to count the method and
-    the reference (``cli/flops.json``) and to know the dataset's image counts; else a ValueError
+    the reference (``data/flops.json``) and to know the dataset's image counts; else a ValueError
     naming ``benchmarks/flops.py`` and the other modes, before any work: never a silent C."""
     mode = cfg.get("realtime")
     if mode not in ("flops", "flops_counted"):

@@ -895,29 +895,3 @@ def check_amp(amp: Any, device: torch.device) -> None:
             f"amp: bf16 needs a GPU with bfloat16 support; {torch.cuda.get_device_name(device)} "
             "has none. Set amp to null"
         )
-
-
-def build_loop(
-    adapter: MethodAdapter,
-    network: nn.Module,
-    config: Mapping[str, Any],
-    num_classes: int,
-    device: torch.device | str = "cpu",
-) -> OnlineLoop:
-    """An :class:`OnlineLoop` with the mixins the config asks for: the paper's four ablation rows
-    (base, + P, + FGH, + P + FGH) are four compositions of the same loop, and experience replay
-    (``er_memory_size > 0``) composes with any of them."""
-    from .mixins import FGHMixin, PrototypeMixin, ReplayMixin
-
-    mixins: list[type] = []
-    if int(config.get("er_memory_size") or 0) > 0:
-        mixins.append(ReplayMixin)
-    if config.get("online_prototypes"):
-        mixins.append(PrototypeMixin)
-    if config.get("fgh") is not None:
-        mixins.append(FGHMixin)
-    if not mixins:
-        return OnlineLoop(adapter, network, config, num_classes, device)
-    name = "".join(m.__name__.removesuffix("Mixin") for m in mixins) + "OnlineLoop"
-    loop_cls = type(name, (*mixins, OnlineLoop), {})
-    return loop_cls(adapter, network, config, num_classes, device)

@@ -1,23 +1,27 @@
 """The loop mixins: each adds one mechanism to :class:`~pilot_online.engine.loop.OnlineLoop` by
-overriding its hooks (and calling ``super()``). The math lives in plain components under ``core/``
+overriding its hooks (and calling ``super()``); :func:`build_loop` composes the loop a config asks
+for. The math lives in plain components under ``core/``
 (:class:`PrototypeBank`, :class:`FineGrainedHypergradients`, :class:`ReservoirMemory`), testable
 without a loop.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from ..core.fgh import FineGrainedHypergradients, validate_options
 from ..core.memory import ClassBalancedMemory, ReservoirMemory, make_memory
 from ..core.prototypes import PrototypeBank
+from ..core.rng import run_seed
+from .loop import OnlineLoop
 
 if TYPE_CHECKING:
-    from .adapter import StepOutput
-    from .loop import OnlineLoop
+    from .adapter import MethodAdapter, StepOutput
 
 
 class PrototypeMixin:
@@ -159,15 +163,6 @@ def _host_numbers(value: Any) -> Any:
     return value
 
 
-def _run_seed(seed: Any) -> int:
-    """The run's integer seed (PILOT's trainer hands each run one seed of the config's list)."""
-    if isinstance(seed, (list, tuple)):
-        if len(seed) != 1:
-            raise ValueError(f"experience replay needs the run's single seed, got the list {seed}")
-        seed = seed[0]
-    return int(seed)
-
-
 class ReplayMixin:
     """Online-loop mixin: experience replay from a memory of the stream (``er_memory``:
     ``core/memory.py``'s reservoir, class-balanced or herding memory).
@@ -194,7 +189,7 @@ class ReplayMixin:
             int(self.config["er_memory_size"]),
             self.num_classes,
             self.config.get("er_memory_per_class"),
-            seed=_run_seed(self.config.get("seed", 0)),
+            seed=run_seed(self.config.get("seed", 0)),
         )
         self.replay_size = int(self.config.get("er_batch_size", 100))
         # The next step's draw, made as soon as this step's batch is stored (the memory's
@@ -322,3 +317,27 @@ class ReplayMixin:
             "class_histogram": self.memory.class_histogram(self.num_classes).tolist(),
         }
         return report
+
+
+def build_loop(
+    adapter: MethodAdapter,
+    network: nn.Module,
+    config: Mapping[str, Any],
+    num_classes: int,
+    device: torch.device | str = "cpu",
+) -> OnlineLoop:
+    """An :class:`OnlineLoop` with the mixins the config asks for: the paper's four ablation rows
+    (base, + P, + FGH, + P + FGH) are four compositions of the same loop, and experience replay
+    (``er_memory_size > 0``) composes with any of them."""
+    mixins: list[type] = []
+    if int(config.get("er_memory_size") or 0) > 0:
+        mixins.append(ReplayMixin)
+    if config.get("online_prototypes"):
+        mixins.append(PrototypeMixin)
+    if config.get("fgh") is not None:
+        mixins.append(FGHMixin)
+    if not mixins:
+        return OnlineLoop(adapter, network, config, num_classes, device)
+    name = "".join(m.__name__.removesuffix("Mixin") for m in mixins) + "OnlineLoop"
+    loop_cls = type(name, (*mixins, OnlineLoop), {})
+    return loop_cls(adapter, network, config, num_classes, device)

@@ -33,9 +33,16 @@ AdapterT = TypeVar("AdapterT", bound=type[MethodAdapter])
 
 
 def register_method(name: str) -> Callable[[AdapterT], AdapterT]:
-    """Register an adapter class under ``name`` (the config's ``model_name``)."""
+    """Register an adapter class under ``name`` (the config's ``model_name``), which must be
+    lower case: PILOT's factory lower-cases ``model_name`` before it looks the method up."""
 
     def decorator(cls: AdapterT) -> AdapterT:
+        if name != name.lower():
+            raise ValueError(
+                f"method name {name!r} has capitals, but PILOT lower-cases model_name before "
+                f"its factory looks it up, so configs could never reach it: register "
+                f"{name.lower()!r}"
+            )
         if name in _METHODS:
             raise ValueError(
                 f"method {name!r} is already registered by {_METHODS[name].__module__}; "

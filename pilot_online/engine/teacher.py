@@ -103,3 +103,30 @@ def teacher_bytes(num_classes: int) -> int:
     """The snapshot's memory for ``doctor``: a ViT-B/16 with a head over ``num_classes``, fp32
     (the distilling ports' networks; a method that keeps less overrides ``make_teacher``)."""
     return 4 * (VIT_B16_PARAMETERS + int(num_classes) * (VIT_B16_WIDTH + 1))
+
+
+def distillation_loss(
+    student: torch.Tensor,
+    target: torch.Tensor,
+    columns: torch.Tensor,
+    temperature: float,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Upstream's ``_KD_loss`` over the ``columns`` (bool ``[C]``) of both logit tensors:
+    ``-sum(q * log_softmax(student / T)) / rows``, ``q = softmax(target / T)``, no ``T**2``
+    factor, in fp32 (iCaRL, DGR, COIL's two terms, FOSTER's ``_KD_loss``). With ``weights``
+    (``[C]``), FOSTER's ``BKD``: ``q`` times the class weights, renormalised per row.
+
+    The columns are masked, not gathered (``logits[:, columns]`` would read the mask back to the
+    host every step). Hidden columns are filled with the most negative finite value: the same
+    softmaxes as gathering, and with no column at all the term is 0 with a zero gradient instead
+    of NaN, so no host sync is needed to skip it. Gradients reach ``target`` too where it has
+    any (COIL's new branch computes its target from the network's own features)."""
+    hidden = ~columns.to(student.device)
+    fill = torch.finfo(torch.float32).min
+    log_p = torch.log_softmax((student.float() / temperature).masked_fill(hidden, fill), dim=1)
+    q = torch.softmax((target.float() / temperature).masked_fill(hidden, fill), dim=1)
+    if weights is not None:
+        q = q * weights.to(q.device, q.dtype)
+        q = q / q.sum(1, keepdim=True)
+    return -torch.where(hidden, 0.0, q * log_p).sum() / student.shape[0]

@@ -21,8 +21,8 @@ from torch import nn
 from ..core.checks import integer, real
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, UpstreamDifference
 from ..engine.backbone_names import pilot_backbones
+from ..engine.differences import BATCH_LOGIT_MASK
 from ..engine.registry import register_method
-from .finetune import BATCH_LOGIT_MASK
 
 
 def orthogonality_penalty(t: torch.Tensor) -> torch.Tensor:

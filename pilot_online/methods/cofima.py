@@ -38,6 +38,7 @@ from torch import nn
 from ..core.checks import boolean, real
 from ..engine.adapter import ConfigKey, UpstreamDifference
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, VIT_B16_WIDTH
+from ..engine.checkpoint import tensors_to
 from ..engine.registry import register_method
 from .slca import SLCAOnline
 
@@ -283,10 +284,10 @@ class CoFiMAOnline(SLCAOnline):
     def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
         super().load_extra_state(network, state)
         device = self.classifier(network).weight.device
-        self.fisher_sum = _to(state["fisher_sum"], device)
+        self.fisher_sum = tensors_to(state["fisher_sum"], device)
         self.fisher_steps = int(state["fisher_steps"])
-        self.prev_fisher = _to(state["prev_fisher"], device)
-        self.anchor = _to(state["anchor"], device)
+        self.prev_fisher = tensors_to(state["prev_fisher"], device)
+        self.anchor = tensors_to(state["anchor"], device)
         self.merges = [int(f) for f in state["merges"]]
 
     @classmethod
@@ -298,14 +299,3 @@ class CoFiMAOnline(SLCAOnline):
 
     def report(self) -> dict[str, Any]:
         return {**super().report(), "cofima": {"merges": list(getattr(self, "merges", []))}}
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    """``value`` (tensors, lists and dicts of them, None) on ``device``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, list):
-        return [_to(v, device) for v in value]
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.checks import real
+from ..core.cosine_head import CosineHead, attach_cosine_head
 from ..core.masks import classes_present
 from ..core.prototypes import PrototypeBank
 from ..core.transport import prospective_rows
@@ -45,15 +46,14 @@ from ..engine.adapter import (
 )
 from ..engine.backbone_names import PLAIN_VIT, plain_vit_overrides
 from ..engine.config import replay_keys
-from ..engine.registry import register_method
-from .ease import CosineHead, attach_cosine_head
-from .icarl import (
+from ..engine.differences import (
     LOGITS_ONLY_EVALUATION,
     ONLINE_HERDING,
     REPLAY_LOGIT_MASK,
     TEACHER_AT_FIRING,
-    distillation_loss,
 )
+from ..engine.registry import register_method
+from ..engine.teacher import distillation_loss
 
 #: Upstream's ``exps/coil.json``: ``memory_size`` 2000 (``fixed_memory`` false), ``sinkhorn``
 #: 0.464, ``norm_term`` 3, ``T`` 2.

@@ -40,8 +40,8 @@ from ..engine.adapter import (
 )
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, plain_vit_overrides
 from ..engine.config import replay_keys
+from ..engine.differences import ONLINE_HERDING, REPLAY_LOGIT_MASK
 from ..engine.registry import register_method
-from .icarl import ONLINE_HERDING, REPLAY_LOGIT_MASK
 
 #: Upstream's ``exps/der.json`` and ``exps/memo.json``: ``memory_size`` 2000, ``fixed_memory``
 #: false (a quota of 2000 // classes seen).

@@ -40,9 +40,15 @@ from ..core.checks import real
 from ..core.masks import mask_logits
 from ..engine.adapter import ConfigKey, StepOutput, TrainingBatch, UpstreamDifference
 from ..engine.config import replay_keys
+from ..engine.differences import (
+    ONE_LINEAR_HEAD,
+    ONLINE_HERDING,
+    REPLAY_LOGIT_MASK,
+    TEACHER_AT_FIRING,
+)
 from ..engine.registry import register_method
-from .finetune import ONE_LINEAR_HEAD, FinetuneOnline
-from .icarl import ONLINE_HERDING, REPLAY_LOGIT_MASK, TEACHER_AT_FIRING, distillation_loss
+from ..engine.teacher import distillation_loss
+from .finetune import FinetuneOnline
 
 #: Upstream's exps/dgr.json: ``memory_size`` 2000 (``fixed_memory`` false), ``lambda`` 1, ``T`` 2.
 DGR_MEMORY_SIZE = 2000

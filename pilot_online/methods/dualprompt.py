@@ -28,18 +28,18 @@ from torch import nn
 from ..core.checks import boolean, check_blocks, integer, list_of
 from ..engine.adapter import ConfigKey, UpstreamDifference
 from ..engine.backbone_names import pilot_backbones
+from ..engine.differences import BATCH_LOGIT_MASK, NO_BATCH_VOTE_AT_EVALUATION
 from ..engine.registry import register_method
-from .finetune import BATCH_LOGIT_MASK
-from .l2p import NO_BATCH_VOTE_AT_EVALUATION, PROMPT_POOL_KEYS, L2POnline
+from .l2p import L2POnline
 
 BLOCKS = "a list of distinct block indices"
 
 # In upstream exps/dualprompt.json's order (later duplicates keep their first position).
 _HEAD = ("get_original_backbone", "global_pool", "head_type", "freeze")
 DUALPROMPT_KEYS: dict[str, ConfigKey] = {
-    **{key: PROMPT_POOL_KEYS[key] for key in _HEAD},
+    **{key: L2POnline.config_keys[key] for key in _HEAD},
     "head_type": ConfigKey(
-        "token", "what the head reads", choices=PROMPT_POOL_KEYS["head_type"].choices
+        "token", "what the head reads", choices=L2POnline.config_keys["head_type"].choices
     ),
     "use_g_prompt": ConfigKey(True, "general (task-shared) prompt", check=boolean),
     "g_prompt_length": ConfigKey(5, "G-prompt length (paper: 5)", check=integer(1)),
@@ -52,7 +52,7 @@ DUALPROMPT_KEYS: dict[str, ConfigKey] = {
         [2, 3, 4], "layers that get E-prompts", check=list_of(integer(0), BLOCKS, distinct=True)
     ),
     "use_prefix_tune_for_e_prompt": ConfigKey(True, "prefix-tune the E-prompts", check=boolean),
-    **{key: spec for key, spec in PROMPT_POOL_KEYS.items() if key not in _HEAD},
+    **{key: spec for key, spec in L2POnline.config_keys.items() if key not in _HEAD},
     "top_k": ConfigKey(1, "E-prompts selected per sample (at most size)", check=integer(1)),
     "same_key_value": ConfigKey(False, "share prefix keys and values", check=boolean),
 }

@@ -41,8 +41,8 @@ from ..core.checks import boolean, real
 from ..core.prototypes import PrototypeBank
 from ..engine.adapter import ConfigKey, StepOutput, UpstreamDifference
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, VIT_B16_WIDTH
+from ..engine.checkpoint import tensors_to
 from ..engine.registry import register_method
-from .cofima import _to
 from .finetune import FinetuneOnline
 
 
@@ -64,7 +64,7 @@ class ClassPeriods:
     def observe(self, labels: torch.Tensor) -> None:
         """One step's stream labels (no host sync)."""
         if self.group.device != labels.device:
-            self.load_state_dict(_to(self.state_dict(), labels.device))
+            self.load_state_dict(tensors_to(self.state_dict(), labels.device))
         self.period_counts.index_add_(0, labels, torch.ones_like(labels))
 
     def close(self, firing: int) -> torch.Tensor:
@@ -389,8 +389,8 @@ class DUCTOnline(FinetuneOnline):
         device = self.classifier(network).weight.device
         for key in ("means", "trained", "anchored"):
             getattr(self, key).to(device).load_state_dict(state[key])
-        self.periods.load_state_dict(_to(state["periods"], device))
-        self.anchor = _to(state["anchor"], device)
+        self.periods.load_state_dict(tensors_to(state["periods"], device))
+        self.anchor = tensors_to(state["anchor"], device)
         self.ratios = [float(r) for r in state["ratios"]]
         self.transports = int(state["transports"])
 

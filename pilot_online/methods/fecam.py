@@ -31,8 +31,9 @@ from torch import nn
 from ..core.checks import real
 from ..engine.adapter import ConfigKey, UpstreamDifference
 from ..engine.backbone_names import VIT_B16_WIDTH
+from ..engine.differences import FIRST_SESSION_DIFFERENCES
 from ..engine.registry import register_method
-from .ranpac import FIRST_SESSION_DIFFERENCES, FirstSessionAnalyticOnline, Tensors
+from .ranpac import FirstSessionAnalyticOnline
 
 #: The feature width of every backbone FeCAM accepts (ViT-B/16), for :meth:`state_bytes`.
 
@@ -84,7 +85,9 @@ class FeCAMOnline(FirstSessionAnalyticOnline):
         self.alpha = float(args["cov_shrink"])
         return network
 
-    def new_statistics(self, network: nn.Module, args: Mapping[str, Any]) -> Tensors:
+    def new_statistics(
+        self, network: nn.Module, args: Mapping[str, Any]
+    ) -> dict[str, torch.Tensor]:
         c, d = int(args["nb_classes"]), int(network.feature_dim)
         return {
             "count": torch.zeros(c, dtype=torch.float64),
@@ -102,7 +105,7 @@ class FeCAMOnline(FirstSessionAnalyticOnline):
             xc = x[labels == c]
             self.stats["outer"][c] += xc.T @ xc
 
-    def new_head(self, network: nn.Module, args: Mapping[str, Any]) -> Tensors:
+    def new_head(self, network: nn.Module, args: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         c, d = int(args["nb_classes"]), int(network.feature_dim)
         return {
             "analytic_means": torch.zeros(c, d),
@@ -110,7 +113,7 @@ class FeCAMOnline(FirstSessionAnalyticOnline):
             "analytic_seen": torch.zeros(c, dtype=torch.bool),
         }
 
-    def solve(self) -> Tensors:
+    def solve(self) -> dict[str, torch.Tensor]:
         count, total, outer = self.stats["count"], self.stats["sum"], self.stats["outer"]
         seen = count > 0
         d = total.shape[1]

@@ -29,25 +29,8 @@ from torch import nn
 from ..core.checks import integer
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, UpstreamDifference
 from ..engine.backbone_names import PLAIN_VIT, plain_vit_overrides
+from ..engine.differences import BATCH_LOGIT_MASK, ONE_LINEAR_HEAD
 from ..engine.registry import register_method
-
-#: The training loss's mask, shared by the ports whose upstream masks by task (L2P, DualPrompt,
-#: CODA-Prompt, fine-tuning).
-BATCH_LOGIT_MASK = UpstreamDifference(
-    "batch_logit_mask",
-    "The cross-entropy masks the logits of the classes absent from the training batch, where "
-    "upstream's masks those outside the current task.",
-    "Online there is no task to mask by; the paper trains every method with the batch-wise mask "
-    "(its appendix, `logit_mask: batch`).",
-)
-
-#: The head of the ports that train one linear classifier (fine-tuning, iCaRL, DGR).
-ONE_LINEAR_HEAD = UpstreamDifference(
-    "one_linear_head_over_every_class",
-    "The head is one linear layer over every class of the stream, made at build, where "
-    "upstream's update_fc grows it by each task's classes at the task's start.",
-    "Online the classes of the stream are known up front but no task start is seen.",
-)
 
 #: The paper's replay settings: 1,000 samples in memory, 100 replayed per step.
 REPLAY_KEYS: dict[str, ConfigKey] = {

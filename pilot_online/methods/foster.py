@@ -48,7 +48,7 @@ from ..engine.adapter import UpstreamDifference as Difference
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, plain_vit_overrides
 from ..engine.config import replay_keys
 from ..engine.registry import register_method
-from .icarl import distillation_loss
+from ..engine.teacher import distillation_loss
 
 #: Upstream's ``exps/foster.json``: ``memory_size`` 2000, ``fixed_memory`` true, 20 per class.
 FOSTER_MEMORY_SIZE, FOSTER_PER_CLASS = 2000, 20

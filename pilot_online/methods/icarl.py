@@ -31,82 +31,20 @@ from ..engine.adapter import (
 )
 from ..engine.backbone_names import PLAIN_VIT
 from ..engine.config import replay_keys
+from ..engine.differences import (
+    LOGITS_ONLY_EVALUATION,
+    ONE_LINEAR_HEAD,
+    ONLINE_HERDING,
+    REPLAY_LOGIT_MASK,
+    TEACHER_AT_FIRING,
+)
 from ..engine.registry import register_method
-from .finetune import ONE_LINEAR_HEAD, FinetuneOnline
+from ..engine.teacher import distillation_loss
+from .finetune import FinetuneOnline
 
 #: Upstream's ``exps/icarl.json``: ``memory_size`` 2000, ``fixed_memory`` false, ``T`` 2.
 ICARL_MEMORY_SIZE = 2000
 ICARL_TEMPERATURE = 2.0
-
-
-#: The replay methods' training mask (iCaRL, DGR, COIL, DER, MEMO): upstream's cross-entropy covers
-#: every class its head has grown to.
-REPLAY_LOGIT_MASK = UpstreamDifference(
-    "batch_logit_mask",
-    "The cross-entropy masks the logits of the classes absent from the training batch "
-    "(stream and replayed rows), where upstream's covers every class its head has grown "
-    "to.",
-    "The paper trains every method with the batch-wise mask (its appendix); with replay "
-    "the batch holds old classes, and `logit_mask: seen` is upstream's reading.",
-)
-
-#: The replay methods' memory (iCaRL, DGR, COIL, DER, MEMO): upstream's herding, online.
-ONLINE_HERDING = UpstreamDifference(
-    "online_herding",
-    "Each class's exemplars are re-picked by herding as its samples stream past (over "
-    "its stored exemplars and its samples in the batch, against the running mean of its "
-    "streamed features, computed by the training forward), where upstream herds once, "
-    "at the task end, over the class's whole data through the final network.",
-    "One pass keeps no images beyond the memory, so a class's whole data is never "
-    "available at once.",
-)
-
-#: The distilling methods' teacher (iCaRL, DGR, COIL): the engine's, taken at a firing.
-TEACHER_AT_FIRING = UpstreamDifference(
-    "teacher_at_firing",
-    "The teacher is the network at the last consolidation firing and distils the classes "
-    "seen before it, a mask, where upstream copies the network at each task end and "
-    "distils the prefix of classes known then.",
-    "No task end is seen online; on a clear stream the default trigger fires at each task "
-    "boundary, and on Si-Blurry classes arrive in no order.",
-)
-
-
-#: The exemplar methods' evaluation (iCaRL, COIL): the head alone, no nearest-mean-of-exemplars.
-LOGITS_ONLY_EVALUATION = UpstreamDifference(
-    "logits_only_evaluation",
-    "Evaluation predicts with the head's logits only, where upstream also reports "
-    "nearest-mean-of-exemplars accuracy from its herding class means.",
-    "The paper's tables score every method by its classifier; exemplar means of the "
-    "current network would need a pass over the memory at every evaluation.",
-)
-
-
-def distillation_loss(
-    student: torch.Tensor,
-    target: torch.Tensor,
-    columns: torch.Tensor,
-    temperature: float,
-    weights: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Upstream's ``_KD_loss`` over the ``columns`` (bool ``[C]``) of both logit tensors:
-    ``-sum(q * log_softmax(student / T)) / rows``, ``q = softmax(target / T)``, no ``T**2``
-    factor, in fp32 (iCaRL, DGR, COIL's two terms, FOSTER's ``_KD_loss``). With ``weights``
-    (``[C]``), FOSTER's ``BKD``: ``q`` times the class weights, renormalised per row.
-
-    The columns are masked, not gathered (``logits[:, columns]`` would read the mask back to the
-    host every step). Hidden columns are filled with the most negative finite value: the same
-    softmaxes as gathering, and with no column at all the term is 0 with a zero gradient instead
-    of NaN, so no host sync is needed to skip it. Gradients reach ``target`` too where it has
-    any (COIL's new branch computes its target from the network's own features)."""
-    hidden = ~columns.to(student.device)
-    fill = torch.finfo(torch.float32).min
-    log_p = torch.log_softmax((student.float() / temperature).masked_fill(hidden, fill), dim=1)
-    q = torch.softmax((target.float() / temperature).masked_fill(hidden, fill), dim=1)
-    if weights is not None:
-        q = q * weights.to(q.device, q.dtype)
-        q = q / q.sum(1, keepdim=True)
-    return -torch.where(hidden, 0.0, q * log_p).sum() / student.shape[0]
 
 
 @register_method("icarl_online")

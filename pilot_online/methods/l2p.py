@@ -21,17 +21,8 @@ from torch import nn
 from ..core.checks import boolean, integer, list_of, real, text
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, UpstreamDifference
 from ..engine.backbone_names import pilot_backbones
+from ..engine.differences import BATCH_LOGIT_MASK, NO_BATCH_VOTE_AT_EVALUATION
 from ..engine.registry import register_method
-from .finetune import BATCH_LOGIT_MASK
-
-#: At evaluation each sample picks its own prompts (L2P and DualPrompt).
-NO_BATCH_VOTE_AT_EVALUATION = UpstreamDifference(
-    "no_batch_vote_at_evaluation",
-    "At evaluation each sample selects its own prompts, where upstream keeps the training batch's "
-    "majority vote (`batchwise_prompt`).",
-    "PILOT's test batches are sorted by class, so a vote would hand the model the batch's task; "
-    "`batchwise_prompt_eval: true` restores upstream.",
-)
 
 #: The prompt-pool options PILOT's ``backbone/prompt.py`` recognises (others leave the pool
 #: uninitialised or the query undefined).

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..engine.adapter import ConfigKey, StepOutput
 from ..engine.registry import register_method
-from .finetune import REPLAY_KEYS, FinetuneOnline
+from .finetune import EROnline, FinetuneOnline
 
 
 @register_method("linear_probe_online")
@@ -48,4 +48,4 @@ class ERLinearProbeOnline(LinearProbeOnline):
     paper_name: ClassVar[str] = "ER + Linear probe"
 
     memory_based: ClassVar[bool] = True
-    config_keys: ClassVar[dict[str, ConfigKey]] = REPLAY_KEYS
+    config_keys: ClassVar[dict[str, ConfigKey]] = EROnline.config_keys

@@ -62,7 +62,6 @@ from ..core.class_stats import ClassGaussians, align_classifier
 from ..core.prototypes import PrototypeBank
 from ..core.rng import key_seed
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, UpstreamDifference
-from ..engine.mixins import _run_seed
 from ..engine.registry import register_method
 
 #: ``ca_storage_efficient_method``: full covariances, or their diagonals.
@@ -449,7 +448,7 @@ class MOSOnline(MethodAdapter):
         if len(classes) == 0:
             return False
         generator = torch.Generator(device=head.weight.device)
-        generator.manual_seed(key_seed(_run_seed(self.args.get("seed", 0)), firing))
+        generator.manual_seed(key_seed(self.run_seed(), firing))
         align_classifier(
             head,
             classes,

@@ -48,12 +48,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.checks import boolean, integer
+from ..core.cosine_head import attach_cosine_head
 from ..engine.adapter import ConfigKey, StepOutput, UpstreamDifference
 from ..engine.backbone_names import PLAIN_VIT, pilot_backbones
+from ..engine.differences import FIRST_SESSION_DIFFERENCES
 from ..engine.registry import register_method
 from .aper_adapter import AperAdapterOnline
-from .aper_vpt import VPT_TYPES, AperVPTOnline
-from .ease import attach_cosine_head
+from .aper_vpt import AperVPTOnline
 from .finetune import FinetuneOnline
 
 #: What trains in the first session, by the backbone name's PETL marker: upstream's adapter and
@@ -75,30 +76,6 @@ Tensors = dict[str, torch.Tensor]
 #: first session's head ranks them among themselves, so a network that has seen nothing still
 #: ranks classes by something (as EASE's unseen classes score with its proxy head).
 UNSEEN_LOGIT = -1e4
-
-#: The differences RanPAC and FeCAM share (their first session and their statistics).
-FIRST_SESSION_DIFFERENCES: tuple[UpstreamDifference, ...] = (
-    UpstreamDifference(
-        "first_session_until_first_firing",
-        "The first session (PETL module and cosine head trained) lasts until the consolidation "
-        "trigger's first firing, in one pass, instead of tuned_epoch epochs over the first task.",
-        "A task-free stream has no first task; the trigger marks where it would end.",
-    ),
-    UpstreamDifference(
-        "statistics_from_the_first_step",
-        "Statistics accumulate from every stream batch as it arrives (training transforms, eval "
-        "mode), the first session's from a backbone still training, where upstream passes each "
-        "task's data again after training with test transforms.",
-        "Online, each sample is seen once: its features must be folded in when it arrives.",
-    ),
-    UpstreamDifference(
-        "unseen_classes_below_seen",
-        "A class without statistics yet scores -1e4 plus the first session's head, where "
-        "upstream's head has no row for a class of a later task.",
-        "The online head covers every class of the stream from the start; evaluation never "
-        "allows such a class, and a network that has seen nothing still ranks classes.",
-    ),
-)
 
 
 class FirstSessionAnalyticOnline(FinetuneOnline):
@@ -133,7 +110,9 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
         ),
         **AperAdapterOnline.config_keys,
         "vpt_type": ConfigKey(
-            "shallow", "VPT prompts (PILOT's ranpac/fecam configs: shallow)", choices=VPT_TYPES
+            "shallow",
+            "VPT prompts (PILOT's ranpac/fecam configs: shallow)",
+            choices=AperVPTOnline.config_keys["vpt_type"].choices,
         ),
         "prompt_token_num": ConfigKey(5, "VPT prompt tokens per layer", check=integer(1)),
     }

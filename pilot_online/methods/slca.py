@@ -47,7 +47,6 @@ from ..core.checks import integer, real
 from ..core.class_stats import ClassGaussians, align_classifier
 from ..core.rng import key_seed
 from ..engine.adapter import ConfigKey, StepOutput, UpstreamDifference
-from ..engine.mixins import _run_seed
 from ..engine.registry import register_method
 from .finetune import FinetuneOnline
 
@@ -184,7 +183,7 @@ class SLCAOnline(FinetuneOnline):
             self.stats.means[classes].double() * mean_scales(sessions, firing)[:, None]
         ).float()
         generator = torch.Generator(device=head.weight.device)
-        generator.manual_seed(key_seed(_run_seed(args.get("seed", 0)), firing, samples))
+        generator.manual_seed(key_seed(self.run_seed(), firing, samples))
         align_classifier(
             head,
             classes,

@@ -38,12 +38,9 @@ from ..core.datasets import (
 )
 from ..core.rng import seed_generators, seeded
 from ..engine.pixel_cache import DeviceEnd, Normalization, PixelCache
+from .errors import DatasetUnavailableError, install_excepthook
 
 logger = logging.getLogger(__name__)
-
-
-class DatasetUnavailableError(RuntimeError):
-    """The dataset's files are missing and could not be downloaded."""
 
 
 class IncompleteDatasetError(DatasetUnavailableError):
@@ -97,7 +94,7 @@ class SyntheticIData:
 class ScaleIData(SyntheticIData):
     """PILOT's ``iData`` over a scale-model benchmark (``fashion_mnist``, ``fractal``): images
     at the backbone's ``img_size`` (``backbone_kwargs``), normalised as the shipped backbone was
-    pretrained (``scale/probe.py``), no augmentation."""
+    pretrained (``harness/scale/probe.py``), no augmentation."""
 
     def __init__(self, name: str, args: dict[str, Any] | None = None) -> None:
         from torchvision import transforms
@@ -130,8 +127,6 @@ def check_run(args: dict[str, Any] | None) -> None:
 
     Runs for a run's arguments (PILOT's ``main.py`` and ``pilot-online run`` put the config file
     under ``config``); a PILOT method with an offline config is left to PILOT."""
-    from .errors import install_excepthook
-
     install_excepthook()
     if not args or "config" not in args or not args.get("model_name"):
         return

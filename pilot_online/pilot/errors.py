@@ -16,6 +16,11 @@ import os
 import sys
 from types import TracebackType
 
+
+class DatasetUnavailableError(RuntimeError):
+    """The dataset's files are missing and could not be downloaded (``pilot/data.py``)."""
+
+
 #: Set to 1 to see the traceback of a user error too.
 TRACEBACK_FLAG = "PILOT_ONLINE_TRACEBACK"
 
@@ -30,7 +35,6 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from ..engine.checkpoint import CheckpointError
     from ..engine.config import ConfigError
     from .backbones import WeightsUnavailableError
-    from .data import DatasetUnavailableError
     from .patching import PatchError
 
     return (

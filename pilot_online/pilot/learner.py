@@ -23,7 +23,7 @@ from ..core.streams import build_stream
 from ..engine.adapter import MethodAdapter
 from ..engine.checkpoint import CompletedRun, checkpoint_path_for, completed_results
 from ..engine.config import resolve_config
-from ..engine.loop import build_loop
+from ..engine.mixins import build_loop
 from ..engine.registry import get_method
 from ..engine.session import OnlineSession, RunInterrupted, unique_results_path
 from .attention import use_sdpa

@@ -4,11 +4,13 @@
     pilot-online scale-model --out runs/scale --part ablation  # claims 1-3 first
     pilot-online scale-model --out runs/scale --report-only    # docs/scale-model.md from results
 
-The runs are the committed configs ``exps/scale/*.json`` (``scale/grid.py`` says why each
-exists). Each runs through PILOT's trainer in its own process, one at a time (the sweep engine);
-a command started again skips finished runs and resumes the interrupted one, so the grid spans
-sittings. Then the report: ``docs/scale-model.md`` with the tables, the three figures and a
-verdict for each of the paper's claims, from the results files alone.
+The runs are the committed configs ``exps/scale/*.json`` (``harness/scale/grid.py`` says why each
+exists). Each runs through PILOT's trainer in its own process, one at a time (the sweep engine).
+Their results files go to ``--results``, by default the committed ``docs/scale-model/results/``:
+the grid takes longer than one sitting on one machine, so a finished run is committed, and a
+command started again in any clone skips it (and resumes an interrupted run from its checkpoint
+beside it, which git ignores). Then the report: ``docs/scale-model.md`` with the tables, the
+three figures and a verdict for each of the paper's claims, from the results files alone.
 
 Verdicts rest on paired differences (same seed, same stream): the mean difference and its 95%
 interval (Student's t over the seeds). "holds" when the interval lies on the claimed side of
@@ -30,18 +32,27 @@ from typing import Any
 import numpy as np
 
 from ..core.progress import plural
-from ..scale.grid import GAMMAS, LRS, PARTS, Run, runs
+from .scale.grid import GAMMAS, LRS, PARTS, Run, runs
 
 REPO = Path(__file__).resolve().parent.parent.parent
 DEFAULT_EXPS = REPO / "exps" / "scale"
 DEFAULT_DOC = REPO / "docs" / "scale-model.md"
+DEFAULT_RESULTS = REPO / "docs" / "scale-model" / "results"
 LABELS = {"base": "base", "p": "+ P", "fgh_only": "+ FGH", "fgh": "+ P + FGH"}
 
 
 def add_scale_model_arguments(parser: argparse.ArgumentParser) -> None:
     from .engines import add_engine_arguments
 
-    parser.add_argument("--out", type=Path, required=True, help="folder for configs and results")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="working folder: the configs, PILOT's logs"
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=DEFAULT_RESULTS,
+        help="results files, read and written (default: the committed docs/scale-model/results)",
+    )
     parser.add_argument("--part", choices=PARTS, nargs="+", help="parts to run (default: all)")
     parser.add_argument(
         "--only", nargs="+", metavar="NAME", help="only these runs (names as in exps/scale/)"
@@ -54,8 +65,9 @@ def add_scale_model_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
 
-def run_configs(selected: Sequence[Run], exps: Path, out: Path) -> list[Path]:
-    """Each run's committed config, copied into ``out/configs`` with its results folder."""
+def run_configs(selected: Sequence[Run], exps: Path, out: Path, results: Path) -> list[Path]:
+    """Each run's committed config, copied into ``out/configs`` with ``results`` as its results
+    folder."""
     from ..engine.config import load_json
 
     paths = []
@@ -67,7 +79,7 @@ def run_configs(selected: Sequence[Run], exps: Path, out: Path) -> list[Path]:
                 "python scripts/make_exps.py"
             )
         config = load_json(source)
-        config["results_dir"] = str((out / "results").resolve())
+        config["results_dir"] = str(results.resolve())
         path = out / "configs" / source.name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(config, indent=4) + "\n")
@@ -78,8 +90,8 @@ def run_configs(selected: Sequence[Run], exps: Path, out: Path) -> list[Path]:
 def run_scale_model(args: argparse.Namespace) -> int:
     from .sweep import run_config_files, run_finished
 
-    out = args.out.resolve()
-    check_backbone_of(out, write=not (args.report_only or args.dry_run))
+    out, results = args.out.resolve(), args.results.resolve()
+    check_backbone_of(results, write=not (args.report_only or args.dry_run))
     selected = [r for r in runs() if r.part in (args.part or PARTS)]
     if args.only:
         unknown = sorted(set(args.only) - {r.name for r in selected})
@@ -87,7 +99,7 @@ def run_scale_model(args: argparse.Namespace) -> int:
             raise SystemExit(f"pilot-online scale-model: no run named {', '.join(unknown)}")
         selected = [r for r in selected if r.name in args.only]
     if not args.report_only:
-        paths = run_configs(selected, args.exps, out)
+        paths = run_configs(selected, args.exps, out, results)
         todo = [p for p in paths if not run_finished(p)]
         done = len(paths) - len(todo)
         print(f"{plural(len(paths), 'run')} of 3 seeds; {done} finished already")
@@ -99,20 +111,20 @@ def run_scale_model(args: argparse.Namespace) -> int:
             failed = run_config_files(todo, out, args, lambda line: print(line, flush=True))
             if failed:
                 print(f"{plural(len(failed), 'run')} failed: {', '.join(failed)}", file=sys.stderr)
-    write_report(out / "results", args.doc)
+    write_report(results, args.doc)
     print(f"wrote {args.doc}")
     return 0
 
 
-#: Beside the grid's runs: the SHA-256 of the backbone they ran on. The configs name the
+#: Beside the grid's results: the SHA-256 of the backbone they ran on. The configs name the
 #: shipped file, not its hash, so a sweep would take another backbone's finished runs as done.
 BACKBONE_STAMP = "backbone.sha256"
 
 
 def check_backbone_of(out: Path, write: bool = True) -> None:
-    """Refuse an ``--out`` whose runs used another backbone file than the one shipped now;
+    """Refuse a results folder whose runs used another backbone file than the one shipped now;
     stamp it with the shipped file's hash (``write``)."""
-    from ..scale import backbone
+    from ..core import scale_backbone as backbone
 
     shipped = backbone.record()["sha256"]
     stamp = out / BACKBONE_STAMP
@@ -122,7 +134,7 @@ def check_backbone_of(out: Path, write: bool = True) -> None:
             raise SystemExit(
                 f"pilot-online scale-model: {out} holds runs of another backbone (SHA-256 "
                 f"{used[:16]}…; the shipped file is {shipped[:16]}…): move the folder away or "
-                "give another --out"
+                "give another --results"
             )
     elif write:
         out.mkdir(parents=True, exist_ok=True)
@@ -271,7 +283,8 @@ def write_report(results_folder: Path, doc: Path) -> None:
     lines = [
         "# The scale model: the paper's claims on a ViT pretrained here",
         "",
-        "Generated by `pilot-online scale-model` from the results of the committed configs "
+        "Generated by `pilot-online scale-model` from the committed results "
+        "(`docs/scale-model/results/`) of the committed configs "
         "`exps/scale/*.json`; do not edit by hand. What the scale model is, and why: "
         "[the section below](#the-scale-model). Numbers are AP (%), mean ± std over the "
         "seeds (n in brackets where fewer than 3 finished).",
@@ -337,7 +350,7 @@ CHOICES = """### How the recipe was chosen
 
 
 def _backbone_section() -> list[str]:
-    from ..scale import backbone
+    from ..core import scale_backbone as backbone
 
     try:
         record = backbone.record()

@@ -4,7 +4,7 @@
 counts, with ``torch.utils.flop_counter.FlopCounterMode`` (2 FLOPs per multiply-add), the FLOPs
 per image of a training step (forward with the query pass, loss, backward), of the training
 forward alone, of the frozen query pass, and of a test forward. It writes them to the package
-data ``cli/flops.json`` that this module reads (no PILOT, no torch needed here).
+data ``data/flops.json`` that this module reads (no PILOT, no torch needed here).
 
 A run's FLOPs (:func:`run_flops`):
 
@@ -189,7 +189,7 @@ def calibration(table: Mapping[str, Any] | None = None) -> Calibration:
     """Fit one sustained throughput to the paper's time table (``time_consumption``: CUB, clear,
     batch 100, Quadro RTX 8000): per paper method, the FLOPs of its CUB run over the mean
     measured seconds of its rows (P and FGH add no FLOPs); the median over methods."""
-    from ..engine.paper import registered_names, time_consumption
+    from .paper import registered_names, time_consumption
 
     paper = time_consumption()
     names = registered_names()
@@ -215,8 +215,8 @@ def paper_measured_seconds(cfg: Mapping[str, Any]) -> tuple[float, str] | None:
     """The paper's measured time of this config's method and ablation row on CUB (clear, one
     Quadro RTX 8000), with the row it is, or None where the table has no such row."""
     from ..engine.config import variant_of
-    from ..engine.paper import time_consumption
     from ..engine.registry import get_method
+    from .paper import time_consumption
 
     try:
         paper_name = get_method(str(cfg.get("model_name"))).paper_name

@@ -322,33 +322,3 @@ def format_table(rows: list[dict[str, Any]], group: bool = True) -> str:
         table.append("note: " + duplicates_note([r["file"] for r in set_aside]))
     table += legend(group)
     return "\n".join(table)
-
-
-def _runs_of(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from .figures import load_runs
-
-    return load_runs(row["file"] for row in rows)
-
-
-def plot_gradient_imbalance(rows: list[dict[str, Any]], output: Path) -> Path:
-    """Bars of G^k_n per task for each configuration (paper Fig. 1), averaged over seeds:
-    ``output`` (PNG) and the same stem as PDF (:func:`figures.gradient_imbalance_figure`)."""
-    from .figures import FigureSkipped, gradient_imbalance_figure
-
-    try:
-        data = gradient_imbalance_figure(_runs_of(rows), Path(output).with_suffix(""))
-    except FigureSkipped as err:
-        raise RuntimeError(str(err)) from None
-    return data.paths[0]
-
-
-def plot_task_gradient_trace(rows: list[dict[str, Any]], task: int, output: Path) -> Path:
-    """Per-step G^k of task ``task`` (0-based) for each configuration (paper Fig. 2): ``output``
-    (PNG) and the same stem as PDF (:func:`figures.gradient_trace_figure`)."""
-    from .figures import FigureSkipped, gradient_trace_figure
-
-    try:
-        data = gradient_trace_figure(_runs_of(rows), Path(output).with_suffix(""), [task + 1])
-    except FigureSkipped as err:
-        raise RuntimeError(str(err)) from None
-    return data.paths[0]

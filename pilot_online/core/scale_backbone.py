@@ -36,7 +36,7 @@ def record() -> dict[str, Any]:
 
 def verify() -> dict[str, Any]:
     """The record, after checking that the shipped file's SHA-256 is the recorded one."""
-    from .pretrain import sha256
+    from .files import sha256
 
     rec = record()
     if not WEIGHTS.is_file():

@@ -14,20 +14,15 @@ the runs that finished.
 from __future__ import annotations
 
 import argparse
-import copy
-import itertools
-import json
 import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from ..core.progress import plural
 from ..core.results import load_results, results_path
 from ..engine.config import (
-    VARIANTS,
     ConfigError,
     load_json,
     resolve_config,
@@ -40,92 +35,7 @@ from .engines import (
     engine_options,
     run_jobs,
 )
-
-
-def parse_grid(items: list[str]) -> dict[str, list[Any]]:
-    """``["init_lr=5e-5,5e-3", "fgh.gamma=0.1,1"]`` -> {key: [JSON-parsed values]}.
-
-    Values are comma-separated scalars (numbers, true/false/null, bare strings)."""
-    grid: dict[str, list[Any]] = {}
-    for item in items:
-        key, sep, values = item.partition("=")
-        if not sep or not values:
-            raise ConfigError(f"--grid {item!r}: write KEY=V1,V2 (e.g. init_lr=5e-5,5e-3)")
-        parsed = []
-        for value in values.split(","):
-            try:
-                parsed.append(json.loads(value))
-            except json.JSONDecodeError:
-                parsed.append(value)  # bare strings: clear, si_blurry, base...
-        grid[key.strip()] = parsed
-    return grid
-
-
-def apply_point(base: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
-    """The config of one grid point (``variant`` expands to a row of ``config.VARIANTS``;
-    ``fgh.gamma`` sets a nested key; ``seed`` makes one run per seed)."""
-    config = copy.deepcopy(base)
-    for key, value in point.items():
-        if key == "variant":
-            if value not in VARIANTS:
-                raise ConfigError(f"variant {value!r}: choose one of {', '.join(VARIANTS)}")
-            config.update(copy.deepcopy(VARIANTS[value]))
-        elif key.startswith("fgh."):
-            if not config.get("fgh"):
-                raise ConfigError(f"{key}: this grid point has no FGH (fgh is null)")
-            config["fgh"][key.removeprefix("fgh.")] = value
-        elif key == "seed":  # one run per seed: PILOT's trainer loops over a list
-            config["seed"] = value if isinstance(value, list) else [value]
-        else:
-            config[key] = value
-    return config
-
-
-def point_name(point: dict[str, Any]) -> str:
-    return "__".join(f"{k}-{v}" for k, v in point.items()) or "base"
-
-
-def build_configs(
-    base: dict[str, Any], grid: dict[str, list[Any]], out: Path, name_prefix: str = ""
-) -> list[Path]:
-    """Write and validate every grid point's config (all are checked before any run starts).
-
-    ``name_prefix`` starts every point's name (config file and results prefix): the method in a
-    per-method sweep (``cli/protocol.py``)."""
-    return write_configs(plan_configs(base, grid, out, name_prefix))
-
-
-def write_configs(planned: dict[Path, dict[str, Any]]) -> list[Path]:
-    """Write configs planned by :func:`plan_configs` to their paths."""
-    for path, config in planned.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(config, indent=4) + "\n")
-    return list(planned)
-
-
-def plan_configs(
-    base: dict[str, Any], grid: dict[str, list[Any]], out: Path, name_prefix: str = ""
-) -> dict[Path, dict[str, Any]]:
-    """Every grid point's config, validated, by the path it is written to; nothing is written,
-    so a dry run can list what a run would do and leave the disk as it was."""
-    planned: dict[Path, dict[str, Any]] = {}
-    keys = list(grid)
-    for values in itertools.product(*(grid[k] for k in keys)):
-        point = dict(zip(keys, values))
-        if apply_point(base, {k: v for k, v in point.items() if k == "variant"}).get("fgh") is None:
-            point = {k: v for k, v in point.items() if not k.startswith("fgh.")}  # no FGH: no axis
-        config = apply_point(base, point)
-        name = point_name(point)
-        if name_prefix:
-            name = f"{name_prefix}__{name}" if point else name_prefix
-        path = out / "configs" / f"{name}.json"
-        if path in planned:
-            continue
-        config["prefix"] = name
-        config["results_dir"] = str((out / "results").resolve())
-        resolve_config(config)
-        planned[path] = config
-    return planned
+from .points import apply_point, build_configs, parse_grid, parse_sets
 
 
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
@@ -189,7 +99,7 @@ def run_finished(config_path: Path) -> bool:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    from .protocol import parse_sets, protocol_configs, uses_protocol
+    from .presets import protocol_configs, uses_protocol
     from .report import collect, format_table
 
     def say(line: str) -> None:

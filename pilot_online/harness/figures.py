@@ -53,6 +53,7 @@ from ..core.progress import plural
 from ..core.results import find_results, load_results
 from ..core.streams import STREAM_KINDS
 from ..engine.config import FGH_FORMS, PAPER_FGH
+from .paper import DATASET_NAMES
 from .report import (
     FORM_KEYS,
     duplicates_note,
@@ -62,7 +63,6 @@ from .report import (
     one_run_per_seed,
     variant_label,
 )
-from .tables import DATASET_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -945,3 +945,30 @@ def write_figures(
     if set_aside:
         on_note(duplicates_note(set_aside))
     return written
+
+
+# -- the report command's plots (``pilot-online report --plot``) ---------------------------------
+
+
+def _runs_of(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return load_runs(row["file"] for row in rows)
+
+
+def plot_gradient_imbalance(rows: list[dict[str, Any]], output: Path) -> Path:
+    """Bars of G^k_n per task for each configuration (paper Fig. 1), averaged over seeds:
+    ``output`` (PNG) and the same stem as PDF (:func:`gradient_imbalance_figure`)."""
+    try:
+        data = gradient_imbalance_figure(_runs_of(rows), Path(output).with_suffix(""))
+    except FigureSkipped as err:
+        raise RuntimeError(str(err)) from None
+    return data.paths[0]
+
+
+def plot_task_gradient_trace(rows: list[dict[str, Any]], task: int, output: Path) -> Path:
+    """Per-step G^k of task ``task`` (0-based) for each configuration (paper Fig. 2): ``output``
+    (PNG) and the same stem as PDF (:func:`gradient_trace_figure`)."""
+    try:
+        data = gradient_trace_figure(_runs_of(rows), Path(output).with_suffix(""), [task + 1])
+    except FigureSkipped as err:
+        raise RuntimeError(str(err)) from None
+    return data.paths[0]

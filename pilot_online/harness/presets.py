@@ -20,9 +20,9 @@ from typing import Any
 from ..core.fgh import validate_options
 from ..core.files import write_atomic
 from ..core.results import find_results, load_results
-from ..engine.config import PAPER_FGH, ConfigError, load_json, variant_of
-from ..engine.protocol import (
-    HP_COLUMNS,
+from ..engine.config import HP_COLUMNS, PAPER_FGH, ConfigError, load_json, variant_of
+from .points import apply_point, build_configs, parse_grid, parse_sets
+from .protocol import (
     HP_GRID,
     HP_ROWS,
     HP_SEARCH_SETTINGS,
@@ -31,26 +31,11 @@ from ..engine.protocol import (
     method_short_name,
     select_best,
 )
-from .sweep import apply_point, build_configs, parse_grid
 
 PRESETS = ("hp_grid",)
 DEFAULT_PRESET_CONFIG = "exps/{method}_online_base.json"
 #: ``hp_column`` value of the runs that fill the tables' "Best HP" column.
 BEST_COLUMN = HP_COLUMNS[1]
-
-
-def parse_sets(items: list[str]) -> dict[str, Any]:
-    """``["seed=[1993,1994]", "dataset=synthetic_small"]`` -> {key: JSON value or bare string}."""
-    values: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not value:
-            raise ConfigError(f"--set {item!r}: write KEY=VALUE (e.g. seed=[1993,1994])")
-        try:
-            values[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            values[key.strip()] = value
-    return values
 
 
 def _methods(args: argparse.Namespace, default: list[str]) -> list[str]:

@@ -4,7 +4,7 @@ VTAB search behind the "Best HP" column) and the rule that picks a grid point.
 Why one module: scripts/make_exps.py (the per-LR configs), ``pilot-online sweep --preset hp_grid``
 (the search), ``pilot-online best`` (the selection) and ``pilot-online tables`` (the columns) all
 read the table from here, so they cannot disagree with each other or with the paper. The table's
-values themselves are the package's paper data (``engine/paper.py``), beside Tables 1-2.
+values themselves are the package's paper data (``harness/paper.py``), beside Tables 1-2.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from typing import Any
 #: The main tables' fixed-learning-rate columns (paper Sec. 4.1, "Performance Across LR").
 FIXED_LRS: tuple[float, ...] = (5e-5, 5e-3)
 
-#: ``hp_column`` values: a run fills its init_lr's column, or the "Best HP" column.
-HP_COLUMNS: tuple[str, ...] = ("lr", "best")
 
 #: Where the Best HP search runs (hp_grid caption): VTAB, clear, 10 tasks of 5 classes.
 HP_SEARCH_SETTINGS: dict[str, Any] = {

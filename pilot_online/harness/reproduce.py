@@ -31,8 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from ..core.progress import plural
-from ..engine.config import PAPER_FGH, PILOT_KEYS, ConfigError, load_json
-from ..engine.paper import (
+from ..engine.config import HP_COLUMNS, PAPER_FGH, PILOT_KEYS, ConfigError, load_json
+from ..engine.registry import get_method
+from .engines import EngineUnavailable, add_engine_arguments
+from .estimate import dataset_size, estimate_run_seconds
+from .paper import (
     BEST,
     COMPARED_TABLES,
     best_hp_columns,
@@ -44,12 +47,9 @@ from ..engine.paper import (
     same_cell,
     same_column,
 )
-from ..engine.protocol import FIXED_LRS, HP_COLUMNS, HP_ROWS, method_short_name
-from ..engine.registry import get_method
-from .engines import EngineUnavailable, add_engine_arguments
-from .estimate import dataset_size, estimate_run_seconds
-from .protocol import parse_sets
-from .sweep import apply_point, plan_configs, run_config_files, run_finished, write_configs
+from .points import apply_point, parse_sets, plan_configs, write_configs
+from .protocol import FIXED_LRS, HP_ROWS, method_short_name
+from .sweep import run_config_files, run_finished
 
 #: Our row names -> the exps/ variant they run (``engine.config.VARIANTS``).
 ROW_VARIANTS = {**HP_ROWS, "p": "p", "fgh_only": "fgh_only"}
@@ -58,7 +58,7 @@ BEST_HP_POLICIES = ("tables", "hp_grid")
 #: Keys that make a run another cell: ``--set`` may not change them.
 CELL_KEYS = ("model_name", "stream", "init_lr", "online_prototypes", "fgh", "hp_column")
 
-#: A cell's configs, one per seed, by the path each is written to (``sweep.plan_configs``).
+#: A cell's configs, one per seed, by the path each is written to (``points.plan_configs``).
 PlannedConfigs = dict[Path, dict[str, Any]]
 
 
@@ -167,7 +167,7 @@ def best_point(method: str, row: str, policy: str = "tables") -> tuple[float, fl
     a fixed LR (L2P, ConvPrompt, linear probe, ER), the Best HP run repeats that column's config,
     FGH included, since that is the run those numbers came from; otherwise hp_grid's bold LR and
     gamma. "hp_grid": always hp_grid's bold LR and gamma (gamma 1 where it lists none)."""
-    from ..engine.protocol import HP_GRID
+    from .protocol import HP_GRID
 
     paper = _methods()[method]
     grid = HP_GRID[method]
@@ -243,7 +243,7 @@ def cell_configs(
 
 def _paper_cell(cell: CellSpec):
     """The paper's value of the cell (Tables 1-2 first, else the ablation)."""
-    from ..engine.paper import find_paper_cell
+    from .paper import find_paper_cell
 
     paper = _methods()[cell.method]
     for table in COMPARED_TABLES:
@@ -268,7 +268,7 @@ def _check_paper_fgh(config: dict[str, Any], path: Path) -> None:
 
 
 def paper_seeds(cell: CellSpec) -> int:
-    from ..engine.paper import paper_seed_count
+    from .paper import paper_seed_count
 
     return paper_seed_count(_methods()[cell.method])
 
@@ -332,8 +332,8 @@ def realtime_note(config: dict[str, Any]) -> str:
 
 
 def estimator(tflops: float | None):
-    """``(function, description)``: the FLOP model (``cli/estimate.py``) at ``tflops``."""
-    what = "FLOP model (pilot_online.cli.estimate)"
+    """``(function, description)``: the FLOP model (``harness/estimate.py``) at ``tflops``."""
+    what = "FLOP model (pilot_online.harness.estimate)"
     if tflops is not None:
         what += f" at {tflops:g} TFLOP/s sustained"
         return (lambda cfg: estimate_run_seconds(cfg, sustained_tflops=tflops)), what

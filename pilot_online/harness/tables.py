@@ -40,7 +40,7 @@ in the time table). The build functions return ``Table`` objects holding numbers
 those), and ``to_markdown`` / ``to_latex`` render them.
 
 ``--vs-paper`` sets each cell of Tables 1-2 and the Si-Blurry ablation beside the paper's own
-(``engine/paper.py``: mean ± std and seeds), with the difference and a verdict: within the
+(``harness/paper.py``: mean ± std and seeds), with the difference and a verdict: within the
 paper's std, within twice it, or differs (:func:`compare_with_paper`).
 """
 
@@ -60,17 +60,17 @@ from ..core.files import write_atomic
 from ..core.progress import plural
 from ..core.results import find_results, load_results
 from ..core.streams import STREAM_KINDS, STREAMS
-from ..engine.config import PAPER_FGH, variant_of
-from ..engine.paper import (
+from ..engine.config import HP_COLUMNS, PAPER_FGH, variant_of
+from .paper import (
+    DATASET_NAMES,
     PaperCell,
     best_hp_discrepancies,
     find_paper_cell,
     paper_datasets,
     same_cell,
 )
-from ..engine.protocol import (
+from .protocol import (
     FIXED_LRS,
-    HP_COLUMNS,
     HP_SEARCH_SETTINGS,
     method_short_name,
     select_best,
@@ -84,16 +84,6 @@ PAPER_GROUPS: tuple[tuple[str, ...], ...] = (
     ("MVP", "oLoRA"),
     ("CODA", "L2P", "DualPrompt", "ConvPrompt"),
 )
-#: The paper's dataset columns (PILOT names -> headers), in its order; others follow, by name.
-DATASET_NAMES = {
-    "cifar224": "CIFAR100",
-    "cifar100": "CIFAR100",
-    "cub": "CUB",
-    "imagenetr": "Imagenet-R",
-    "fashion_mnist": "Fashion-MNIST",
-    "fashion_mnist_quick": "Fashion-MNIST (quick)",
-    "fractal": "Fractal (held out)",
-}
 #: Each stream kind's short name and LaTeX title, from its definition (``core.streams``).
 STREAM_NAMES = {kind: spec.short for kind, spec in STREAM_KINDS.items()}
 STREAM_TITLES = {kind: spec.title for kind, spec in STREAM_KINDS.items()}
@@ -524,8 +514,8 @@ def _searched_choice(
 
 
 def _hp_grid() -> dict[str, Any]:
-    """``engine.protocol.HP_GRID``, read when needed: building it imports every method."""
-    from ..engine import protocol
+    """``protocol.HP_GRID``, read when needed: building it imports every method."""
+    from . import protocol
 
     return protocol.HP_GRID
 
@@ -1012,7 +1002,7 @@ def _tex_header(column: str) -> str:
 
 # --- against the paper ----------------------------------------------------------------------
 
-#: Our table -> the paper's (package data, ``engine/paper.py``) with the same rows and columns.
+#: Our table -> the paper's (package data, ``harness/paper.py``) with the same rows and columns.
 PAPER_TABLES = {
     "all_acc_clear": "all_acc_clear",
     "all_acc_blurry": "all_acc_blurry",
@@ -1105,7 +1095,7 @@ def compare_with_paper(
 
 def _short_names() -> dict[str, str]:
     """The paper's row name -> the method's short name (coda, l2p, ...), from the registry."""
-    from ..engine.paper import registered_names
+    from .paper import registered_names
 
     return {paper: method_short_name(name) for paper, name in registered_names().items()}
 

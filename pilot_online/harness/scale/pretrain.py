@@ -31,7 +31,6 @@ shipped result and its record (recipe, seed, hash, figures).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -46,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core import fashion_mnist, fractals
+from ...core import fashion_mnist, fractals
 from . import probe
 
 logger = logging.getLogger(__name__)
@@ -472,11 +471,3 @@ def backbone_state(model: Pretrainer) -> dict[str, torch.Tensor]:
         for key, value in model.vit.state_dict().items()
         if not key.startswith("head.")
     }
-
-
-def sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -3,11 +3,10 @@
 Why: a researcher reproducing a cell must see at once how far it is from the paper. The values
 of Tables 1-2 (``all_acc_clear``, ``all_acc_blurry``), the Si-Blurry ablation
 (``all_ablation_blurry``), the appendix's ``hp_grid`` and ``time_consumption`` were copied once
-from the paper's LaTeX (the data file names its source) and are read here; ``engine.protocol``
+from the paper's LaTeX (the data file names its source) and are read here; ``protocol``
 derives ``HP_GRID`` from the same file, so the search grid and the compared values cannot
 disagree. Nothing here imports torch, timm or PILOT; the method rows are matched to registered
-methods through their adapters' ``paper_name`` (looked up lazily: the registry fills while the
-methods import, and they import this package's config module).
+methods through their adapters' ``paper_name``.
 """
 
 from __future__ import annotations
@@ -25,6 +24,17 @@ BEST = "best"
 DATA_FILE = "paper_tables.json"
 #: The tables of the paper whose cells ``--vs-paper`` compares (``time_consumption`` has no std).
 COMPARED_TABLES = ("all_acc_clear", "all_acc_blurry", "all_ablation_blurry")
+#: The paper's dataset columns (PILOT names -> headers), in its order; others follow, by name
+#: (the scale model's benchmarks among them).
+DATASET_NAMES = {
+    "cifar224": "CIFAR100",
+    "cifar100": "CIFAR100",
+    "cub": "CUB",
+    "imagenetr": "Imagenet-R",
+    "fashion_mnist": "Fashion-MNIST",
+    "fashion_mnist_quick": "Fashion-MNIST (quick)",
+    "fractal": "Fractal (held out)",
+}
 
 
 @dataclass(frozen=True)
@@ -142,7 +152,7 @@ def registered_names() -> dict[str, str]:
     """The paper's row name -> the registered ``model_name`` whose adapter has that
     ``paper_name`` (every method the paper lists must have exactly one)."""
     from .. import methods  # noqa: F401  (registers the built-in methods)
-    from .registry import get_method, list_methods
+    from ..engine.registry import get_method, list_methods
 
     names: dict[str, list[str]] = {}
     for name in list_methods():

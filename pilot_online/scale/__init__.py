@@ -1,3 +1,0 @@
-"""The scale model: a ViT of PILOT's family pretrained here (``pretrain``), its shipped file
-(``backbone``), the feature probes that show it is pretrained (``probe``), and the grid of the
-paper's experiments on it (``grid``; ``pilot-online scale-model`` runs it)."""
