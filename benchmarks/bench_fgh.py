@@ -8,8 +8,7 @@ variant alike:
 * ``Adam``: ``adam.step()`` alone (the baseline);
 * ``Adam+FGH``: ``fgh.step(); adam.step()`` with ``foreach=True`` and with ``foreach=False`` (the
   single-tensor reference path);
-* ``FGH``: ``fgh.step()`` alone (apply="grad"; for apply="update" FGH works inside
-  ``adam.step()`` through hooks, so its cost is ``Adam+FGH - Adam``).
+* ``FGH``: ``fgh.step()`` alone.
 
 It prints the ratios (Adam + FGH) / Adam and the foreach speed-up over the reference, then the
 memory FGH keeps: state bytes / trainable-parameter bytes (exactly 2.0 for element/grad/grad,
@@ -115,8 +114,6 @@ def make_variant(
         apply=apply,
         foreach=foreach,
     )
-    if apply == "update":
-        fgh.register_optimizer_hooks(adam)
     return adam, fgh
 
 
@@ -134,7 +131,7 @@ def time_config(
     args: argparse.Namespace,
     device: torch.device,
 ) -> dict[str, float]:
-    """Seconds per step: Adam alone, Adam+FGH (foreach, reference), FGH alone (apply=grad)."""
+    """Seconds per step: Adam alone, Adam+FGH (foreach, reference), FGH alone."""
     adam, _ = make_variant(named, None, True, args.adam_foreach)
     adam_fe, fgh_fe = make_variant(named, config, True, args.adam_foreach)
     adam_ref, fgh_ref = make_variant(named, config, False, args.adam_foreach)
@@ -209,16 +206,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--granularities",
-        type=_csv(("element", "class", "tensor", "global")),
+        type=_csv(("element", "class", "global")),
         default=["element", "class", "global"],
     )
     parser.add_argument("--directions", type=_csv(("grad", "adam")), default=["grad", "adam"])
-    parser.add_argument(
-        "--applies",
-        type=_csv(("grad", "update")),
-        default=["grad", "update"],
-        help="apply='update' is timed for granularity=element only (memory: all)",
-    )
+    parser.add_argument("--applies", type=_csv(("grad",)), default=["grad"])
     parser.add_argument(
         "--adam-foreach",
         choices=("default", "true", "false"),
@@ -271,8 +263,7 @@ def report_timing(
         rows.append((label, ratio_fe, speedup))
     print(
         "  ms per optimizer step; ratio = (Adam + FGH) / Adam; fe = foreach=True, ref = "
-        "foreach=False;\n  FGH = fgh.step() alone (apply=update: (Adam+FGH) - Adam, its work "
-        "runs in adam.step() hooks)"
+        "foreach=False;\n  FGH = fgh.step() alone"
     )
     return rows
 
@@ -309,8 +300,7 @@ def report_memory(
             )
         print(row)
     print(
-        "  state/trainable: FGH's persistent state over ALL trainable bytes (class covers fc "
-        "only);\n  apply=update also holds a transient parameter snapshot during adam.step()"
+        "  state/trainable: FGH's persistent state over ALL trainable bytes (class covers fc only)"
     )
     if cuda:
         print(
@@ -329,13 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{torch.get_num_threads()}, median of {args.repeats} repeats after {args.warmup} "
         f"warm-up calls, Adam foreach={args.adam_foreach}, FGH gamma=0 (see docstring)"
     )
-    # apply=update is timed and sized for the element granularity only (class/global: the same
-    # extra work, u and a snapshot, as element).
-    configs = [
-        cfg
-        for cfg in product(args.granularities, args.directions, args.applies)
-        if cfg[2] == "grad" or cfg[0] == "element"
-    ]
+    configs = list(product(args.granularities, args.directions, args.applies))
     summary = []
     for set_name, named in param_sets(args, device).items():
         numel = sum(p.numel() for _, p in named)

@@ -176,7 +176,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--fgh-gamma", type=float, default=1.0)
     parser.add_argument(
-        "--fgh-granularity", choices=("element", "class", "tensor", "global"), default="element"
+        "--fgh-granularity", choices=("element", "class", "global"), default="element"
     )
     parser.add_argument("--fgh-direction", choices=("grad", "adam"), default="grad")
     parser.add_argument("--seed", type=int, default=0)

@@ -14,7 +14,7 @@ For each stream, LR (5e-3 and 5e-5, the paper's columns) and seed it runs the fo
 (base, + P, + FGH, + P + FGH) for both forms (and the appendix form at the main text's gamma 1),
 and prints AP and A_T (mean ± std over seeds) and how alpha sat against the clamp: its mean over
 the stream's steps, and the fractions of coefficients at the clamp's lower and upper bounds,
-averaged over the stream's steps (``FineGrainedHypergradients.alpha_bounds``). ``--gamma-sweep``
+averaged over the stream's steps (``core/fgh_stats.AlphaStream.bounds``). ``--gamma-sweep``
 adds Fig. 3's sweep (+ P + FGH against gamma, Si-Blurry, LR 5e-5) for both forms.
 
     python benchmarks/fgh_proxy.py                       # the table: 5 seeds, about a minute
@@ -41,6 +41,7 @@ from torch import nn
 
 from pilot_online.core import metrics
 from pilot_online.core.fgh import FineGrainedHypergradients
+from pilot_online.core.fgh_stats import AlphaStream
 from pilot_online.core.masks import mask_logits, training_mask
 from pilot_online.core.prototypes import PrototypeBank
 from pilot_online.core.results import build_results, write_results
@@ -136,6 +137,7 @@ def run_one(
         if fgh_options is not None
         else None
     )
+    alpha_stream = AlphaStream(fgh) if fgh is not None else None
     exposure = stream.exposure_task()
     exposure = np.concatenate([exposure, np.full(classes - exposure.size, -1)])
     labels_all = torch.from_numpy(data.train_y)
@@ -154,6 +156,7 @@ def run_one(
         loss.backward()
         if fgh is not None:
             fgh.step()
+            alpha_stream.observe()
         opt.step()
         if bank is not None:
             bank.update(x, y, validate=False)
@@ -173,7 +176,7 @@ def run_one(
     summary = metrics.summarize(metrics.accuracy_matrix(columns, stream.num_tasks))
     bounds = None
     if fgh is not None:
-        (group,) = fgh.alpha_bounds()
+        (group,) = alpha_stream.bounds()
         bounds = {
             "clamp": group["clamp"],
             "coefficients": group["coefficients"],

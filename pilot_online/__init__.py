@@ -17,7 +17,8 @@ Importing it also silences one warning nobody can act on (:data:`TORCH_JIT_SCRIP
 import warnings
 
 from . import methods  # noqa: F401  (importing it registers the built-in methods)
-from .core.fgh import FineGrainedHypergradients, class_grad_norms
+from .core.fgh import FineGrainedHypergradients
+from .core.grad_norms import class_grad_norms
 from .core.prototypes import PrototypeBank
 from .engine.registry import get_method, list_methods, register_method
 from .pilot import create_learner

@@ -16,7 +16,7 @@ import pytest
 
 from pilot_online import get_method, list_methods
 from pilot_online.core.checks import Check, Spec, description_of, spec_of
-from pilot_online.core.fgh import validate_options
+from pilot_online.core.fgh_options import validate_options
 from pilot_online.engine.adapter import ConfigKey
 from pilot_online.engine.config import (
     ONLINE_KEYS,

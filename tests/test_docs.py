@@ -128,7 +128,7 @@ def test_config_keys_named_are_real(page: Path):
     """Keys written as JSON (``"key": value``) anywhere in a page must be config keys (or FGH's
     options, the only nested object); results-file fields are written without a colon."""
     text = page.read_text(encoding="utf-8")
-    from pilot_online.core.fgh import OPTION_KEYS
+    from pilot_online.core.fgh_options import OPTION_KEYS
 
     known = all_keys() | set(OPTION_KEYS)
     unknown = set()

@@ -11,14 +11,14 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from pilot_online.core import fgh as fgh_module
-from pilot_online.core.fgh import FineGrainedHypergradients, class_grad_norms
+from pilot_online.core.fgh import FineGrainedHypergradients
+from pilot_online.core.grad_norms import class_grad_norms
 
 T = torch.tensor
 
-# --------------------------------------------------------------------------- the 16 modes
+# --------------------------------------------------------------------------- the 6 modes
 #
 # Two parameters, W [2, 2] and b [2] (one "final layer", so every granularity applies), driven
 # by setting .grad directly:
@@ -26,49 +26,39 @@ G1_W, G1_B = T([[1.0, 1.0], [5.0, 2.0]]), T([-1.0, 1.0])
 G2_W, G2_B = T([[1.0, -1.0], [-1.0, -1.0]]), T([-1.0, 1.0])
 # direction="grad", gamma=0.1: h = g2 * g1 = W [[1, -1], [-5, -2]], b [1, 1].
 #   element: alpha = 1 + 0.1 h      = W [[1.1, 0.9], [0.5, 0.8]], b [1.1, 1.1]
-#   tensor:  h_W = 1-1-5-2 = -7     -> 0.3;  h_b = 1+1 = 2 -> 1.2
 #   class:   h_0 = 1-1 + 1 = 1      -> 1.1;  h_1 = -5-2 + 1 = -6 -> 0.4
 #   global:  h = -7 + 2 = -5        -> 0.5
 # direction="adam", betas=(0.5, 0.5), eps=0, gamma=0.05 (appendix algorithm):
 #   step 1: nothing to pair with: the RAW g1 is stored, the moments are not touched.
 #   step 2: first moment update, bias correction with count 1: m = 0.5 g2, m_hat = g2,
 #           v_hat = g2^2, c2 = g2 / |g2| = g2 (every entry of g2 is +-1).
-#   apply="grad": h = c2 * g1 = g2 * g1;  apply="update" with SGD: u1 = -delta / lr = g1, so
-#   h = c2 * u1 = g2 * g1 too: W [[1, -1], [-5, -2]], b [1, 1].
+#   h = c2 * g1 = g2 * g1: W [[1, -1], [-5, -2]], b [1, 1].
 #     element: W [[1.05, 0.95], [0.75, 0.9]], b [1.05, 1.05]
-#     tensor:  h_W = -7 -> 1 - 0.35 = 0.65;  h_b = 2 -> 1.1
 #     class:   h_0 = 1 - 1 + 1 = 1 -> 1.05;  h_1 = -5 - 2 + 1 = -6 -> 0.7
 #     global:  h = -7 + 2 = -5 -> 0.75
 #   (The appendix order matters: the old order, moments from step 1 and c1 = sign(g1) stored,
 #   gives h = c2' * sign(g1) with c2' = (g1 + 2 g2) / sqrt(3 (g1^2 + 2 g2^2)), e.g. 1/3 at W[1,0]
 #   instead of -5. The three-step test below works the moments through.)
-# direction="grad" with apply="update" and SGD: u1 = g1, so the alphas equal apply="grad"'s.
 _GRAD_DIRECTION = {
     "element": ([[1.1, 0.9], [0.5, 0.8]], [1.1, 1.1]),
-    "tensor": ([[0.3, 0.3], [0.3, 0.3]], [1.2, 1.2]),
     "class": ([[1.1, 1.1], [0.4, 0.4]], [1.1, 0.4]),
     "global": ([[0.5, 0.5], [0.5, 0.5]], [0.5, 0.5]),
 }
 _ADAM_DIRECTION = {
     "element": ([[1.05, 0.95], [0.75, 0.9]], [1.05, 1.05]),
-    "tensor": ([[0.65, 0.65], [0.65, 0.65]], [1.1, 1.1]),
     "class": ([[1.05, 1.05], [0.7, 0.7]], [1.05, 0.7]),
     "global": ([[0.75, 0.75], [0.75, 0.75]], [0.75, 0.75]),
 }
 EXPECTED_ALPHA = {
-    **{(g, "grad", apply): v for g, v in _GRAD_DIRECTION.items() for apply in ("grad", "update")},
-    **{(g, "adam", apply): v for g, v in _ADAM_DIRECTION.items() for apply in ("grad", "update")},
+    **{(g, "grad"): v for g, v in _GRAD_DIRECTION.items()},
+    **{(g, "adam"): v for g, v in _ADAM_DIRECTION.items()},
 }
-ALPHA_SHAPE = {"element": (2, 2), "tensor": (), "class": (2,), "global": ()}
-MODES = list(
-    itertools.product(
-        ("element", "class", "tensor", "global"), ("grad", "adam"), ("grad", "update")
-    )
-)
+ALPHA_SHAPE = {"element": (2, 2), "class": (2,), "global": ()}
+MODES = list(itertools.product(("element", "class", "global"), ("grad", "adam")))
 LR = 0.5
 
 
-def _tiny(granularity: str, direction: str, apply: str, foreach: bool, device="cpu"):
+def _tiny(granularity: str, direction: str, foreach: bool, device="cpu"):
     w = nn.Parameter(torch.zeros(2, 2, device=device))
     b = nn.Parameter(torch.zeros(2, device=device))
     extra = (
@@ -78,14 +68,10 @@ def _tiny(granularity: str, direction: str, apply: str, foreach: bool, device="c
         [("W", w), ("b", b)],
         granularity=granularity,
         direction=direction,
-        apply=apply,
         foreach=foreach,
         **extra,
     )
-    opt = torch.optim.SGD([w, b], lr=LR)
-    if apply == "update":
-        fgh.register_optimizer_hooks(opt)
-    return w, b, fgh, opt
+    return w, b, fgh, torch.optim.SGD([w, b], lr=LR)
 
 
 def _drive(w, b, fgh, opt, grads) -> None:
@@ -96,9 +82,9 @@ def _drive(w, b, fgh, opt, grads) -> None:
 
 
 @pytest.mark.parametrize("foreach", [False, True])
-@pytest.mark.parametrize(("granularity", "direction", "apply"), MODES)
-def test_every_mode_against_hand_values(granularity, direction, apply, foreach, device):
-    w, b, fgh, opt = _tiny(granularity, direction, apply, foreach, device)
+@pytest.mark.parametrize(("granularity", "direction"), MODES)
+def test_every_mode_against_hand_values(granularity, direction, foreach, device):
+    w, b, fgh, opt = _tiny(granularity, direction, foreach, device)
     w.grad, b.grad = G1_W.to(device, copy=True), G1_B.to(device, copy=True)
     fgh.step()
     # First step: nothing to pair with, alpha stays 1 and the gradient is unchanged.
@@ -110,34 +96,23 @@ def test_every_mode_against_hand_values(granularity, direction, apply, foreach, 
     w.grad, b.grad = G2_W.to(device, copy=True), G2_B.to(device, copy=True)
     fgh.step()
 
-    alpha_w, alpha_b = (T(x) for x in EXPECTED_ALPHA[(granularity, direction, apply)])
+    alpha_w, alpha_b = (T(x) for x in EXPECTED_ALPHA[(granularity, direction)])
     coeffs = {name: alpha.cpu() for name, alpha in fgh.coefficients().items()}
     torch.testing.assert_close(coeffs["W"], alpha_w, atol=1e-6, rtol=0)
     torch.testing.assert_close(coeffs["b"], alpha_b, atol=1e-6, rtol=0)
     # The alpha lives in W's state at every granularity (W owns the class rows and is the
-    # group's first param, which holds the global alpha); b has its own only for element/tensor.
+    # group's first param, which holds the global alpha); b has its own only element-wise.
     assert tuple(fgh.state[w]["alpha"].shape) == ALPHA_SHAPE[granularity]
-    assert ("alpha" in fgh.state[b]) == (granularity in ("element", "tensor"))
-
-    if apply == "grad":
-        # The optimizer receives alpha * g2.
-        torch.testing.assert_close(w.grad.cpu(), alpha_w * G2_W, atol=1e-6, rtol=0)
-        torch.testing.assert_close(b.grad.cpu(), alpha_b * G2_B, atol=1e-6, rtol=0)
-    else:
-        # Gradients untouched; alpha scales SGD's update: p2 = p0 - lr g1 - lr alpha g2 (p0 = 0).
-        assert torch.equal(w.grad.cpu(), G2_W) and torch.equal(b.grad.cpu(), G2_B)
-        opt.step()
-        p2_w, p2_b = w.detach().cpu(), b.detach().cpu()
-        torch.testing.assert_close(p2_w, -LR * G1_W - LR * alpha_w * G2_W, atol=1e-6, rtol=0)
-        torch.testing.assert_close(p2_b, -LR * G1_B - LR * alpha_b * G2_B, atol=1e-6, rtol=0)
-        # u2 = -(p2 - p1) / lr is the UNSCALED SGD direction g2.
-        torch.testing.assert_close(fgh.state[w]["u"].cpu(), G2_W, atol=1e-6, rtol=0)
+    assert ("alpha" in fgh.state[b]) == (granularity == "element")
+    # The optimizer receives alpha * g2.
+    torch.testing.assert_close(w.grad.cpu(), alpha_w * G2_W, atol=1e-6, rtol=0)
+    torch.testing.assert_close(b.grad.cpu(), alpha_b * G2_B, atol=1e-6, rtol=0)
     assert fgh.num_steps == 2
 
 
 @pytest.mark.parametrize("foreach", [False, True])
 def test_previous_signal_is_the_raw_gradient(foreach):
-    w, b, fgh, opt = _tiny("element", "grad", "grad", foreach)
+    w, b, fgh, opt = _tiny("element", "grad", foreach)
     _drive(w, b, fgh, opt, [(G1_W, G1_B), (G2_W, G2_B), (G2_W, G2_B)])
     # Step 3 pairs g3 = g2 with the RAW g2 (not alpha * g2): h = g2 * g2 = W [[1,1],[1,1]], b [1,1]
     # alpha_3 = alpha_2 + 0.1 = W [[1.2, 1.0], [0.6, 0.9]], b [1.2, 1.2]
@@ -146,34 +121,6 @@ def test_previous_signal_is_the_raw_gradient(foreach):
     )
     torch.testing.assert_close(fgh.coefficients()["b"], T([1.2, 1.2]), atol=1e-6, rtol=0)
     torch.testing.assert_close(w.grad, T([[1.2, -1.0], [-0.6, -0.9]]), atol=1e-6, rtol=0)
-
-
-@pytest.mark.parametrize("foreach", [False, True])
-def test_update_mode_with_adam_is_adam_hd(foreach):
-    # Adam(lr=0.1, betas=(0.5, 0.5), eps=0): its step-1 direction is u1 = sign(g1) (see above),
-    # its step-2 direction is c2 = W [[1, -1/3], [1/3, 0]], b [-1, 1].
-    # FGH direction="grad", gamma=0.1: h2 = g2 * u1 = W [[1,-1],[-1,-1]] * 1, b [-1,1]*[-1,1]
-    #   = W [[1, -1], [-1, -1]], b [1, 1] -> alpha = W [[1.1, 0.9], [0.9, 0.9]], b [1.1, 1.1]
-    # p1 = -0.1 sign(g1) = W all -0.1, b [0.1, -0.1]
-    # p2 = p1 - 0.1 * alpha * c2 = W [[-0.1-0.11, -0.1+0.03], [-0.1-0.03, -0.1]]
-    #                            = W [[-0.21, -0.07], [-0.13, -0.1]]
-    #                              b [0.1 + 0.11, -0.1 - 0.11] = [0.21, -0.21]
-    w, b = nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(2))
-    opt = torch.optim.Adam([w, b], lr=0.1, betas=(0.5, 0.5), eps=0.0)
-    fgh = FineGrainedHypergradients(
-        [("W", w), ("b", b)], gamma=0.1, apply="update", foreach=foreach
-    )
-    fgh.register_optimizer_hooks(opt)
-    _drive(w, b, fgh, opt, [(G1_W, G1_B), (G2_W, G2_B)])
-    torch.testing.assert_close(
-        fgh.coefficients()["W"], T([[1.1, 0.9], [0.9, 0.9]]), atol=1e-6, rtol=0
-    )
-    torch.testing.assert_close(w.detach(), T([[-0.21, -0.07], [-0.13, -0.1]]), atol=1e-6, rtol=0)
-    torch.testing.assert_close(b.detach(), T([0.21, -0.21]), atol=1e-6, rtol=0)
-    torch.testing.assert_close(
-        fgh.state[w]["u"], T([[1.0, -1 / 3], [1 / 3, 0.0]]), atol=1e-6, rtol=0
-    )
-    assert torch.equal(w.grad, G2_W)  # gradients are never scaled in update mode
 
 
 # The appendix's Adam algorithm over three steps, worked by hand. One class of a final layer:
@@ -297,7 +244,7 @@ def test_clamp_both_bounds():
     assert torch.equal(p.grad, T([40.0, 0.0]))
 
 
-@pytest.mark.parametrize("granularity", ["element", "tensor", "global"])
+@pytest.mark.parametrize("granularity", ["element", "global"])
 def test_first_step_leaves_gradient_and_alpha_alone(granularity):
     p, fgh = _vector_fgh(granularity=granularity, direction="adam")
     _steps(p, fgh, [2.0, -4.0])
@@ -432,46 +379,30 @@ def _train(model, opt, fgh, batches) -> None:
 
 
 @pytest.mark.parametrize("direction", ["grad", "adam"])
-@pytest.mark.parametrize("granularity", ["element", "class", "tensor", "global"])
+@pytest.mark.parametrize("granularity", ["element", "class", "global"])
 def test_gamma_zero_is_plain_adam(granularity, direction):
     batches = _batches(5)
     ref = _model()
     _train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), None, batches)
 
-    # apply="grad": alpha stays exactly 1, so gradients are multiplied by 1: bit for bit.
+    # alpha stays exactly 1, so gradients are multiplied by 1: bit for bit.
     model = _model()
     fgh = _make_fgh(model, granularity, gamma=0.0, direction=direction)
     _train(model, torch.optim.Adam(model.parameters(), lr=1e-2), fgh, batches)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
 
-    # apply="update": p <- snapshot + 1 * (p - snapshot) only rounds.
-    model = _model()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    fgh = _make_fgh(model, granularity, gamma=0.0, direction=direction, apply="update")
-    fgh.register_optimizer_hooks(opt)
-    _train(model, opt, fgh, batches)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        assert torch.allclose(p, q, atol=1e-6, rtol=1e-5)
+
+ROUND_TRIP_MODES = [("element", "grad"), ("class", "adam"), ("global", "adam")]
 
 
-ROUND_TRIP_MODES = [
-    ("element", "grad", "grad"),
-    ("class", "adam", "grad"),
-    ("tensor", "adam", "update"),
-    ("global", "grad", "update"),
-]
-
-
-@pytest.mark.parametrize(("granularity", "direction", "apply"), ROUND_TRIP_MODES)
-def test_state_dict_round_trip_continues_identically(granularity, direction, apply):
-    options = {"gamma": 0.05, "direction": direction, "apply": apply}
+@pytest.mark.parametrize(("granularity", "direction"), ROUND_TRIP_MODES)
+def test_state_dict_round_trip_continues_identically(granularity, direction):
+    options = {"gamma": 0.05, "direction": direction}
     batches = _batches(6)
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     fgh = _make_fgh(model, granularity, **options)
-    if apply == "update":
-        fgh.register_optimizer_hooks(opt)
     _train(model, opt, fgh, batches[:3])
 
     buffer = io.BytesIO()
@@ -484,8 +415,6 @@ def test_state_dict_round_trip_continues_identically(granularity, direction, app
     twin_fgh = _make_fgh(twin, granularity, gamma=0.9)  # options come from the state_dict
     twin_fgh.load_state_dict(saved["fgh"])
     assert twin_fgh.param_groups[-1]["gamma"] == 0.05 and twin_fgh.num_steps == 3
-    if apply == "update":
-        twin_fgh.register_optimizer_hooks(twin_opt)
 
     _train(model, opt, fgh, batches[3:])
     _train(twin, twin_opt, twin_fgh, batches[3:])
@@ -554,12 +483,12 @@ def test_load_state_dict_rejects_mismatches():
         )
 
 
-@pytest.mark.parametrize(("granularity", "direction", "apply"), MODES)
-def test_foreach_matches_single_tensor_reference(granularity, direction, apply, device):
-    assert _foreach_and_single_tensor_runs(granularity, direction, apply, device)
+@pytest.mark.parametrize(("granularity", "direction"), MODES)
+def test_foreach_matches_single_tensor_reference(granularity, direction, device):
+    assert _foreach_and_single_tensor_runs(granularity, direction, device)
 
 
-def _foreach_and_single_tensor_runs(granularity, direction, apply, device="cpu"):
+def _foreach_and_single_tensor_runs(granularity, direction, device="cpu"):
     """Drive the single-tensor and the foreach path alike and check they agree bit for bit."""
     gen = torch.Generator().manual_seed(3)
     shapes = {"fc.weight": (3, 4), "fc.bias": (3,), "e": (2, 3), "f": (4,)}
@@ -575,17 +504,14 @@ def _foreach_and_single_tensor_runs(granularity, direction, apply, device="cpu")
                 {"params": fc, "granularity": granularity},
                 {
                     "params": rest,
-                    "granularity": "tensor" if granularity == "class" else granularity,
+                    "granularity": "global" if granularity == "class" else granularity,
                 },
             ],
             gamma=0.5 if direction == "grad" else 0.05,
             direction=direction,
-            apply=apply,
             foreach=foreach,
         )
         opt = torch.optim.SGD(params.values(), lr=0.1, momentum=0.9)
-        if apply == "update":
-            fgh.register_optimizer_hooks(opt)
         trace = []
         for step_grads in grads:
             for n, g in step_grads.items():
@@ -607,16 +533,12 @@ def _foreach_and_single_tensor_runs(granularity, direction, apply, device="cpu")
     return True
 
 
-@pytest.mark.parametrize("apply", ["grad", "update"])
-def test_foreach_path_runs_where_torch_lacks_foreach_copy_and_clone(monkeypatch, apply):
-    """The torch floor lacks foreach kernels (2.1.2 has _foreach_copy_ but no _foreach_clone): the
-    foreach path falls back to one copy_/clone per tensor and still equals the single-tensor
-    path. The kernels are removed where they exist (raising=False: not all torch versions have
-    both)."""
+def test_foreach_path_runs_where_torch_lacks_foreach_copy(monkeypatch):
+    """A torch without ``_foreach_copy_``: the foreach path falls back to one copy_ per tensor and
+    still equals the single-tensor path (raising=False: not every torch version has it)."""
     monkeypatch.delattr(torch, "_foreach_copy_", raising=False)
-    monkeypatch.delattr(torch, "_foreach_clone", raising=False)
-    assert _foreach_and_single_tensor_runs("element", "adam", apply)
-    assert _foreach_and_single_tensor_runs("class", "grad", apply)
+    assert _foreach_and_single_tensor_runs("element", "adam")
+    assert _foreach_and_single_tensor_runs("class", "grad")
 
 
 # --------------------------------------------------------------------------- API and errors
@@ -641,9 +563,10 @@ def test_docstring_example_runs():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"granularity": "row"}, "valid choices: element, class, tensor, global"),
+        ({"granularity": "row"}, "valid choices: element, class, global"),
+        ({"granularity": "tensor"}, "valid choices: element, class, global"),
         ({"direction": "sgd"}, "valid choices: grad, adam"),
-        ({"apply": "lr"}, "valid choices: grad, update"),
+        ({"apply": "update"}, "valid choices: grad"),
         ({"clamp": (1.0, 1.0)}, "0 <= lo < hi"),
         ({"clamp": (-0.5, 1.0)}, "0 <= lo < hi"),
         ({"clamp": (0.0, math.inf)}, r"clamp\[1\] is inf, not a finite number; write null"),
@@ -660,6 +583,15 @@ def test_bad_options_raise(options, message):
         FineGrainedHypergradients(nn.Linear(2, 2).named_parameters(), **options)
 
 
+def test_the_keyword_defaults_are_the_options_modules():
+    """A config's missing FGH options are filled from ``fgh_options.DEFAULTS``
+    (``validate_options``); the component's own keyword defaults must be the same values."""
+    from pilot_online.core.fgh_options import DEFAULTS, validate_options
+
+    assert FineGrainedHypergradients.__init__.__kwdefaults__ == DEFAULTS
+    assert validate_options()["clamp"] == (0.0, 10.0) and validate_options()["gamma"] == 1.0
+
+
 def test_bad_params_raise():
     with pytest.raises(TypeError, match="named_parameters"):
         FineGrainedHypergradients(nn.Linear(2, 2).parameters())
@@ -673,38 +605,6 @@ def test_bad_params_raise():
     two_layers = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2))
     with pytest.raises(ValueError, match="exactly one 2-D weight"):
         FineGrainedHypergradients(two_layers.named_parameters(), granularity="class")
-
-
-def test_update_mode_hooks_are_torch_step_hooks_and_removable():
-    model = nn.Linear(2, 1)
-    fgh = FineGrainedHypergradients(model.named_parameters(), apply="update")
-    model(torch.ones(1, 2)).sum().backward()
-    with pytest.raises(RuntimeError, match=r"fgh\.register_optimizer_hooks\(optimizer\)"):
-        fgh.step()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    handles = fgh.register_optimizer_hooks(opt)
-    assert len(handles) == 2 and all(isinstance(h, RemovableHandle) for h in handles)
-    assert "step" not in vars(opt)  # optimizer.step is never replaced, only hooked
-    fgh.step()
-    opt.step()
-    assert "u" in fgh.state[model.weight]
-    for handle in handles:
-        handle.remove()
-    before = {p: s["u"] for p, s in fgh.state.items()}
-    opt.step()  # no hook: u is not rewritten
-    assert all(fgh.state[p]["u"] is u for p, u in before.items())
-    with pytest.raises(RuntimeError, match="register_optimizer_hooks"):
-        fgh.step()
-    # Registering again (here for a new optimizer) removes the previous pair first.
-    fgh.register_optimizer_hooks(opt)
-    other = torch.optim.SGD(model.parameters(), lr=0.1)
-    fgh.register_optimizer_hooks(other)
-    fgh.step()
-    before = {p: s["u"] for p, s in fgh.state.items()}
-    opt.step()  # its hooks are gone
-    assert all(fgh.state[p]["u"] is u for p, u in before.items())
-    other.step()
-    assert all(fgh.state[p]["u"] is not u for p, u in before.items())
 
 
 def test_reset_state_makes_the_next_step_a_first_step():

@@ -1,4 +1,4 @@
-"""Alpha against the clamp: FineGrainedHypergradients.alpha_bounds and FGHMixin's report of it.
+"""Alpha against the clamp: ``core/fgh_stats.AlphaStream`` watching FGH, and FGHMixin's report.
 
 Expected numbers are worked by hand from Eq. 8 (alpha <- clamp(alpha + gamma * g_t * g_{t-1}))
 on gradients chosen so that coefficients reach the bounds on known steps.
@@ -16,6 +16,7 @@ import torch
 from test_loop import BASE_CONFIG, make_data, make_loop, make_stream
 
 from pilot_online.core.fgh import FineGrainedHypergradients
+from pilot_online.core.fgh_stats import AlphaStream
 
 # Element-wise, raw gradients, gamma 1, clamp (0, 2), one parameter of 4 scalars:
 #   step 1: g1 = [1, 1, 1, -1]    first step, alpha stays [1, 1, 1, 1]
@@ -35,15 +36,19 @@ MAXES = [1.0, 2.0, 2.0]  # the largest alpha after each step (and so far: it nev
 UNBOUNDED = {"mean": [1.0, 1.125, 2.0], "at_lo": [0.0, 0.5, 0.25], "max": [1.0, 3.0, 5.0]}
 
 
-def element_fgh(foreach: bool | None = None) -> tuple[FineGrainedHypergradients, torch.Tensor]:
+def element_fgh(foreach: bool | None = None) -> tuple[AlphaStream, torch.Tensor]:
+    """An element-wise FGH over one parameter of 4 scalars, watched by an AlphaStream."""
     p = torch.nn.Parameter(torch.zeros(4))
-    return FineGrainedHypergradients([("w", p)], gamma=1.0, clamp=(0.0, 2.0), foreach=foreach), p
+    fgh = FineGrainedHypergradients([("w", p)], gamma=1.0, clamp=(0.0, 2.0), foreach=foreach)
+    return AlphaStream(fgh), p
 
 
-def take_steps(fgh: FineGrainedHypergradients, p: torch.Tensor, grads: list[list[float]]) -> None:
+def take_steps(stream: AlphaStream, p: torch.Tensor, grads: list[list[float]]) -> None:
+    """FGH steps on these gradients, each observed (as FGHMixin does after every step)."""
     for g in grads:
         p.grad = torch.tensor(g)
-        fgh.step()
+        stream.fgh.step()
+        stream.observe()
 
 
 def numbers(bounds: list[dict]) -> list[dict]:
@@ -61,9 +66,9 @@ def numbers(bounds: list[dict]) -> list[dict]:
 @pytest.mark.parametrize("foreach", [True, False])
 @pytest.mark.parametrize("steps", [1, 2, 3])
 def test_fractions_at_the_bounds_equal_the_hand_values(foreach, steps) -> None:
-    fgh, p = element_fgh(foreach)
-    take_steps(fgh, p, GRADS[:steps])
-    (bounds,) = numbers(fgh.alpha_bounds())
+    stream, p = element_fgh(foreach)
+    take_steps(stream, p, GRADS[:steps])
+    (bounds,) = numbers(stream.bounds())
     assert bounds["clamp"] == [0.0, 2.0]
     assert bounds["coefficients"] == 4
     last = steps - 1
@@ -85,10 +90,10 @@ def test_fractions_at_the_bounds_equal_the_hand_values(foreach, steps) -> None:
 def test_no_upper_bound_reports_none_at_it_and_the_largest_alpha(foreach) -> None:
     p = torch.nn.Parameter(torch.zeros(4))
     fgh = FineGrainedHypergradients([("w", p)], gamma=1.0, clamp=(0.0, None), foreach=foreach)
+    stream = AlphaStream(fgh)
     for step, g in enumerate(GRADS):
-        p.grad = torch.tensor(g)
-        fgh.step()
-        (bounds,) = numbers(fgh.alpha_bounds())
+        take_steps(stream, p, [g])
+        (bounds,) = numbers(stream.bounds())
         assert bounds["clamp"] == [0.0, None]
         assert bounds["final"] == {
             "mean": UNBOUNDED["mean"][step],
@@ -101,8 +106,8 @@ def test_no_upper_bound_reports_none_at_it_and_the_largest_alpha(foreach) -> Non
 
 
 def test_the_stream_averages_are_nan_before_the_first_step() -> None:
-    fgh, _ = element_fgh()
-    (bounds,) = numbers(fgh.alpha_bounds())
+    stream, _ = element_fgh()
+    (bounds,) = numbers(stream.bounds())
     # alphas start at 1
     assert bounds["final"] == {"mean": 1.0, "at_lo": 0.0, "at_hi": 0.0, "max": 1.0}
     assert bounds["stream"]["steps"] == 0
@@ -122,14 +127,16 @@ def test_class_granularity_counts_one_coefficient_per_class() -> None:
     fgh = FineGrainedHypergradients(
         [("fc.weight", weight), ("fc.bias", bias)], gamma=1.0, granularity="class", clamp=(0.5, 3)
     )
+    stream = AlphaStream(fgh)
     g_weight = [torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]])] * 2
     g_weight[1] = torch.tensor([[1.0, 1.0], [-1.0, 0.0], [0.0, 0.0]])
     g_bias = [torch.tensor([1.0, 0.0, 0.0]), torch.tensor([1.0, 0.0, 0.0])]
     for gw, gb in zip(g_weight, g_bias):
         weight.grad, bias.grad = gw.clone(), gb.clone()
         fgh.step()
+        stream.observe()
     assert torch.equal(fgh.state[weight]["alpha"], torch.tensor([3.0, 0.5, 1.0]))
-    (bounds,) = numbers(fgh.alpha_bounds())
+    (bounds,) = numbers(stream.bounds())
     assert bounds["coefficients"] == 3
     assert bounds["final"]["mean"] == pytest.approx(1.5, abs=1e-15)
     assert bounds["final"]["at_lo"] == pytest.approx(1 / 3, abs=1e-15)
@@ -140,11 +147,21 @@ def test_class_granularity_counts_one_coefficient_per_class() -> None:
 
 def test_a_coefficient_without_a_gradient_yet_counts_as_its_starting_one() -> None:
     a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
-    fgh = FineGrainedHypergradients([("a", a), ("b", b)], gamma=1.0, clamp=(0.0, 2.0))
-    take_steps(fgh, a, GRADS[:2])  # b never gets a gradient: 4 alphas of 1
-    (bounds,) = numbers(fgh.alpha_bounds())
+    stream = AlphaStream(FineGrainedHypergradients([("a", a), ("b", b)], gamma=1.0, clamp=(0, 2)))
+    take_steps(stream, a, GRADS[:2])  # b never gets a gradient: 4 alphas of 1
+    (bounds,) = numbers(stream.bounds())
     assert bounds["coefficients"] == 8
     assert bounds["final"] == {"mean": (3.5 + 4) / 8, "at_lo": 2 / 8, "at_hi": 1 / 8, "max": 2.0}
+
+
+def _saved(stream: AlphaStream) -> dict:
+    """FGH's state and the stream's, as FGHMixin checkpoints them (the stream beside FGH's)."""
+    return copy.deepcopy({"fgh": stream.fgh.state_dict(), "alpha_stream": stream.state_dict()})
+
+
+def _load(stream: AlphaStream, saved: dict) -> None:
+    stream.fgh.load_state_dict(saved["fgh"])
+    stream.load_state_dict(saved.get("alpha_stream"))
 
 
 def test_state_dict_round_trip_continues_the_stream_averages_exactly() -> None:
@@ -152,42 +169,42 @@ def test_state_dict_round_trip_continues_the_stream_averages_exactly() -> None:
     take_steps(straight, p, GRADS)
     first, q = element_fgh()
     take_steps(first, q, GRADS[:2])
-    saved = copy.deepcopy(first.state_dict())
+    saved = _saved(first)
     resumed, r = element_fgh()
-    resumed.load_state_dict(saved)
+    _load(resumed, saved)
     take_steps(resumed, r, GRADS[2:])
-    assert numbers(resumed.alpha_bounds()) == numbers(straight.alpha_bounds())
-    assert torch.equal(resumed.alpha_stream_sums, straight.alpha_stream_sums)
+    assert numbers(resumed.bounds()) == numbers(straight.bounds())
+    assert torch.equal(resumed.sums, straight.sums)
 
 
 def test_an_older_state_dict_without_the_sums_loads_with_a_warning(caplog) -> None:
     first, q = element_fgh()
     take_steps(first, q, GRADS[:2])
-    saved = copy.deepcopy(first.state_dict())
+    saved = _saved(first)
     del saved["alpha_stream"]
     resumed, _ = element_fgh()
     with caplog.at_level(logging.WARNING):
-        resumed.load_state_dict(saved)
+        _load(resumed, saved)
     assert "alpha_stream" in caplog.text
-    assert resumed.alpha_stream_steps == 0
+    assert resumed.steps == 0
 
 
 def test_a_state_dict_with_misshaped_sums_is_refused() -> None:
     first, q = element_fgh()
     take_steps(first, q, GRADS[:1])
-    saved = copy.deepcopy(first.state_dict())
+    saved = _saved(first)
     saved["alpha_stream"]["sums"] = torch.zeros(2, 3, dtype=torch.float64)
     resumed, _ = element_fgh()
     with pytest.raises(ValueError, match=r"alpha_stream\['sums'\] has shape \(2, 3\)"):
-        resumed.load_state_dict(saved)
+        _load(resumed, saved)
 
 
 def test_a_group_added_later_gets_its_own_row() -> None:
-    fgh, p = element_fgh()
+    stream, p = element_fgh()
     extra = torch.nn.Parameter(torch.zeros(2))
-    fgh.add_param_group({"params": [("extra", extra)], "clamp": (0.0, 1.0)})
-    take_steps(fgh, p, GRADS[:2])
-    first, second = numbers(fgh.alpha_bounds())
+    stream.fgh.add_param_group({"params": [("extra", extra)], "clamp": (0.0, 1.0)})
+    take_steps(stream, p, GRADS[:2])
+    first, second = numbers(stream.bounds())
     assert first["final"]["at_lo"] == 0.5
     # The added group's 2 alphas never moved and start at 1, its upper bound.
     assert second["clamp"] == [0.0, 1.0]

@@ -1,7 +1,7 @@
 """FGH without an upper bound (the paper configs' form, ``PAPER_FGH``): a coefficient that keeps
 growing stays finite, Adam bounds the step it scales, the loop keeps running, and the configs
-refuse the combinations where a growing coefficient would multiply the step itself (SGD,
-``apply: "update"``). docs/fgh.md, "Without an upper bound"."""
+refuse the combination where a growing coefficient would multiply the step itself (SGD).
+docs/fgh.md, "Without an upper bound"."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from test_loop import BASE_CONFIG, D_IN, make_loop
 
 from pilot_online.core.fgh import FineGrainedHypergradients
+from pilot_online.core.fgh_stats import AlphaStream, alpha_statistics
 from pilot_online.engine.config import FGH_FORMS, PAPER_FGH, ConfigError, resolve_config
 
 STEPS = 10_000
@@ -34,14 +35,16 @@ def test_ten_thousand_steps_of_a_growing_coefficient_stay_finite_and_adam_bounds
     lr = 1e-3
     opt = torch.optim.Adam(layer.parameters(), lr=lr)
     fgh = FineGrainedHypergradients(layer.named_parameters(), **PAPER_FGH)
+    stream = AlphaStream(fgh)
     for _ in range(STEPS):
         opt.zero_grad(set_to_none=True)
         (layer.weight.sum() + layer.bias.sum()).backward()
         fgh.step()
+        stream.observe()
         opt.step()
     alpha = fgh.state[layer.weight]["alpha"]
     assert torch.equal(alpha, torch.full((2,), 1.0 + 4.0 * (STEPS - 1)))
-    (bounds,) = fgh.alpha_bounds()
+    (bounds,) = stream.bounds()
     assert float(bounds["stream"]["max"]) == 1.0 + 4.0 * (STEPS - 1)  # it only ever grew
     assert bounds["clamp"] == [0.0, None] and float(bounds["final"]["at_hi"]) == 0.0
     assert int(fgh.num_skipped) == 0
@@ -65,7 +68,7 @@ def test_the_loop_keeps_running_when_the_coefficient_reaches_its_float_ceiling(a
     for _ in range(20):
         assert not loop.train_step(x, labels).skipped
     assert loop.skipped_nonfinite_steps == 0 and loop.optimizer_steps == 20
-    (stats,) = loop.fgh.alpha_statistics()
+    (stats,) = alpha_statistics(loop.fgh)
     # sqrt(float32 max) = sqrt((2 - 2^-23) 2^127) = 2^64 - 2^40 (to float32 precision)
     assert float(stats["max"]) == 2.0**64 - 2.0**40
     assert all(torch.isfinite(p).all() for p in loop.network.parameters())
@@ -89,7 +92,6 @@ def test_no_upper_bound_is_json_null_and_infinity_is_refused_with_the_fix():
     ("overrides", "message"),
     [
         ({"optimizer": "sgd"}, r"optimizer='sgd': SGD does not normalise"),
-        ({"fgh": {**PAPER_FGH, "apply": "update"}}, r'apply="update"'),
     ],
 )
 def test_an_unbounded_coefficient_that_would_scale_the_step_itself_is_refused(overrides, message):

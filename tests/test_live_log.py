@@ -17,6 +17,7 @@ import torch
 from conftest import TinyAdapter, TinyNet, VectorSource, offline_env, requires_pilot
 
 from pilot_online.core.fgh import FineGrainedHypergradients
+from pilot_online.core.fgh_stats import alpha_statistics
 from pilot_online.core.streams import clear_stream
 from pilot_online.engine.config import ConfigError, load_json, resolve_config
 from pilot_online.engine.mixins import build_loop
@@ -195,13 +196,13 @@ def test_logger_key_is_validated() -> None:
 def test_alpha_statistics_by_hand() -> None:
     layer = torch.nn.Linear(2, 2)
     fgh = FineGrainedHypergradients(layer.named_parameters())
-    (before,) = fgh.alpha_statistics()  # no step yet: every alpha is its starting 1
+    (before,) = alpha_statistics(fgh)  # no step yet: every alpha is its starting 1
     assert [before[k].item() for k in ("mean", "std", "min", "max")] == [1.0, 0.0, 1.0, 1.0]
     layer(torch.ones(1, 2)).sum().backward()
     fgh.step()
     fgh.state[layer.weight]["alpha"] = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     fgh.state[layer.bias]["alpha"] = torch.tensor([5.0, 6.0])
-    (stats,) = fgh.alpha_statistics()
+    (stats,) = alpha_statistics(fgh)
     # Six alphas 1..6: mean 3.5, population variance 17.5 / 6.
     assert stats["mean"].item() == pytest.approx(3.5)
     assert stats["std"].item() == pytest.approx(math.sqrt(17.5 / 6))
@@ -213,7 +214,7 @@ def test_alpha_statistics_by_hand() -> None:
     layer(torch.ones(1, 2)).sum().backward()
     per_class.step()
     per_class.state[layer.weight]["alpha"] = torch.tensor([2.0, 4.0])
-    (stats,) = per_class.alpha_statistics()
+    (stats,) = alpha_statistics(per_class)
     assert (stats["mean"].item(), stats["std"].item()) == (3.0, 1.0)
 
 

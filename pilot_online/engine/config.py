@@ -29,8 +29,8 @@ from ..core.checks import (
     text,
 )
 from ..core.datasets import dataset_names
-from ..core.fgh import OPTION_KEYS as FGH_KEYS
-from ..core.fgh import validate_options as validate_fgh_options
+from ..core.fgh_options import OPTION_KEYS as FGH_KEYS
+from ..core.fgh_options import validate_options as validate_fgh_options
 from ..core.masks import LOGIT_MASKS
 from ..core.memory import MEMORIES
 from ..core.realtime import DEFAULT_REFERENCE, check_realtime, check_realtime_config
@@ -677,7 +677,7 @@ SCALE_FREE_OPTIMIZERS = ("adam", "adamw")
 
 def _check_fgh_bound(cfg: dict[str, Any]) -> None:
     """FGH without an upper bound only where the optimizer normalises the gradient's scale: under
-    SGD, or with ``apply: "update"``, a growing coefficient multiplies the step itself."""
+    SGD a growing coefficient multiplies the step itself."""
     if cfg.get("fgh") is None or validate_fgh_options(**cfg["fgh"])["clamp"][1] is not None:
         return
     fix = (
@@ -689,11 +689,6 @@ def _check_fgh_bound(cfg: dict[str, Any]) -> None:
             f"fgh.clamp has no upper bound ([lo, null]) and optimizer={cfg['optimizer']!r}: SGD "
             "does not normalise a growing coefficient, so the step grows with it without limit. "
             f"Use optimizer {' or '.join(SCALE_FREE_OPTIMIZERS)}, or {fix}"
-        )
-    if validate_fgh_options(**cfg["fgh"])["apply"] == "update":
-        raise ConfigError(
-            'fgh.clamp has no upper bound ([lo, null]) with fgh.apply="update": the coefficient '
-            f'then scales the optimizer\'s update itself. Use apply="grad", or {fix}'
         )
 
 

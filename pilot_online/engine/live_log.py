@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..core.fgh_stats import alpha_statistics
 from ..core.metrics import task_gradient_norms
 
 if TYPE_CHECKING:
@@ -181,7 +182,7 @@ class TensorBoardLogger:
         fgh = getattr(self.loop, "fgh", None)
         if fgh is None:
             return
-        groups = fgh.alpha_statistics()
+        groups = alpha_statistics(fgh)
         for index, group in enumerate(groups):
             prefix = "fgh/" if len(groups) == 1 else f"fgh/group{index}/"
             for name in ("mean", "std", "min", "max"):

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..core.checks import check_choice
-from ..core.fgh import class_grad_norms
+from ..core.grad_norms import class_grad_norms
 from ..core.masks import classes_present, mask_logits, training_mask
 from ..core.realtime import scores_online
 from ..core.rng import capture_rng_state, restore_rng_state

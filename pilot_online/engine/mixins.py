@@ -14,7 +14,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..core.fgh import FineGrainedHypergradients, validate_options
+from ..core.fgh import FineGrainedHypergradients
+from ..core.fgh_options import validate_options
+from ..core.fgh_stats import AlphaStream
 from ..core.memory import ClassBalancedMemory, ReservoirMemory, make_memory
 from ..core.prototypes import PrototypeBank
 from ..core.rng import run_seed
@@ -80,14 +82,14 @@ class FGHMixin:
     """Online-loop mixin: FGH reweights the gradients between backward and the optimiser step.
 
     ``granularity="class"`` covers the classifier layer only (the appendix algorithm); the other
-    granularities cover every trainable parameter (Eq. 8). With ``apply="update"``, setup
-    registers FGH's step hooks on the loop's optimizer (see
-    :meth:`FineGrainedHypergradients.register_optimizer_hooks`). The report holds each group's
+    granularities cover every trainable parameter (Eq. 8). The report holds each group's
     alpha against the clamp (``alpha_bounds``: final and stream-averaged mean and fractions at
-    each bound), accumulated on the device and read once here.
+    each bound), which an :class:`~pilot_online.core.fgh_stats.AlphaStream` observes after every
+    FGH step on the device and the report reads once.
     """
 
     fgh: FineGrainedHypergradients
+    alpha_stream: AlphaStream
 
     def setup(self: OnlineLoop) -> None:
         super().setup()
@@ -97,12 +99,12 @@ class FGHMixin:
             layer = {id(p) for p in self.adapter.classifier(self.network).parameters()}
             named = [(name, p) for name, p in named if id(p) in layer]
         self.fgh = FineGrainedHypergradients(named, **options)
-        if self.fgh.defaults["apply"] == "update":  # alpha scales the optimizer's update
-            self.fgh.register_optimizer_hooks(self.optimizer)
+        self.alpha_stream = AlphaStream(self.fgh)
 
     def transform_gradients(self: OnlineLoop) -> None:
         super().transform_gradients()
         self.fgh.step()
+        self.alpha_stream.observe()
 
     def reset_state(self: OnlineLoop, params: list[torch.nn.Parameter]) -> None:
         super().reset_state(params)
@@ -123,11 +125,13 @@ class FGHMixin:
             self.fgh.extend_group(0, named)
 
     def state_dict(self: OnlineLoop) -> dict[str, Any]:
-        return {**super().state_dict(), "fgh": self.fgh.state_dict()}
+        fgh = {**self.fgh.state_dict(), "alpha_stream": self.alpha_stream.state_dict()}
+        return {**super().state_dict(), "fgh": fgh}
 
     def load_state_dict(self: OnlineLoop, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.fgh.load_state_dict(state["fgh"])
+        self.alpha_stream.load_state_dict(state["fgh"].get("alpha_stream"))
 
     def report(self: OnlineLoop) -> dict[str, Any]:
         report = super().report()
@@ -147,7 +151,7 @@ class FGHMixin:
             "alpha": alphas,
             # Per FGH param group: the clamp, and the mean alpha and fractions of coefficients at
             # each bound, at the end ("final") and averaged over the stream's steps ("stream").
-            "alpha_bounds": _host_numbers(self.fgh.alpha_bounds()),
+            "alpha_bounds": _host_numbers(self.alpha_stream.bounds()),
         }
         return report
 

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core.fgh import validate_options
+from ..core.fgh_options import validate_options
 from ..core.metrics import task_gradient_trace
 from ..core.progress import plural
 from ..core.results import find_results, load_results
@@ -86,8 +86,9 @@ RESULTS_FILE = "results_file"
 RC_PARAMS = {"pdf.fonttype": 42, "ps.fonttype": 42}
 #: The legend entry of the dotted vertical guide lines.
 TASK_END_LABEL = "task boundary (end of a task)"
-#: G^(k) in words, as ``core.fgh.class_grad_norms`` and ``core.metrics`` compute it (the paper's
-#: Sec. 5.1: g_t^j = grad of the loss on class j's column W^j, G^k the mean over task k's classes).
+#: G^(k) in words, as ``core.grad_norms.class_grad_norms`` and ``core.metrics`` compute it (the
+#: paper's Sec. 5.1: g_t^j = grad of the loss on class j's column W^j, G^k the mean over task k's
+#: classes).
 TASK_NORM_WORDS = (
     "the mean, over task k's classes (those first seen in task k), of the norm of the loss "
     "gradient on each class's weights in the last (classifier) layer, bias included"

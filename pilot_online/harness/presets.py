@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..core.fgh import validate_options
+from ..core.fgh_options import validate_options
 from ..core.files import write_atomic
 from ..core.results import find_results, load_results
 from ..engine.config import HP_COLUMNS, PAPER_FGH, ConfigError, load_json, variant_of

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..core.fgh import validate_options
+from ..core.fgh_options import validate_options
 from ..core.metrics import METRIC_DEFINITIONS, PILOT_AVERAGE_NOTE
 from ..core.progress import plural
 from ..core.results import find_results, load_results

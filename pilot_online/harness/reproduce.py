@@ -256,7 +256,7 @@ def _paper_cell(cell: CellSpec):
 def _check_paper_fgh(config: dict[str, Any], path: Path) -> None:
     """A paper-row config must run the paper's FGH (``engine.config.PAPER_FGH``): the tables put
     a fixed-LR "+ ours" run in its column only then, so a stale config would run for nothing."""
-    from ..core.fgh import validate_options
+    from ..core.fgh_options import validate_options
 
     fgh = config.get("fgh")
     if fgh is not None and validate_options(**fgh) != validate_options(**PAPER_FGH):

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core.fgh import validate_options
+from ..core.fgh_options import validate_options
 from ..core.files import write_atomic
 from ..core.progress import plural
 from ..core.results import find_results, load_results
