@@ -1,5 +1,5 @@
 """Networks that grow at a firing (DER, MEMO, FOSTER add a branch and widen their head): the
-loop's handling of parameters replaced under a known name (``OnlineLoop.replace_parameters``)
+loop's handling of parameters replaced under a known name (``OnlineLoop.parameters_changed``)
 and of the online prototypes (``MethodAdapter.map_prototypes``).
 
 The head ``fc`` of :class:`Growing` reads ``relu(body(x))`` and, after each firing, one more
@@ -110,6 +110,30 @@ def test_the_wider_head_takes_the_old_ones_place_with_fresh_state():
     names = [n for n, _ in loop.named_parameters]
     assert names.count("fc.weight") == 1 and "branches.1.weight" in names
     assert dict(loop.named_parameters)["fc.weight"] is new_weight
+
+
+def test_a_firing_sends_one_event_with_everything_it_changed():
+    """The optimiser, FGH, the prototypes and the memory learn of a firing from one
+    ParameterChange: here the head replaced under its names and a new branch added, together."""
+    loop = make_loop()
+    events = []
+    send = loop.parameters_changed
+
+    def record(change):
+        events.append(change)
+        send(change)
+
+    loop.parameters_changed = record
+    step(loop, 0)
+    assert events == []  # no firing, no change
+    old = {n: p for n, p in loop.named_parameters}
+    step(loop, 1)  # fires once
+    (change,) = events
+    assert change.restarted == ()
+    assert [(n, o is old[n], new is loop.network.fc.get_parameter(n[3:])) for n, o, new in
+            change.replaced] == [("fc.weight", True, True), ("fc.bias", True, True)]  # fmt: skip
+    assert [n for n, _ in change.added] == ["branches.1.weight", "branches.1.bias"]
+    assert dict(loop.named_parameters)["branches.1.weight"] is loop.network.branches[1].weight
 
 
 def test_fgh_keeps_the_class_alphas_across_the_replacement():

@@ -312,7 +312,7 @@ def test_sets_are_unbounded_and_resume(pilot_on_path):
     assert grouped[0.1] == head
     for firing in range(12):
         loop.adapter.consolidate(loop.network, firing)
-        loop._adopt_new_parameters()
+        loop._sync_parameters()
     sets = loop.network.backbone.adapter_list
     assert len(sets) == 13
     optimised = {id(p) for g in loop.optimizer.param_groups for p in g["params"]}

@@ -130,6 +130,26 @@ def check_classifier(adapter: MethodAdapter, network: nn.Module) -> None:
         )
 
 
+@dataclass(frozen=True)
+class ParameterChange:
+    """What a method did to the trained parameters, as one event: at a firing, after a step (a
+    restart), or on a resume. The optimiser, FGH, the prototypes and the replay memory learn of
+    it through :meth:`OnlineLoop.parameters_changed` alone, and the loop's list of trained
+    parameters (what a checkpoint saves, by name) is updated before it is sent.
+
+    ``restarted``: parameters the method reset, whose history must go (optimiser moments, FGH's
+    stored signals); ``replaced``: ``(name, old, new)``, a new tensor under a trained name (new
+    None: the name is gone); ``added``: ``(name, parameter)`` pairs the loop did not train yet.
+    """
+
+    restarted: tuple[nn.Parameter, ...] = ()
+    replaced: tuple[tuple[str, nn.Parameter, nn.Parameter | None], ...] = ()
+    added: tuple[tuple[str, nn.Parameter], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.restarted or self.replaced or self.added)
+
+
 class StillMaskedRows:
     """``still_masked_rows``: the classifier rows whose gradient is exactly zero at a step keep
     their weights and their optimiser state through it.
@@ -277,35 +297,16 @@ class OnlineLoop:
         """After the optimiser step, with this step's (pre-update) outputs on the stream batch
         only: replayed samples are not new observations of the stream."""
 
-    def reset_state(self, params: list[nn.Parameter]) -> None:
-        """The method restarted ``params`` (oLoRA's fresh adapter): their optimiser state (Adam's
-        moments) must not carry the old parameters' history. Mixins drop their own state too."""
-        for p in params:
+    def parameters_changed(self, change: ParameterChange) -> None:
+        """The one place a change of the trained parameters is applied (mixins call ``super()``
+        and update their own component). Here, the optimiser: a restarted parameter loses its
+        state (Adam's moments must not carry the old history); a replacement takes its
+        predecessor's place in its group with no state (upstream makes a new optimiser at each
+        task, and Adam's moments of a differently shaped tensor cannot carry over); an added
+        parameter joins the group of its ``lr_scale`` (a new group for a new scale)."""
+        for p in change.restarted:
             self.optimizer.state.pop(p, None)
-
-    def adopt_parameters(self, named: list[tuple[str, nn.Parameter]]) -> None:
-        """Parameters the method added (a new adapter at a firing) join the optimiser, in the group
-        of their ``lr_scale`` (a new group for a new scale). Mixins add them to their own
-        components (FGH)."""
-        lr = float(self.config.get("init_lr", 5e-3))
-        for name, p in named:
-            scale = float(self.adapter.lr_scale(name, p))
-            if not (math.isfinite(scale) and scale > 0):
-                raise ValueError(f"lr_scale must be finite and > 0, got {scale} for {name}")
-            group = next((g for g in self.optimizer.param_groups if g["lr_scale"] == scale), None)
-            if group is None:
-                self.optimizer.add_param_group({"params": [p], "lr": lr * scale, "lr_scale": scale})
-            else:
-                group["params"].append(p)
-
-    def replace_parameters(
-        self, replaced: list[tuple[str, nn.Parameter, nn.Parameter | None]]
-    ) -> None:
-        """The method put a new tensor under a name the loop trains (``(name, old, new)``; new
-        None: the name is gone). The new one takes the old one's place in its optimiser group,
-        with no state: upstream makes a new optimiser at each task, and Adam's moments of a
-        differently shaped tensor cannot carry over. Mixins update their own components."""
-        for name, old, new in replaced:
+        for name, old, new in change.replaced:
             group, position = next(
                 (g, i)
                 for g in self.optimizer.param_groups
@@ -322,32 +323,47 @@ class OnlineLoop:
                     "keeps its predecessor's learning rate"
                 )
             group["params"][position] = new
+        lr = float(self.config.get("init_lr", 5e-3))
+        for name, p in change.added:
+            scale = float(self.adapter.lr_scale(name, p))
+            if not (math.isfinite(scale) and scale > 0):
+                raise ValueError(f"lr_scale must be finite and > 0, got {scale} for {name}")
+            group = next((g for g in self.optimizer.param_groups if g["lr_scale"] == scale), None)
+            if group is None:
+                self.optimizer.add_param_group({"params": [p], "lr": lr * scale, "lr_scale": scale})
+            else:
+                group["params"].append(p)
 
-    def _adopt_new_parameters(self, saved_names: Iterable[str] = ()) -> None:
-        """Re-read the adapter's trainable parameters (after a firing or a method's restart) and
-        adopt those the loop has not seen. ``saved_names`` (a resume): the checkpoint's
-        parameters, in its order, adopted even if the method has frozen them since."""
+    def _sync_parameters(
+        self, restarted: Iterable[nn.Parameter] = (), saved_names: Iterable[str] = ()
+    ) -> None:
+        """After the method acted (a firing, a restart after a step, a resume's rebuild): re-read
+        its trainable parameters, update the loop's list, and send one :class:`ParameterChange`
+        with what it ``restarted``, what now stands under a known name and what is new.
+        ``saved_names`` (a resume): the checkpoint's parameters, in its order, adopted even if the
+        method has frozen them since."""
         everything = dict(self.network.named_parameters())
-        replaced = [
+        replaced = tuple(
             (n, p, everything.get(n))
             for n, p in self.named_parameters
             if everything.get(n) is not p
-        ]
+        )
         if replaced:  # a firing put new tensors under known names (DER's wider head), or none
             self.named_parameters = [
                 (n, everything[n]) for n, _ in self.named_parameters if n in everything
             ]
-            self.replace_parameters(replaced)
         known = {name for name, _ in self.named_parameters}
-        new = [(n, everything[n]) for n in saved_names if n not in known and n in everything]
-        known.update(n for n, _ in new)
-        new += [
+        added = [(n, everything[n]) for n in saved_names if n not in known and n in everything]
+        known.update(n for n, _ in added)
+        added += [
             (n, p) for n, p in self.adapter.trainable_parameters(self.network) if n not in known
         ]
-        if new:
-            self.named_parameters += new
-            self.adopt_parameters(new)
-            logger.info("%d new trainable parameters: %s", len(new), [n for n, _ in new][:4])
+        if added:
+            self.named_parameters += added
+            logger.info("%d new trainable parameters: %s", len(added), [n for n, _ in added][:4])
+        change = ParameterChange(tuple(restarted), replaced, tuple(added))
+        if change:
+            self.parameters_changed(change)
 
     def report(self) -> dict[str, Any]:
         """Entries for the results file's ``diagnostics`` (the adapter's under ``method``)."""
@@ -521,8 +537,7 @@ class OnlineLoop:
         detached = _detached(terms)
         restarted = list(self.adapter.after_step(self.network, inputs, batch_labels, detached))
         if restarted:
-            self.reset_state(restarted)
-            self._adopt_new_parameters()
+            self._sync_parameters(restarted)
         return loss, True
 
     def score_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -586,10 +601,7 @@ class OnlineLoop:
         if self.adapter.keeps_teacher:  # the task-end state, before the method's boundary step
             self.teacher = None  # the old snapshot's memory is free before the copy is made
             self.teacher = Teacher.take(self.adapter, self.network, self.known, firing)
-        restarted = list(self.adapter.consolidate(self.network, firing))
-        if restarted:
-            self.reset_state(restarted)
-        self._adopt_new_parameters()
+        self._sync_parameters(self.adapter.consolidate(self.network, firing))
 
     def _teach(self, inputs: torch.Tensor) -> StepOutput | None:
         """The teacher's outputs on the training batch (inside the forward's autocast), or None
@@ -671,7 +683,7 @@ class OnlineLoop:
         them there, and the loop adopts them (in the checkpoint's order) before any value loads."""
         self._view = None
         self.adapter.load_extra_state(self.network, state["adapter"])
-        self._adopt_new_parameters(state["parameters"])
+        self._sync_parameters(saved_names=state["parameters"])
         for kind, current in (
             ("parameters", dict(self.named_parameters)),
             ("buffers", dict(self.network.named_buffers())),

@@ -20,7 +20,7 @@ from ..core.fgh_stats import AlphaStream
 from ..core.memory import ClassBalancedMemory, ReservoirMemory, make_memory
 from ..core.prototypes import PrototypeBank
 from ..core.rng import run_seed
-from .loop import OnlineLoop
+from .loop import OnlineLoop, ParameterChange
 
 if TYPE_CHECKING:
     from .adapter import MethodAdapter, StepOutput
@@ -51,12 +51,12 @@ class PrototypeMixin:
         super().after_step(out, labels)
         self.prototypes.update(out.features, labels, validate=False)
 
-    def replace_parameters(self: OnlineLoop, replaced: list) -> None:
+    def parameters_changed(self: OnlineLoop, change: ParameterChange) -> None:
         """A firing replaced the classifier (DER's wider head): the adapter maps the class means
         into its new feature space (:meth:`MethodAdapter.map_prototypes`); the counts stay."""
-        super().replace_parameters(replaced)
+        super().parameters_changed(change)
         layer = self.adapter.classifier(self.network)
-        if not any(new is layer.weight for _, _, new in replaced):
+        if not any(new is layer.weight for _, _, new in change.replaced):
             return
         with torch.no_grad():
             means = self.adapter.map_prototypes(self.network, self.prototypes.means)
@@ -106,23 +106,19 @@ class FGHMixin:
         self.fgh.step()
         self.alpha_stream.observe()
 
-    def reset_state(self: OnlineLoop, params: list[torch.nn.Parameter]) -> None:
-        super().reset_state(params)
-        self.fgh.reset_state(params)
-
-    def replace_parameters(self: OnlineLoop, replaced: list) -> None:
-        super().replace_parameters(replaced)
+    def parameters_changed(self: OnlineLoop, change: ParameterChange) -> None:
+        """Restarted parameters lose what FGH learned of them; a replacement takes its
+        predecessor's place; parameters a method added join FGH's group (alpha 1 at their first
+        gradient), except in the class-wise form, which covers the classifier alone."""
+        super().parameters_changed(change)
+        if change.restarted:
+            self.fgh.reset_state(change.restarted)
         covered = {id(p) for g in self.fgh.param_groups for p in g["params"]}
-        for _, old, new in replaced:
+        for _, old, new in change.replaced:
             if id(old) in covered:
                 self.fgh.replace_parameter(old, new)
-
-    def adopt_parameters(self: OnlineLoop, named: list[tuple[str, torch.nn.Parameter]]) -> None:
-        """Parameters a method added at a firing join FGH's group (alpha 1 at their first
-        gradient); the class-wise form covers the classifier alone, which a firing never adds."""
-        super().adopt_parameters(named)
-        if self.fgh.defaults["granularity"] != "class":
-            self.fgh.extend_group(0, named)
+        if change.added and self.fgh.defaults["granularity"] != "class":
+            self.fgh.extend_group(0, list(change.added))
 
     def state_dict(self: OnlineLoop) -> dict[str, Any]:
         fgh = {**self.fgh.state_dict(), "alpha_stream": self.alpha_stream.state_dict()}
@@ -280,14 +276,15 @@ class ReplayMixin:
             self.memory.add(indices, host_labels, features.detach().float().cpu().numpy())
             self._draw_next(self.samples_seen)
 
-    def replace_parameters(self: OnlineLoop, replaced: list) -> None:
+    def parameters_changed(self: OnlineLoop, change: ParameterChange) -> None:
         """A firing replaced the classifier by a wider one (DER): herding's stored features and
         class means move into the new feature space by the adapter's ``map_prototypes``, as the
         prototypes do (:meth:`ClassBalancedMemory.map_features`), so that the next batch's
         features can join them."""
-        super().replace_parameters(replaced)
+        super().parameters_changed(change)
         layer = self.adapter.classifier(self.network)
-        if not self.memory_needs_features or not any(new is layer.weight for *_, new in replaced):
+        replaced_head = any(new is layer.weight for *_, new in change.replaced)
+        if not self.memory_needs_features or not replaced_head:
             return
         if self.adapter.herding_features is not None:  # the method's own space: never mapped
             return
