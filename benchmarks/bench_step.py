@@ -9,9 +9,9 @@ steps/s and each variant's time relative to base: the paper claims P and FGH cos
 
 Adapters (``--model``):
 
-* ``vit``: the demo's :class:`pilot_online.cli.demo.TimmViTAdapter` (a 6-block ViT-Tiny at
-  32 px with random weights, frozen except its final norm and head; needs timm). Like the prompt
-  methods, the trainable set is small next to the frozen forward pass.
+* ``vit``: the demo's :class:`pilot_online.cli.demo.ScaleViTAdapter` (the shipped scale-model
+  ViT: width 768, 5 blocks, 32 px, frozen except its final norm and head; needs timm). Like the
+  prompt methods, the trainable set is small next to the frozen forward pass.
 * ``mlp``: a small torch MLP defined here, every weight trainable, so FGH covers all ~1.8 M
   parameters and its cost is visible next to a cheap forward pass (a worst case for FGH).
 """
@@ -80,9 +80,9 @@ class MLPAdapter(MethodAdapter):
 
 def make_adapter(model: str, config: dict) -> MethodAdapter:
     if model == "vit":
-        from pilot_online.cli.demo import TimmViTAdapter
+        from pilot_online.cli.demo import ScaleViTAdapter
 
-        return TimmViTAdapter(args=config)
+        return ScaleViTAdapter(args=config)
     return MLPAdapter(args=config)
 
 

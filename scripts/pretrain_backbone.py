@@ -28,6 +28,7 @@ import torch
 
 from pilot_online.core import scale_backbone as backbone
 from pilot_online.core.datasets import first_of_each_class, load_scale_dataset
+from pilot_online.core.files import sha256
 from pilot_online.harness.scale import probe
 from pilot_online.harness.scale.pretrain import (
     Pretrainer,
@@ -35,7 +36,6 @@ from pilot_online.harness.scale.pretrain import (
     backbone_state,
     build_vit,
     pretrain,
-    sha256,
 )
 from pilot_online.pilot.backbones import load_vit_state_dict, read_state_dict
 
