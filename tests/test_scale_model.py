@@ -97,6 +97,23 @@ def test_the_report_gives_each_claim_its_verdict(tmp_path, monkeypatch):
     assert "Fig. 2" in text and "no results yet" in text
 
 
+def test_a_figure_short_of_runs_is_named_not_drawn_and_the_report_still_writes(tmp_path):
+    """The ablation's + P + FGH at 5e-5 is Fig. 4's gamma-1 point: until another gamma has run,
+    the gamma figure cannot be drawn; the report says so instead of stopping."""
+    fgh = Run("ablation", "fashion_mnist", "si_blurry", "coda", "fgh", 5e-5)
+    folder = tmp_path / "results"
+    folder.mkdir()
+    for seed, ap in enumerate((60, 62, 64)):
+        record = results(fgh, seed, ap)
+        record["config"]["fgh"] = {"gamma": 1.0, "granularity": "class", "direction": "adam"}
+        (folder / f"{fgh.name}_{seed}.results.json").write_text(json.dumps(record))
+    doc = tmp_path / "docs" / "scale-model.md"
+    scale_model.write_report(folder, doc)
+    text = doc.read_text()
+    assert "- Fig. 4: AP against gamma" in text and "not drawn yet (gamma sensitivity needs" in text
+    assert "| + P + FGH | 62.00 ± 2.00 |" in text
+
+
 def test_dry_run_lists_the_runs_it_would_start(tmp_path, capsys):
     from pilot_online.cli.main import main
 
