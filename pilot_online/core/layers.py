@@ -33,12 +33,12 @@ def module_sources(root: Path) -> dict[str, str]:
     return sources
 
 
-def imports_of(module: str, source: str, is_package: bool, known: set[str]) -> set[str]:
-    """The package's modules that ``source`` imports, wherever the import statement sits.
-    ``from X import name`` counts as importing ``X.name`` when that is a module."""
+def imports_of(module: str, tree: ast.Module, is_package: bool, known: set[str]) -> set[str]:
+    """The package's modules that the parsed module ``tree`` imports, wherever the import
+    statement sits. ``from X import name`` counts as importing ``X.name`` when that is a module."""
     package = module if is_package else module.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -68,10 +68,11 @@ def layer_of(module: str) -> int | None:
     return LAYERS.index(parts[1])
 
 
-def import_graph(sources: Mapping[str, str], packages: set[str]) -> dict[str, set[str]]:
-    """``{module: modules it imports}`` over ``sources`` (``packages``: the ``__init__`` ones)."""
-    known = set(sources)
-    return {m: imports_of(m, s, m in packages, known) for m, s in sources.items()}
+def import_graph(trees: Mapping[str, ast.Module], packages: set[str]) -> dict[str, set[str]]:
+    """``{module: modules it imports}`` over parsed ``trees`` (``packages``: the ``__init__``
+    ones)."""
+    known = set(trees)
+    return {m: imports_of(m, t, m in packages, known) for m, t in trees.items()}
 
 
 def circles(graph: Mapping[str, set[str]]) -> list[list[str]]:
@@ -109,13 +110,13 @@ def circles(graph: Mapping[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def borrowed_from_methods(module: str, source: str) -> list[str]:
+def borrowed_from_methods(module: str, tree: ast.Module) -> list[str]:
     """Names a method's file imports from another method's file that are not adapter classes."""
     prefix = f"{PACKAGE}.methods."
     if not module.startswith(prefix):
         return []
     borrowed = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if not isinstance(node, ast.ImportFrom):
             continue
         if node.level:
@@ -134,7 +135,8 @@ def violations(sources: Mapping[str, str], packages: set[str]) -> list[str]:
     """One line per import against the layers' order and per import circle; empty when clean.
     A package's ``__init__`` may import its own submodules (registering them), which is not a
     circle when they do not import it back."""
-    graph = import_graph(sources, packages)
+    trees = {module: ast.parse(source) for module, source in sources.items()}  # parsed once
+    graph = import_graph(trees, packages)
     lines = []
     for module, targets in sorted(graph.items()):
         own = layer_of(module)
@@ -148,8 +150,8 @@ def violations(sources: Mapping[str, str], packages: set[str]) -> list[str]:
                 )
     for group in circles(graph):
         lines.append(f"import circle: {' <-> '.join(group)}")
-    for module, source in sorted(sources.items()):
-        for name in borrowed_from_methods(module, source):
+    for module, tree in sorted(trees.items()):
+        for name in borrowed_from_methods(module, tree):
             lines.append(
                 f"{module} imports {name}: a method takes only adapter classes from another "
                 "method's file; move shared pieces to core or the engine component they belong to"
