@@ -26,11 +26,9 @@ from .fgh import FineGrainedHypergradients
 logger = logging.getLogger(__name__)
 
 
-def _flat_alphas(group: dict[str, Any], owner: Tensor, alpha: Tensor | None) -> tuple[Tensor, int]:
-    """``(alpha, 0)``, or for a coefficient block not created yet ``(None, its size)``."""
-    if alpha is not None:
-        return alpha, 0
-    return None, {"element": owner.numel(), "class": owner.shape[0]}.get(group["granularity"], 1)
+def _unborn_size(group: dict[str, Any], owner: Tensor) -> int:
+    """How many coefficients a block not created yet holds (each is its starting 1)."""
+    return {"element": owner.numel(), "class": owner.shape[0]}.get(group["granularity"], 1)
 
 
 @torch.no_grad()
@@ -41,9 +39,8 @@ def census(fgh: FineGrainedHypergradients, group: dict[str, Any]) -> tuple[Tenso
     device = fgh.num_skipped.device
     parts, peaks, count, missing = [], [], 0, 0
     for owner, alpha in fgh.group_alphas(group):
-        alpha, absent = _flat_alphas(group, owner, alpha)
         if alpha is None:
-            missing += absent
+            missing += _unborn_size(group, owner)
             continue
         count += alpha.numel()
         # Float passes only (bool masks and float64 casts cost several times more on CPU): the
@@ -180,9 +177,10 @@ def alpha_statistics(fgh: FineGrainedHypergradients) -> list[dict[str, Tensor]]:
     for group in fgh.param_groups:
         alphas = []
         for owner, alpha in fgh.group_alphas(group):
-            alpha, absent = _flat_alphas(group, owner, alpha)
             if alpha is None:  # first step not taken yet: the alphas are still 1
-                alpha = torch.ones(absent, dtype=owner.dtype, device=owner.device)
+                alpha = torch.ones(
+                    _unborn_size(group, owner), dtype=owner.dtype, device=owner.device
+                )
             alphas.append(alpha.reshape(-1))
         count = sum(a.numel() for a in alphas)
         mean = torch.stack([a.double().sum() for a in alphas]).sum() / count
