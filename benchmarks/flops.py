@@ -14,7 +14,7 @@ else the smoke config) at 224 px with random weights on the CPU, and counts with
 - ``test_flops_per_image``: ``adapter.forward(train=False)``.
 
 P and FGH are element-wise (no matrix products), so the base variant stands for all four rows.
-A network that grows at its firings (``MethodAdapter.grows``: DER, MEMO, FOSTER) is also counted
+A network that grows at its firings (its card's ``grows``: DER, MEMO, FOSTER) is also counted
 after 1 and 2 firings (``by_firings``), which the FLOP model extends task by task.
 It writes them, with the torch and timm versions, to the package data
 ``pilot_online/data/flops.json`` (``--no-write`` to leave it; ``--table-only`` to skip counting
@@ -85,7 +85,7 @@ def count(fn) -> tuple[int, Any]:
     return counter.get_total_flops(), result
 
 
-#: Firings a growing network (``MethodAdapter.grows``) is counted after: 0, 1 and 2, enough for
+#: Firings a growing network (its card's ``grows``) is counted after: 0, 1 and 2, enough for
 #: the FLOP model to extend a linear (DER, MEMO) or settling (FOSTER) growth.
 GROWTH_FIRINGS = 2
 
@@ -94,7 +94,7 @@ def count_method(method: str, args: argparse.Namespace) -> dict[str, Any]:
     """FLOPs per image of ``method``'s training step, training forward, query pass and test
     forward; for a network that grows at its firings, also after each of
     :data:`GROWTH_FIRINGS` firings (``by_firings``)."""
-    from pilot_online.engine.registry import get_method
+    from pilot_online.engine.registry import get_method, method_card
     from pilot_online.pilot.backbones import run_overrides
 
     config = method_config(method, args.classes)
@@ -103,7 +103,7 @@ def count_method(method: str, args: argparse.Namespace) -> dict[str, Any]:
     with run_overrides(adapter, config):
         network = adapter.build_network(config)
         counts = count_network(adapter, network, args)
-        if not adapter.grows:
+        if not method_card(method).grows:
             return counts
         by_firings = [counts]
         for firing in range(GROWTH_FIRINGS):
@@ -216,7 +216,7 @@ def duration(seconds: float) -> str:
 
 def print_table(tflops: float | None) -> bool:
     import pilot_online.methods  # noqa: F401  (registers every method: their paper names)
-    from pilot_online.engine.registry import get_method
+    from pilot_online.engine.registry import method_card
     from pilot_online.harness import estimate
 
     estimate.load_flops.cache_clear()
@@ -239,7 +239,7 @@ def print_table(tflops: float | None) -> bool:
     rows = estimate.predicted_time_table(sustained_tflops=sustained, dataset="cub")
     ok = True
     for row in rows:
-        name = get_method(row["method"]).paper_name
+        name = method_card(row["method"]).paper_name
         base, ours = paper.get((name, "base")), paper.get((name, "ours"))
         print(
             f"{row['method']:24} {row['train_tflop']:11.0f} {row['eval_tflop']:10.0f} "

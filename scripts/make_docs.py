@@ -35,22 +35,22 @@ def differences_markdown() -> str:
     (key, what, why), or a line saying it declares none."""
     sys.path.insert(0, str(REPO))
     from pilot_online import get_method, list_methods
+    from pilot_online.engine.registry import method_card
 
     blocks = []
     for name in list_methods():
-        adapter = get_method(name)
-        upstream = adapter.upstream_file()
+        card = method_card(name)
+        upstream = card.upstream_file
         if upstream is None:
             continue
-        stem = adapter.__module__.rsplit(".", 1)[1]
+        stem = get_method(name).__module__.rsplit(".", 1)[1]
         title = f"### `{name}` against upstream `{upstream}`"
         tests = f"Asserted by `tests/test_upstream_{stem}.py`."
-        if not adapter.upstream_differences:
+        if not card.upstream_differences:
             blocks.append(f"{title}\n\nNo deliberate difference. {tests}\n")
             continue
         rows = [
-            f"| `{d.key}` | {_cell(d.what)} | {_cell(d.why)} |"
-            for d in adapter.upstream_differences
+            f"| `{d.key}` | {_cell(d.what)} | {_cell(d.why)} |" for d in card.upstream_differences
         ]
         table = "\n".join(["| key | what differs | why |", "| --- | --- | --- |", *rows])
         blocks.append(f"{title}\n\n{table}\n\n{tests} (`test_difference_<key>`)\n")

@@ -35,7 +35,7 @@ from typing import Any
 
 if __name__ == "__main__":  # as a script: this checkout's package (tests import it as a module)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pilot_online.engine.registry import get_method, list_methods
+from pilot_online.engine.registry import get_method, list_methods, method_card
 from pilot_online.harness.protocol import FIXED_LRS, HP_GRID, method_short_name
 
 EXPS = Path(__file__).resolve().parent.parent / "exps"
@@ -118,12 +118,12 @@ def paper_config(method: str, variant: str, blurry: bool) -> dict:
     row = copy.deepcopy(VARIANTS[variant])  # the paper's ablation row: P and FGH on or off
     stream = "si_blurry" if blurry else "clear"
     # The method's defaults, then what upstream's run scripts set for this stream and dataset.
-    keys = {**method_keys(name), **get_method(name).paper_settings("cifar224", stream)}
+    card = method_card(name)
+    keys = {**method_keys(name), **card.settings_for("cifar224", stream)}
     grids = lr_grids()
-    adapter = get_method(name)
     # No hp_grid row: the method's own declared default (its reason is in docs/methods.md), else
     # the main tables' fixed column.
-    lr = grids[method][1] if method in grids else adapter.default_lr or DEFAULT_LR
+    lr = grids[method][1] if method in grids else card.default_lr or DEFAULT_LR
     return {
         "prefix": variant + ("_blurry" if blurry else ""),
         "dataset": "cifar224",
@@ -150,26 +150,27 @@ def paper_config(method: str, variant: str, blurry: bool) -> dict:
         "si_blurry_m": 10,
         "online_prototypes": row["online_prototypes"],
         "fgh": row["fgh"],
-        "logit_mask": adapter.default_logit_mask or "batch",
+        "logit_mask": card.default_logit_mask or "batch",
         **({"er_batch_size": 100} if "er_memory_size" in keys else {}),
     }
 
 
 def smoke_variant(name: str) -> str:
     """+ P + FGH ("fgh"), or the method's first ablation row where it cannot run that one."""
-    variants = get_method(name).variants
+    variants = method_card(name).variants
     return "fgh" if "fgh" in variants else variants[0]
 
 
 def smoke_config(method: str) -> dict:
     """The paper's +P+FGH row (:func:`smoke_variant`) on the synthetic dataset at 32 px, random
-    weights, CPU, with the adapter's ``smoke_overrides``. ``method``: a short or registered name."""
+    weights, CPU, with the method card's ``smoke_overrides``. ``method``: a short or registered
+    name."""
     method = method_short_name(method)
     config = paper_config(method, smoke_variant(model_name(method)), blurry=False)
     config.update(copy.deepcopy(SMOKE_TEMPLATE))
     if "er_memory_size" in config:
         config.update(SMOKE_REPLAY)
-    config.update(copy.deepcopy(dict(get_method(model_name(method)).smoke_overrides)))
+    config.update(copy.deepcopy(dict(method_card(model_name(method)).smoke_overrides)))
     return config
 
 
@@ -207,7 +208,7 @@ def all_configs() -> dict[str, dict]:
     from pilot_online.engine.config import VARIANTS
 
     for method in short_names():
-        for variant in [v for v in VARIANTS if v in get_method(model_name(method)).variants]:
+        for variant in [v for v in VARIANTS if v in method_card(model_name(method)).variants]:
             for blurry in (False, True):
                 name = f"{method}_online_{variant}{'_blurry' if blurry else ''}.json"
                 configs[name] = paper_config(method, variant, blurry)

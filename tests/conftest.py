@@ -174,9 +174,9 @@ def contract_runs(method: str) -> list[tuple[str, str]]:
     """(variant, stream) of a method's runs through ``main.py`` in the contract suite: without
     and with P + FGH, one per stream (a method that cannot run + P + FGH, SimpleCIL, runs its
     base row on both streams)."""
-    from pilot_online.engine.registry import get_method
+    from pilot_online.engine.registry import method_card
 
-    variants = get_method(f"{method.removesuffix('_online')}_online").variants
+    variants = method_card(f"{method.removesuffix('_online')}_online").variants
     return [("base", "clear"), ("p_fgh" if "fgh" in variants else "base", "si_blurry")]
 
 

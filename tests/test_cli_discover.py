@@ -38,7 +38,7 @@ def test_methods_lists_paper_name_rows_trigger_and_keys(capsys) -> None:
     assert cli.main(["methods"]) == 0
     rows = _table(capsys.readouterr().out)
     assert set(rows) == set(registry.list_methods())
-    # By hand, from the adapters' declarations (coda_prompt.py: paper_name and full_name;
+    # By hand, from the methods' cards (coda_prompt.py: paper_name and full_name;
     # cofima.py, simplecil.py).
     coda = [
         "coda_online",
@@ -67,28 +67,37 @@ PLUGIN = """
 from typing import ClassVar
 
 from pilot_online.engine.adapter import MethodAdapter
+from pilot_online.engine.card import MethodCard
+from pilot_online.engine.registry import register_method
 
 
+@register_method("plugin_online", card=MethodCard(paper_name="My method", variants=("base",)))
 class PluginAdapter(MethodAdapter):
-    paper_name: ClassVar[str] = "My method"
     default_consolidation: ClassVar[str] = "never"
+
+
+class BareAdapter(MethodAdapter):
+    pass
 """
 
 
 @pytest.fixture
 def installed_plugin(tmp_path, monkeypatch):
     """A distribution on sys.path, as pip would install it: a package and its dist-info with an
-    entry_points.txt naming the adapter class under the group."""
+    entry_points.txt naming, under the group, a module that registers its method with a card and
+    an adapter class (registered under the entry point's name, with an empty card)."""
     (tmp_path / "my_plugin_pkg").mkdir()
     (tmp_path / "my_plugin_pkg" / "__init__.py").write_text(textwrap.dedent(PLUGIN))
     info = tmp_path / "my_plugin-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-plugin\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(
-        "[pilot_online.methods]\nplugin_online = my_plugin_pkg:PluginAdapter\n"
+        "[pilot_online.methods]\nplugin_online = my_plugin_pkg\n"
+        "bare_online = my_plugin_pkg:BareAdapter\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))  # restored after
+    monkeypatch.setattr(registry, "_CARDS", dict(registry._CARDS))
     monkeypatch.setattr(registry, "_entry_points_loaded", False)
     yield info
     sys.modules.pop("my_plugin_pkg", None)
@@ -97,11 +106,14 @@ def installed_plugin(tmp_path, monkeypatch):
 def test_a_method_registers_from_outside_the_package(installed_plugin, capsys) -> None:
     """Before: only an edit of pilot_online/methods could add a method."""
     adapter = registry.get_method("plugin_online")
-    assert adapter.__module__ == "my_plugin_pkg" and adapter.paper_name == "My method"
-    assert "plugin_online" in registry.list_methods()
+    assert adapter.__module__ == "my_plugin_pkg" and adapter.__name__ == "PluginAdapter"
+    assert registry.method_card("plugin_online").paper_name == "My method"
+    assert registry.method_card("bare_online").paper_name == ""  # a class: an empty card
+    assert registry.get_method("bare_online").__name__ == "BareAdapter"
+    assert {"plugin_online", "bare_online"} <= set(registry.list_methods())
     assert cli.main(["methods", "plugin"]) == 0
     out = capsys.readouterr().out
-    assert "plugin_online" in out and "My method" in out
+    assert _table(out)["plugin_online"][1:3] == ["My method", "base"]  # the card's
     assert "plugin_online: from my_plugin_pkg (a pilot_online.methods entry point)" in out
 
 

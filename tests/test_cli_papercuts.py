@@ -18,7 +18,7 @@ from conftest import offline_env, requires_pilot
 from pilot_online.cli.main import main
 from pilot_online.cli.methods import HEADER
 from pilot_online.core.progress import plural
-from pilot_online.engine.registry import get_method, list_methods
+from pilot_online.engine.registry import list_methods, method_card
 
 REPO = Path(__file__).resolve().parent.parent
 EXPS = REPO / "exps"
@@ -112,7 +112,7 @@ def test_the_vs_paper_summary_counts_one_cell_as_one(tmp_path):
 
 
 def test_every_registered_method_has_a_paper_name(capsys):
-    """From the adapters' own declared names (no table in the CLI), APER and SimpleCIL included;
+    """From the methods' own cards (no table in the CLI), APER and SimpleCIL included;
     oLoRA shows the name its paper and the README give it too."""
     assert main(["methods"]) == 0
     header, rule, *rows = capsys.readouterr().out.splitlines()
@@ -121,7 +121,7 @@ def test_every_registered_method_has_a_paper_name(capsys):
     names = {row[name_start:name_end].strip(): row[start:end].strip() for row in rows}
     for name in list_methods():
         assert names.get(name, "-") not in ("", "-"), name
-        assert get_method(name).paper_name in names[name], name
+        assert method_card(name).paper_name in names[name], name
     assert names["olora_online"] == "oLoRA (Online-LoRA)"
     assert names["simplecil_online"] == "SimpleCIL"
     assert names["aper_adapter_online"] == "APER w/ Adapter"

@@ -17,6 +17,7 @@ from torch import nn
 
 from pilot_online.engine.adapter import StepOutput
 from pilot_online.engine.mixins import build_loop
+from pilot_online.engine.registry import method_card
 from pilot_online.methods.cofima import CoFiMAOnline, fisher_average
 
 NUM_CLASSES = 6
@@ -243,7 +244,7 @@ def test_state_bytes_adds_three_weight_copies_to_slca():
     # SLCA's 10 classes of (768^2 + 768) fp32 + 16 bytes, and 3 fp32 copies of the ViT-B/16
     # backbone (85,798,656) with a 10-class head (10 * 769)
     expected = 10 * (4 * 589_824 + 4 * 768 + 16) + 3 * 4 * (85_798_656 + 7690)
-    assert CoFiMAOnline.state_bytes({"nb_classes": 10}) == expected
+    assert method_card("cofima_online").memory_bytes({"nb_classes": 10}) == expected
 
 
 def test_defaults_act_on_twenty_cub_sized_tasks():

@@ -53,6 +53,7 @@ from pilot_online import get_method, list_methods
 from pilot_online.engine.checkpoint import load_checkpoint, save_checkpoint
 from pilot_online.engine.config import VARIANTS
 from pilot_online.engine.mixins import build_loop
+from pilot_online.engine.registry import method_card
 from pilot_online.engine.session import ArrayDataSource
 
 METHODS = list_methods()
@@ -236,6 +237,11 @@ STEP_IMAGES = ArrayDataSource._to_tensor(
 STEP_LABELS = torch.tensor([0, 1, 2, 3, 2, 3, 4, 5])
 
 
+def smoke_row(config: dict) -> str:
+    """+ P + FGH, or base for a method whose card cannot run it (SimpleCIL)."""
+    return "fgh" if "fgh" in method_card(config["model_name"]).variants else "base"
+
+
 def make_loop(adapter, network, config: dict, variant: str):
     """A loop for ``variant`` (a VARIANTS row) with a sample loader over the step images."""
     loop = build_loop(adapter, network, {**config, **VARIANTS[variant]}, NUM_CLASSES)
@@ -265,7 +271,7 @@ def test_p_fgh_steps_and_a_checkpoint_round_trip(built, tmp_path):
     on a freshly built network: the loss agrees bit for bit; parameters, buffers and logits to
     rounding (1e-5 relative)."""
     adapter, network, config = built
-    variant = "fgh" if "fgh" in adapter.variants else "base"
+    variant = smoke_row(config)
     resolved = {**config, **VARIANTS[variant]}
     loop = make_loop(adapter, network, config, variant)
     before = {k: v.clone() for k, v in network.state_dict().items()}
@@ -317,7 +323,7 @@ def train_segmented(built: Built, sizes: list[int], eval_period: int | None = No
     from pilot_online.engine.session import OnlineSession
 
     adapter, network, config = copy.deepcopy(built)  # one copy: cross-references kept
-    variant = "fgh" if "fgh" in adapter.variants else "base"
+    variant = smoke_row(config)
     config = {**config, **VARIANTS[variant], "eval_period": eval_period}
     if adapter.default_consolidation != "never":
         config.update(consolidation="new_classes", consolidation_new_classes=2)

@@ -1,6 +1,7 @@
 """Replay a method declares (``memory_based`` and ``engine.config.replay_keys``) without
 subclassing ER: the class-balanced and herding memories in the loop, their config keys, and the
-per-method defaults the generated configs take (``default_lr``, ``default_logit_mask``).
+per-method defaults the generated configs take (the card's ``default_lr`` and
+``default_logit_mask``).
 
 Model: ``features = relu(body(x))`` with a frozen body, so the features the herding memory
 receives are known by hand."""
@@ -17,6 +18,7 @@ from conftest import TinyAdapter, TinyNet, make_exps, unit_config
 from pilot_online.core.memory import ClassBalancedMemory, normalized
 from pilot_online.engine import registry
 from pilot_online.engine.adapter import ConfigKey
+from pilot_online.engine.card import MethodCard
 from pilot_online.engine.config import ConfigError, replay_keys, resolve_config
 from pilot_online.engine.mixins import build_loop
 from pilot_online.methods.finetune import FinetuneOnline
@@ -97,10 +99,7 @@ def test_herding_replay_resumes_bit_for_bit():
 class Remembering(FinetuneOnline):
     """A throwaway memory-based method with declared herding replay and its own defaults."""
 
-    paper_name: ClassVar[str] = ""
     memory_based: ClassVar[bool] = True
-    default_lr: ClassVar[float] = 5e-5
-    default_logit_mask: ClassVar[str] = "seen"
     config_keys: ClassVar[dict[str, ConfigKey]] = replay_keys(
         300, memory="herding", per_class=20, why="a test"
     )
@@ -109,6 +108,8 @@ class Remembering(FinetuneOnline):
 @pytest.fixture
 def remembering(monkeypatch):
     monkeypatch.setitem(registry._METHODS, "remembering_online", Remembering)
+    card = MethodCard(default_lr=5e-5, default_logit_mask="seen")
+    monkeypatch.setitem(registry._CARDS, "remembering_online", card)
     return "remembering_online"
 
 

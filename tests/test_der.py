@@ -20,6 +20,7 @@ from pilot_online.engine.backbone_names import VIT_B16_PARAMETERS
 from pilot_online.engine.checkpoint import load_checkpoint, save_checkpoint
 from pilot_online.engine.config import PAPER_FGH, ConfigError, resolve_config
 from pilot_online.engine.mixins import build_loop
+from pilot_online.engine.registry import method_card
 from pilot_online.methods.der import (
     DEROnline,
     auxiliary_loss,
@@ -273,7 +274,7 @@ def test_a_checkpoint_across_firings_resumes_bit_for_bit(tmp_path):
 def test_state_bytes_counts_one_vit_per_firing():
     """CIFAR-100 in tasks of 10: nine firings, nine more ViT-B/16s (fp32) beside the first."""
     args = {"nb_classes": 100, "consolidation": "new_classes", "consolidation_new_classes": 10}
-    assert DEROnline.state_bytes(args) == 9 * 4 * VIT_B16_PARAMETERS
+    assert method_card("der_online").memory_bytes(args) == 9 * 4 * VIT_B16_PARAMETERS
     assert DEROnline.expected_branches({**args, "consolidation_new_classes": 20}) == 5
     every = {"nb_classes": 200, "consolidation": "every_n_samples", "init_cls": 10}
     assert DEROnline.expected_branches({**every, "increment": 10}) == 20

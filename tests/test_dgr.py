@@ -17,6 +17,7 @@ from torch import nn
 from pilot_online.engine.adapter import StepOutput
 from pilot_online.engine.config import ConfigError, resolve_config
 from pilot_online.engine.mixins import build_loop
+from pilot_online.engine.registry import method_card
 from pilot_online.methods.dgr import (
     DGROnline,
     class_weights,
@@ -262,7 +263,9 @@ def test_memory_is_upstreams_size_and_replay_is_required():
     assert cfg["er_batch_size"] == 100  # as ER's rows
     assert cfg["consolidation"] == "new_classes" and cfg["consolidation_new_classes"] == 10
     assert (cfg["gammar_r"], cfg["lambda"], cfg["T"]) == (1.0, 1.0, 2.0)  # exps/dgr.json
-    assert smoke["init_lr"] == DGROnline.default_lr == 5e-5  # ER's Best HP, not Adam at 5e-3
+    assert (
+        smoke["init_lr"] == method_card("dgr_online").default_lr == 5e-5
+    )  # ER's Best HP, not Adam at 5e-3
     with pytest.raises(ConfigError, match="er_memory_size must be > 0"):
         resolve_config({**raw, "er_memory_size": 0})
 

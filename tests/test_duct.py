@@ -16,6 +16,7 @@ from conftest import TinyNet, unit_config
 from torch import nn
 
 from pilot_online.engine.mixins import build_loop
+from pilot_online.engine.registry import method_card
 from pilot_online.methods.duct import ClassPeriods, DUCTOnline, sinkhorn, transported_rows
 
 NUM_CLASSES = 6
@@ -197,7 +198,10 @@ def test_extra_state_round_trip_takes_the_same_steps():
 
 def test_state_bytes_counts_one_backbone_copy():
     # the anchor (fp32 ViT-B/16 backbone) and three fp32 10 x 768 banks of class means
-    assert DUCTOnline.state_bytes({"nb_classes": 10}) == 4 * 85_798_656 + 3 * 4 * 10 * 768
+    assert (
+        method_card("duct_online").memory_bytes({"nb_classes": 10})
+        == 4 * 85_798_656 + 3 * 4 * 10 * 768
+    )
 
 
 # -- the evaluation view ---------------------------------------------------------------------------

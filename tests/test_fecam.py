@@ -17,6 +17,7 @@ from torch import nn
 
 from pilot_online.core.cosine_head import attach_cosine_head
 from pilot_online.engine.mixins import build_loop
+from pilot_online.engine.registry import method_card
 from pilot_online.methods.fecam import FeCAMOnline, row_corrcoef
 from pilot_online.methods.ranpac import UNSEEN_LOGIT
 
@@ -103,7 +104,7 @@ def test_first_session_trains_the_cosine_head_and_evaluation_is_mahalanobis_thro
 def test_state_bytes_counts_the_per_class_covariances() -> None:
     # float64 sums: 100 x (768^2 + 768 + 1) x 8 = 472,474,400 B; two float32 heads (means and
     # precisions): 2 x 100 x (768^2 + 768) x 4 = 472,473,600 B.
-    assert FeCAMOnline.state_bytes({"nb_classes": 100}) == 944_948_000
+    assert method_card("fecam_online").memory_bytes({"nb_classes": 100}) == 944_948_000
 
 
 @requires_pilot

@@ -289,7 +289,7 @@ def test_every_fgh_paper_config_runs_paper_fgh() -> None:
     from conftest import make_exps
 
     from pilot_online.engine.config import FGH_FORMS, PAPER_FGH, VARIANTS, variant_of
-    from pilot_online.engine.registry import get_method
+    from pilot_online.engine.registry import method_card
     from pilot_online.harness.scale.grid import runs as scale_runs
 
     assert PAPER_FGH == {
@@ -312,7 +312,7 @@ def test_every_fgh_paper_config_runs_paper_fgh() -> None:
         f"{short}_online_{variant}{suffix}.json"
         for short in exps.short_names()
         for variant in ("fgh_only", "fgh")
-        if variant in get_method(exps.model_name(short)).variants
+        if variant in method_card(exps.model_name(short)).variants
         for suffix in ("", "_blurry")
     }
     with_fgh = {n for n, c in configs.items() if variant_of(c) in ("fgh_only", "fgh")}

@@ -20,6 +20,7 @@ from pilot_online.engine.adapter import StepOutput, TrainingBatch
 from pilot_online.engine.checkpoint import load_checkpoint, save_checkpoint
 from pilot_online.engine.config import ConfigError, resolve_config
 from pilot_online.engine.mixins import build_loop
+from pilot_online.engine.registry import method_card
 from pilot_online.engine.teacher import distillation_loss
 from pilot_online.harness.protocol import HP_GRID
 from pilot_online.methods.icarl import ICaRLOnline
@@ -225,6 +226,6 @@ def test_the_defaults_are_upstreams_memory_and_ers_learning_rate():
     assert cfg["consolidation"] == "new_classes"
     assert ICaRLOnline.config_keys["er_memory_size"].default == 2000
     assert ICaRLOnline.memory_based and ICaRLOnline.keeps_teacher
-    assert ICaRLOnline.default_lr == HP_GRID["er"].best_lr == 5e-5
+    assert method_card("icarl_online").default_lr == HP_GRID["er"].best_lr == 5e-5
     paper = make_exps().paper_config("icarl", "base", blurry=True)
     assert (paper["init_lr"], paper["optimizer"], paper["logit_mask"]) == (5e-5, "adam", "batch")

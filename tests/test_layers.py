@@ -74,19 +74,20 @@ def test_downward_and_sideways_imports_pass(tmp_path):
     assert lines == []
 
 
-def test_a_method_takes_only_adapter_classes_from_another(tmp_path):
+def test_a_method_takes_only_adapter_classes_and_cards_from_another(tmp_path):
     lines = _draft(
         tmp_path,
         {
-            "methods/icarl.py": "class ICaRLOnline: ...\ndef distillation_loss(): ...\n",
+            "methods/icarl.py": "class ICaRLOnline: ...\ndef distillation_loss(): ...\nCARD = 1\n",
             "methods/der.py": "from .icarl import ICaRLOnline\n",  # subclassing: allowed
+            "methods/memo.py": "from .icarl import CARD as ICARL_CARD\n",  # deriving: allowed
             "methods/dgr.py": "from .icarl import ICaRLOnline, distillation_loss\n",
         },
     )
     assert lines == [
         "pilot_online.methods.dgr imports pilot_online.methods.icarl.distillation_loss: a method "
-        "takes only adapter classes from another method's file; move shared pieces to core or "
-        "the engine component they belong to"
+        "takes only adapter classes and cards from another method's file; move shared pieces to "
+        "core or the engine component they belong to"
     ]
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from pilot_online.engine.checkpoint import load_checkpoint, save_checkpoint
 from pilot_online.engine.config import PAPER_FGH, ConfigError, resolve_config
 from pilot_online.engine.mixins import build_loop
+from pilot_online.engine.registry import method_card
 from pilot_online.methods.memo import (
     MEMO_BRANCH_PARAMETERS,
     MEMOOnline,
@@ -213,10 +214,10 @@ def test_the_trimmed_extractor_holds_memo_branch_parameters(pilot_on_path):
     extractor = trim_specialized(Specialized_Vit(num_classes=0))
     assert sum(p.numel() for p in extractor.parameters()) == MEMO_BRANCH_PARAMETERS
     args = {"nb_classes": 100, "consolidation": "new_classes", "consolidation_new_classes": 10}
-    assert MEMOOnline.state_bytes(args) == 9 * 4 * MEMO_BRANCH_PARAMETERS
-    assert MEMOOnline.state_bytes({**args, "train_adaptive": True}) == 4 * 9 * 4 * (
-        MEMO_BRANCH_PARAMETERS
-    )
+    assert method_card("memo_online").memory_bytes(args) == 9 * 4 * MEMO_BRANCH_PARAMETERS
+    assert method_card("memo_online").memory_bytes(
+        {**args, "train_adaptive": True}
+    ) == 4 * 9 * 4 * (MEMO_BRANCH_PARAMETERS)
 
 
 @requires_pilot

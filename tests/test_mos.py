@@ -18,6 +18,7 @@ from pilot_online.core.class_stats import (
 )
 from pilot_online.engine.config import ConfigError, resolve_config
 from pilot_online.engine.mixins import build_loop
+from pilot_online.engine.registry import method_card
 from pilot_online.engine.session import ArrayDataSource
 from pilot_online.methods.mos import orth_loss, pull, pull_term, self_refined
 
@@ -169,17 +170,17 @@ def test_keys_are_checked():
 
 def test_imagenet_r_aligns_with_upstreams_weight_decay():
     """``exps/mos_inr.json`` has weight_decay 5e-3, which ``classifer_align`` uses."""
-    cls = get_method("mos_online")
-    assert cls.paper_settings("imagenetr", "clear") == {"ca_weight_decay": 5e-3}
-    assert cls.paper_settings("cifar224", "clear") == {}
-    assert cls.config_keys["ca_weight_decay"].default == 5e-4
+    card = method_card("mos_online")
+    assert card.settings_for("imagenetr", "clear") == {"ca_weight_decay": 5e-3}
+    assert card.settings_for("cifar224", "clear") == {}
+    assert get_method("mos_online").config_keys["ca_weight_decay"].default == 5e-4
 
 
 def test_state_bytes_counts_the_class_statistics():
-    cls = get_method("mos_online")
-    assert cls.state_bytes({"nb_classes": 100}) == 4 * 100 * (768 * 768 + 3 * 768)
+    card = method_card("mos_online")
+    assert card.memory_bytes({"nb_classes": 100}) == 4 * 100 * (768 * 768 + 3 * 768)
     variance = {"nb_classes": 100, "ca_storage_efficient_method": "variance"}
-    assert cls.state_bytes(variance) == 4 * 100 * 4 * 768
+    assert card.memory_bytes(variance) == 4 * 100 * 4 * 768
 
 
 # -- on PILOT's network (32 px, random weights) -------------------------------------------------

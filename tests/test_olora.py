@@ -26,7 +26,7 @@ from pilot_online.core.lora import (
 from pilot_online.engine.config import resolve_config
 from pilot_online.engine.loop import OnlineLoop
 from pilot_online.engine.mixins import build_loop
-from pilot_online.engine.registry import get_method
+from pilot_online.engine.registry import get_method, method_card
 
 
 def randomised(adapter: LoRAQKV, seed: int) -> LoRAQKV:
@@ -515,7 +515,7 @@ UPSTREAM_SCRIPTS = {
 @pytest.mark.parametrize(("dataset", "stream"), list(UPSTREAM_SCRIPTS))
 def test_paper_settings_are_upstreams_run_script_values(dataset, stream):
     mean, variance, buffer, pairing = UPSTREAM_SCRIPTS[dataset, stream]
-    assert get_method("olora_online").paper_settings(dataset, stream) == {
+    assert method_card("olora_online").settings_for(dataset, stream) == {
         "loss_window_mean_threshold": mean,
         "loss_window_variance_threshold": variance,
         "hard_buffer_size": buffer,

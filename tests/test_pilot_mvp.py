@@ -21,7 +21,7 @@ if os.environ.get("PILOT_FULL_MATRIX") == "1":
 
 @pytest.mark.parametrize(("variant", "stream"), RUNS)
 def test_mvp_online_run_through_pilot_main(pilot_main_run, variant, stream):
-    # The smoke config's 2-token prompts (MVPOnline.smoke_overrides): 20-token ones cost 5x.
+    # The smoke config's 2-token prompts (the card's smoke_overrides): 20-token ones cost 5x.
     report, results = pilot_main_run("mvp", variant, stream)
     sizes = assert_single_pass(results)
     assert report["boundary_calls"] == [] and report["task_ids"] == []

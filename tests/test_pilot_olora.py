@@ -15,7 +15,7 @@ TRAINABLE = 12 * 2 * 2 * 4 * 768 + 768 * 8 + 8
 
 @pytest.mark.parametrize(("variant", "stream"), [("base", "clear"), ("p_fgh", "si_blurry")])
 def test_olora_runs_through_pilot_main(pilot_main_run, variant, stream):
-    # The smoke config's one buffered batch (OLoRAOnline.smoke_overrides): the same code paths.
+    # The smoke config's one buffered batch (the card's smoke_overrides): the same code paths.
     report, results = pilot_main_run("olora", variant, stream)
     counters = results["counters"]
     sizes = assert_single_pass(results)

@@ -18,6 +18,7 @@ from torch import nn
 from pilot_online.core.cosine_head import attach_cosine_head
 from pilot_online.engine.config import ConfigError, resolve_config
 from pilot_online.engine.mixins import build_loop
+from pilot_online.engine.registry import method_card
 from pilot_online.methods.ranpac import RIDGES, UNSEEN_LOGIT, RanPACOnline, select_ridge
 
 DIM, M = 4, 6
@@ -188,7 +189,9 @@ def test_a_first_session_that_never_ends_is_refused_with_the_fix() -> None:
 
 def test_state_bytes_counts_the_float64_grams() -> None:
     # 2 Grams 10^4 x 10^4 x 8 B = 1.6e9; 2 cross 10^4 x 100 x 8 B = 1.6e7; 2 heads x 4 B = 8e6.
-    assert RanPACOnline.state_bytes({"M": 10000, "nb_classes": 100}) == 1_624_000_000
+    assert (
+        method_card("ranpac_online").memory_bytes({"M": 10000, "nb_classes": 100}) == 1_624_000_000
+    )
 
 
 @requires_pilot

@@ -279,12 +279,13 @@ def test_task_gradient_trace_plot_reads_the_sidecar_trace(tmp_path, runs) -> Non
 def test_paper_rows_are_registered_and_other_methods_follow_them():
     """Every row of the paper's tables has a registered method; ``paper_name`` is optional: a
     method without one is labelled by its registered name and sorts after the paper's rows."""
-    from pilot_online import get_method, list_methods
+    from pilot_online import list_methods
+    from pilot_online.engine.registry import method_card
     from pilot_online.harness.report import PAPER_ROW_ORDER, _sort_key, method_label
 
     labels = {method_label(name) for name in list_methods()}
     assert set(PAPER_ROW_ORDER) <= labels, set(PAPER_ROW_ORDER) - labels
-    unnamed = [name for name in list_methods() if not get_method(name).paper_name]
+    unnamed = [name for name in list_methods() if not method_card(name).paper_name]
     assert all(method_label(name) == name for name in unnamed)
     keys = [(label, "cifar224", "clear", 0.005, "base") for label in ("zzz_online", "CODA", "ER")]
     assert [k[0] for k in sorted(keys, key=_sort_key)] == ["ER", "CODA", "zzz_online"]

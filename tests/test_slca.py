@@ -16,6 +16,7 @@ from torch import nn
 from pilot_online.core.class_stats import ClassGaussians, normalised_logits
 from pilot_online.engine.loop import make_optimizer
 from pilot_online.engine.mixins import build_loop
+from pilot_online.engine.registry import method_card
 from pilot_online.methods.slca import SLCAOnline, mean_scales
 
 C = 6
@@ -251,5 +252,5 @@ def test_the_slow_learner_scales_backbone_parameters_only():
 def test_state_bytes_count_a_float32_scatter_matrix_per_class():
     # 100 classes at D = 768: scatter 768 x 768, mean 768 (float32), count and session (8 bytes).
     want = 100 * (768 * 768 * 4 + 768 * 4 + 8 + 8)
-    assert SLCAOnline.state_bytes({"nb_classes": 100}) == want
+    assert method_card("slca_online").memory_bytes({"nb_classes": 100}) == want
     assert 230e6 < want < 240e6  # the docs' 236 MB

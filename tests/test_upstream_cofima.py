@@ -6,7 +6,7 @@ Upstream's ``Learner`` methods run unbound on small stand-ins of ``self`` (a lin
 adapter, and the numbers are compared: the task end (``incremental_train`` with
 ``interpolate_weights``, ``fc.backup()`` and, in ``after_task``, ``fc.recall()``), the Fisher
 (``getFisherDiagonal``), the class statistics (``_compute_class_mean``) and CA's mean decay
-(``_stage2_compact_classifier``). Each declared difference (``CoFiMAOnline.upstream_differences``)
+(``_stage2_compact_classifier``). Each declared difference (the card's ``upstream_differences``)
 has its ``test_difference_<key>``.
 """
 

@@ -12,7 +12,7 @@ every class. Upstream, on our weights:
 - ``_update_representation`` (one epoch, an optimiser that only keeps gradients) on the third
   step's stream and replayed rows: every parameter's gradient is ours.
 
-One ``test_difference_<key>`` per entry of ``COILOnline.upstream_differences``.
+One ``test_difference_<key>`` per entry of the card's ``upstream_differences``.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from pilot_online.core.memory import normalized
 from pilot_online.engine.adapter import MethodAdapter, StepOutput
 from pilot_online.engine.config import resolve_config
 from pilot_online.engine.mixins import build_loop
+from pilot_online.engine.registry import method_card
 from pilot_online.engine.teacher import distillation_loss
-from pilot_online.methods.coil import COILOnline
 
 pytestmark = requires_pilot
 
@@ -484,6 +484,10 @@ def test_difference_adam_constant_lr(coil: Built) -> None:
     paper["seed"] = paper["seed"][0]  # PILOT's trainer hands the learner one seed of the list
     loop = build_loop(adapter, copy.deepcopy(network), paper, 100)
     assert type(loop.optimizer) is torch.optim.Adam
-    assert [g["lr"] for g in loop.optimizer.param_groups] == [COILOnline.default_lr] == [5e-5]
+    assert (
+        [g["lr"] for g in loop.optimizer.param_groups]
+        == [method_card("coil_online").default_lr]
+        == [5e-5]
+    )
     sgd = build_loop(adapter, copy.deepcopy(network), {**paper, "optimizer": "sgd"}, 100)
     assert sgd.optimizer.param_groups[0]["momentum"] == 0.9

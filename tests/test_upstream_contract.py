@@ -1,6 +1,6 @@
 """Every port of a PILOT model is held to upstream's own code, and its differences are written once.
 
-For each registered method whose adapter names a PILOT model (``MethodAdapter.upstream_file``):
+For each registered method whose card names a PILOT model (its card's ``upstream_file``):
 
 - ``tests/test_upstream_<methods-file>.py`` exists and imports upstream's ``models/<name>.py``
   (the file a reviewer diffs against), so its equivalence tests run upstream's functions;
@@ -20,8 +20,9 @@ from conftest import PILOT_ROOT, REPO, load_script
 
 from pilot_online import get_method, list_methods
 from pilot_online.engine.config import PILOT_MODEL_NAMES, unknown_method
+from pilot_online.engine.registry import method_card
 
-PORTS = [name for name in list_methods() if get_method(name).upstream_file() is not None]
+PORTS = [name for name in list_methods() if method_card(name).upstream_file is not None]
 
 
 def make_docs():
@@ -38,7 +39,7 @@ def test_every_pilot_model_has_a_port_claiming_it():
     """Every model of PILOT 5240714 (its factory's names: the 18 pre-trained-model methods and the
     classic iCaRL, DER, MEMO, FOSTER and COIL) has a port that names it, and each is what
     ``unknown_method`` offers for upstream's own name."""
-    claimed = {get_method(name).upstream_file() for name in PORTS}
+    claimed = {method_card(name).upstream_file for name in PORTS}
     everything = {f"models/{name}.py" for name in PILOT_MODEL_NAMES}
     assert len(everything) == 23
     assert everything <= claimed, sorted(everything - claimed)
@@ -56,8 +57,8 @@ def test_every_pilot_model_has_a_port_claiming_it():
 @pytest.mark.parametrize("name", PORTS)
 def test_equivalence_tests_run_upstreams_code(name):
     path = upstream_test_file(name)
-    assert path.is_file(), f"{name} ports {get_method(name).upstream_file()}: write {path.name}"
-    module = get_method(name).upstream_file().removesuffix(".py").replace("/", ".")
+    assert path.is_file(), f"{name} ports {method_card(name).upstream_file}: write {path.name}"
+    module = method_card(name).upstream_file.removesuffix(".py").replace("/", ".")
     source = path.read_text(encoding="utf-8")
     assert re.search(rf"\b(from|import) {re.escape(module)}\b", source), (
         f"{path.name} never imports upstream's {module}: its tests must run upstream's code"
@@ -66,10 +67,10 @@ def test_equivalence_tests_run_upstreams_code(name):
 
 @pytest.mark.parametrize("name", PORTS)
 def test_each_declared_difference_is_asserted(name):
-    adapter = get_method(name)
-    keys = [d.key for d in adapter.upstream_differences]
+    card = method_card(name)
+    keys = [d.key for d in card.upstream_differences]
     assert len(keys) == len(set(keys)), f"{name} declares a difference key twice: {keys}"
-    for difference in adapter.upstream_differences:
+    for difference in card.upstream_differences:
         assert re.fullmatch(r"[a-z][a-z0-9_]*", difference.key), difference.key
         assert difference.what.strip() and difference.why.strip(), difference.key
     path = upstream_test_file(name)
@@ -81,10 +82,10 @@ def test_each_declared_difference_is_asserted(name):
     assert not missing, f"{path.name} lacks {missing}"
 
 
-def test_the_differences_page_is_generated_from_the_adapters():
+def test_the_differences_page_is_generated_from_the_cards():
     docs = make_docs()
     page = docs.PAGE.read_text(encoding="utf-8")
     assert docs.render(page) == page, "run `python scripts/make_docs.py`"
     for name in PORTS:
-        for difference in get_method(name).upstream_differences:
+        for difference in method_card(name).upstream_differences:
             assert f"| `{difference.key}` |" in page

@@ -5,7 +5,7 @@ Upstream's ``Learner`` methods run unbound on small stand-ins of ``self`` (a lin
 4 -> 6 and a 9-class head), on the same weights and class means as our adapter, and the numbers
 are compared: the task-vector merge (``_stage1_merge_backbone`` with ``_calculate_adjust_ratio``)
 and the head transport (``_stage2_transport_classifier``). Each declared difference
-(``DUCTOnline.upstream_differences``) has its ``test_difference_<key>``.
+(the card's ``upstream_differences``) has its ``test_difference_<key>``.
 
 Upstream imports POT (``ot``) at module level; POT is no dependency of ours. Without it, the
 ``ot`` module upstream sees holds POT's ``sinkhorn_knopp`` iteration (``ot.bregman``: scaling

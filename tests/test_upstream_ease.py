@@ -6,7 +6,7 @@ adapter forward (``forward_train`` for the active subspace, ``forward_proto`` / 
 for every subspace), and upstream's prototype complement and prediction (``solve_sim_reset``, then
 ``forward_reweight``). Each runs here on a tiny ``vit_ease.VisionTransformer`` (32 px, 2 blocks,
 width 24) or on the same class means, next to ours. The ``test_difference_*`` tests assert each
-difference ``EaseOnline.upstream_differences`` declares.
+difference the card's ``upstream_differences`` declares.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The port claims upstream's class statistics and classifier: per class the mean a
 features to normalised means through ``pinv`` (``_maha_dist`` / ``_mahalanobis``), evaluated from
 the first task on. Upstream's ``Learner`` runs here without its network (``Learner.__new__``), on
 the features of an identity backbone that both sides share. The ``test_difference_*`` tests
-assert each difference ``FeCAMOnline.upstream_differences`` declares (two shared with RanPAC, by
+assert each difference the card's ``upstream_differences`` declares (two shared with RanPAC, by
 the helpers of ``test_upstream_ranpac.py``).
 """
 

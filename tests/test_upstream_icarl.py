@@ -10,7 +10,7 @@ it inherits from ``models/base.py``).
   on feature vectors handed to it in place of its ``_extract_vectors``, picks the engine's
   herding memory's exemplars, in the same order (``core.memory.herding_order``).
 
-One ``test_difference_<key>`` per entry of ``ICaRLOnline.upstream_differences``.
+One ``test_difference_<key>`` per entry of the card's ``upstream_differences`` (``icarl_online``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from pilot_online.core.memory import ClassBalancedMemory, herding_order, normali
 from pilot_online.engine.adapter import StepOutput
 from pilot_online.engine.config import resolve_config
 from pilot_online.engine.mixins import build_loop
-from pilot_online.methods.icarl import ICaRLOnline
+from pilot_online.engine.registry import method_card
 
 pytestmark = [
     requires_pilot,
@@ -368,7 +368,11 @@ def test_difference_adam_constant_lr(icarl: Built) -> None:
     paper["seed"] = paper["seed"][0]  # PILOT's trainer hands the learner one seed of the list
     loop = build_loop(adapter, copy.deepcopy(network), paper, 100)
     assert type(loop.optimizer) is torch.optim.Adam
-    assert [g["lr"] for g in loop.optimizer.param_groups] == [ICaRLOnline.default_lr] == [5e-5]
+    assert (
+        [g["lr"] for g in loop.optimizer.param_groups]
+        == [method_card("icarl_online").default_lr]
+        == [5e-5]
+    )
     sgd = build_loop(adapter, copy.deepcopy(network), {**paper, "optimizer": "sgd"}, 100)
     assert sgd.optimizer.param_groups[0]["momentum"] == 0.9
 

@@ -1,7 +1,7 @@
 """LAE against upstream's own code: PILOT's ``models/lae.py`` (``Learner._init_train``: the
 training step, the PET freeze and the per-step EMA; ``Learner._eval_cnn``: the ensemble) and the
 PET modules of ``backbone/vit_lae.py`` in PILOT's ``LAE`` network, run on the same state as the
-port. One ``test_difference_<key>`` per entry of ``LAEOnline.upstream_differences``.
+port. One ``test_difference_<key>`` per entry of the card's ``upstream_differences``.
 
 The training and EMA checks run upstream's ``_init_train`` on the tiny LAE network of
 tests/test_lae.py (upstream's loop reads only ``backbone``, ``pets``, ``pets_emas``, ``fc`` and
@@ -19,6 +19,7 @@ from conftest import build_smoke_method
 from test_lae import TinyLAENet, make
 from torch import nn
 
+from pilot_online.engine.registry import method_card
 from pilot_online.methods.lae import LAEOnline
 
 
@@ -273,8 +274,8 @@ def test_difference_ensemble_over_seen_classes(lae):
 def test_the_paper_configs_run_upstreams_lr():
     """Upstream's exps/lae.json and lae_inr.json already train with Adam, a constant LR and
     weight decay 0, the online protocol's optimiser: their LRs (and ImageNet-R's 50 epochs)."""
-    assert LAEOnline.paper_settings("cifar224", "clear") == {"init_lr": 0.0028125}
-    assert LAEOnline.paper_settings("imagenetr", "si_blurry") == {
+    assert method_card("lae_online").settings_for("cifar224", "clear") == {"init_lr": 0.0028125}
+    assert method_card("lae_online").settings_for("imagenetr", "si_blurry") == {
         "init_lr": 0.00046875,
         "lae_ema_steps_per_sample": 50 / 128,
     }

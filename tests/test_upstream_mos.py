@@ -8,7 +8,7 @@ Compared: one training step (``forward_features`` with ``train=True``, whose per
 ``reweight_adapter`` pulls every layer, the orthogonality term, ``get_optimizer``'s groups, and
 ``adapter_merge``); the statistics pass (``_compute_mean``: its statistics and where it leaves the
 next task's adapter); the classifier alignment (``classifer_align``, its random draws replayed).
-Each declared difference (``MOSOnline.upstream_differences``) has its ``test_difference_<key>``.
+Each declared difference (the card's ``upstream_differences``) has its ``test_difference_<key>``.
 """
 
 from __future__ import annotations

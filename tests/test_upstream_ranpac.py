@@ -7,7 +7,7 @@ on the same split, statistics taken in eval mode, the first session's cosine hea
 ViT training in the first session, and evaluation with the analytic head from the start. Upstream's
 ``Learner`` runs here without its network (built with ``Learner.__new__``), on features of a
 stand-in backbone that both sides share. The ``test_difference_*`` tests assert each difference
-``RanPACOnline.upstream_differences`` declares; the two it shares with FeCAM are checked by helpers
+the card's ``upstream_differences`` declares; the two it shares with FeCAM are checked by helpers
 that ``test_upstream_fecam.py`` runs on FeCAM.
 """
 

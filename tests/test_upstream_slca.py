@@ -3,7 +3,7 @@
 ``Learner._compute_class_mean``, the class statistics) on the network classes of
 ``utils/inc_net.py`` (``SLCANet.forward``) and ``backbone/linears.py``
 (``SimpleContinualLinear``, its ``backup``/``recall``), run on the same state as the port. One
-``test_difference_<key>`` per entry of ``SLCAOnline.upstream_differences``.
+``test_difference_<key>`` per entry of the card's ``upstream_differences``.
 
 Upstream's methods run bound to a small object holding what they read (its ``Learner.__init__``
 builds a ViT-B): the alignment needs no backbone (``fc_only``), the statistics only the feature

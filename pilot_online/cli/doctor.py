@@ -379,34 +379,34 @@ def check_dataset(cfg: dict[str, Any], pilot_root: str | None = None) -> list[Ch
 
 def _paper_memory_mb(cfg: dict[str, Any]) -> float | None:
     """The paper's GPU footprint (MB) of the config's method and row, CUB, batch 100."""
-    from ..engine.registry import get_method
+    from ..engine.registry import method_card
     from ..harness.paper import time_consumption
     from ..harness.tables import row_kind
 
     try:
-        adapter = get_method(str(cfg["model_name"]))
+        card = method_card(str(cfg["model_name"]))
     except ValueError:  # not a registered method: no paper row
         return None
-    paper, row, rows = adapter.paper_name or "", row_kind(cfg), time_consumption()["rows"]
+    paper, row, rows = card.paper_name or "", row_kind(cfg), time_consumption()["rows"]
     matches = [r["memory_mb"] for r in rows if r["method"] == paper and r["row"] in (row, "base")]
     return float(max(matches)) if matches else None
 
 
 def _method_state_bytes(cfg: dict[str, Any]) -> int:
-    """What the method keeps beside its parameters (``MethodAdapter.state_bytes``: RanPAC's Gram
+    """What the method keeps beside its parameters (its card's ``state_bytes``: RanPAC's Gram
     matrix, FeCAM's covariances; the engine teacher's snapshot), for the config's dataset's class
     count."""
-    from ..engine.registry import get_method
+    from ..engine.registry import get_method, method_card
     from ..engine.teacher import teacher_bytes
     from ..harness.estimate import dataset_size
 
     try:
-        adapter = get_method(str(cfg["model_name"]))
+        adapter, card = get_method(str(cfg["model_name"])), method_card(str(cfg["model_name"]))
         classes = dataset_size(cfg).classes
     except (KeyError, ValueError):  # no registered method, or a dataset of unknown size
         return 0
     teacher = teacher_bytes(classes) if adapter.keeps_teacher else 0
-    return int(adapter.state_bytes({**cfg, "nb_classes": classes})) + teacher
+    return card.memory_bytes({**cfg, "nb_classes": classes}) + teacher
 
 
 def _test_images(cfg: dict[str, Any]) -> int:

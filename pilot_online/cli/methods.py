@@ -1,7 +1,7 @@
 """``pilot-online methods``: every registered method with its paper name, the ablation rows it
 runs, its default consolidation trigger, its memory (and whether it distils from the engine
-teacher) and its own config keys; a filter narrows the list. The names are the adapters' own
-declared ``paper_name`` and ``full_name``: no table here to fall out of step.
+teacher) and its own config keys; a filter narrows the list. The names are the methods' own
+cards' ``paper_name`` and ``full_name`` (``engine/card.py``): no table here to fall out of step.
 
 Methods registered from outside the package (the ``pilot_online.methods`` entry point group,
 ``engine/registry.py``) are listed too, with the module they come from.
@@ -13,7 +13,8 @@ import argparse
 import json
 from typing import Any
 
-from ..engine.registry import get_method, list_methods
+from ..engine.card import MethodCard
+from ..engine.registry import get_method, list_methods, method_card
 
 #: The paper's names of the ablation rows (``engine.config.VARIANTS``).
 ROW_NAMES = {"base": "base", "p": "+P", "fgh_only": "+FGH", "fgh": "+P+FGH"}
@@ -33,10 +34,10 @@ def memory_of(adapter: Any) -> str:
     return memory + (" + teacher" if adapter.keeps_teacher else "")
 
 
-def paper_name_of(adapter: Any) -> str:
+def paper_name_of(card: MethodCard) -> str:
     """``CODA``, or ``oLoRA (Online-LoRA)`` where the method's own paper names it in full;
     ``-`` for a method that declares no name."""
-    names = list(dict.fromkeys(n for n in (adapter.paper_name, adapter.full_name) if n))
+    names = list(dict.fromkeys(n for n in (card.paper_name, card.full_name) if n))
     if len(names) == 2:
         return f"{names[0]} ({names[1]})"
     return names[0] if names else "-"
@@ -47,16 +48,16 @@ def method_rows(pattern: str = "") -> list[dict[str, Any]]:
     ``pattern`` (case-insensitive; "" matches all), sorted by name."""
     records = []
     for name in list_methods():
-        adapter = get_method(name)
+        adapter, card = get_method(name), method_card(name)
         keys = list(adapter.config_keys)
-        haystack = " ".join([name, adapter.paper_name, adapter.full_name, *keys]).lower()
+        haystack = " ".join([name, card.paper_name, card.full_name, *keys]).lower()
         if pattern.lower() not in haystack:
             continue
         records.append(
             {
                 "name": name,
-                "paper_name": paper_name_of(adapter),
-                "rows": [ROW_NAMES.get(v, v) for v in adapter.variants],
+                "paper_name": paper_name_of(card),
+                "rows": [ROW_NAMES.get(v, v) for v in card.variants],
                 "default_trigger": adapter.default_consolidation,
                 "memory": memory_of(adapter),
                 "keys": keys,

@@ -6,9 +6,10 @@ A module may import its own layer and those to its left, never one to its right,
 modules may import each other, directly or round a circle. Every import counts: module level,
 inside a function (lazy), under ``TYPE_CHECKING``. One more rule inside ``methods``: a method's
 file takes nothing from another method's file but its adapter classes (``*Online``, to subclass
-them); the pieces ports share (a distillation loss, difference records, a head) live in ``core``
-or in the engine component they belong to. ``tests/test_layers.py`` runs :func:`violations` over
-the package; a contributor can run it on a draft the same way.
+them) and its cards (``CARD``, to derive its own card from its parent's); the pieces ports
+share (a distillation loss, difference records, a head) live in ``core`` or in the engine
+component they belong to. ``tests/test_layers.py`` runs :func:`violations` over the package; a
+contributor can run it on a draft the same way.
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def circles(graph: Mapping[str, set[str]]) -> list[list[str]]:
 
 
 def borrowed_from_methods(module: str, tree: ast.Module) -> list[str]:
-    """Names a method's file imports from another method's file that are not adapter classes."""
+    """Names a method's file imports from another method's file that are neither adapter classes
+    nor cards."""
     prefix = f"{PACKAGE}.methods."
     if not module.startswith(prefix):
         return []
@@ -127,7 +129,7 @@ def borrowed_from_methods(module: str, tree: ast.Module) -> list[str]:
         if target == f"{PACKAGE}.methods":  # ``from . import other_method``
             borrowed += [f"{target}.{n}" for n in names]
         elif target.startswith(prefix) and target != module:
-            borrowed += [f"{target}.{n}" for n in names if not n.endswith("Online")]
+            borrowed += [f"{target}.{n}" for n in names if not n.endswith(("Online", "CARD"))]
     return borrowed
 
 
@@ -153,7 +155,8 @@ def violations(sources: Mapping[str, str], packages: set[str]) -> list[str]:
     for module, tree in sorted(trees.items()):
         for name in borrowed_from_methods(module, tree):
             lines.append(
-                f"{module} imports {name}: a method takes only adapter classes from another "
-                "method's file; move shared pieces to core or the engine component they belong to"
+                f"{module} imports {name}: a method takes only adapter classes and cards from "
+                "another method's file; move shared pieces to core or the engine component they "
+                "belong to"
             )
     return lines

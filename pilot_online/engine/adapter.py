@@ -82,44 +82,18 @@ class ConfigKey:
     check: Callable[[str, Any], Any] | None = None
 
 
-@dataclass(frozen=True)
-class UpstreamDifference:
-    """One deliberate difference between a port and upstream's ``models/<base_model_name>.py``.
-
-    Written once, on the adapter (:attr:`MethodAdapter.upstream_differences`): the table in
-    ``docs/upstream-differences.md`` is generated from these entries, and
-    ``tests/test_upstream_<methods-file>.py`` must hold a ``test_difference_<key>`` that asserts
-    the difference, so the docs, the code and the tests cannot drift apart."""
-
-    key: str  # snake_case id; names the test that asserts it
-    what: str  # what differs from upstream, in one sentence
-    why: str  # why online training forces or chooses it, in one sentence
-
-
 @dataclass
 class MethodAdapter:
-    """Base class of the per-method adapters. Subclasses override the four methods marked below."""
+    """Base class of the per-method adapters. Subclasses override the three methods marked below;
+    what the tooling knows about a method is on its card (``engine/card.py``), not here."""
 
     #: The upstream PILOT model name whose network we reuse (its factories check this name).
     base_model_name: ClassVar[str] = ""
-    #: The method's row name in the paper's tables (``pilot-online report``), else the name its
-    #: own paper gives it; "" = registered name.
-    paper_name: ClassVar[str] = ""
-    #: The name the method's own paper and the README give it, where the tables' ``paper_name``
-    #: shortens it (``Online-LoRA`` for ``oLoRA``); ``pilot-online methods`` shows both; "": none.
-    full_name: ClassVar[str] = ""
     #: The exact ``backbone_type`` names the method accepts: those PILOT's ``get_backbone`` builds
     #: for ``base_model_name`` (``engine/backbone_names.py``: ``pilot_backbones(...)``,
     #: ``PLAIN_VIT``). ``check-config`` refuses any other name and suggests only these; the
     #: first is the method's default (scripts/make_exps.py writes it into the configs).
     backbone_types: ClassVar[tuple[str, ...]] = ()
-    #: Values the method's smoke config (``exps/smoke_<short>_online.json``, CPU, 32 px, random
-    #: weights) sets beyond the shared smoke template, e.g. shorter prompts for CI time.
-    smoke_overrides: ClassVar[Mapping[str, Any]] = {}
-    #: The paper's ablation rows (``engine.config.VARIANTS``: base, p, fgh_only, fgh) the method
-    #: can run; scripts/make_exps.py writes configs, and tests/test_contract.py runs, only these.
-    #: A method P and FGH cannot act on (SimpleCIL, which trains nothing) lists ``("base",)``.
-    variants: ClassVar[tuple[str, ...]] = ("base", "p", "fgh_only", "fgh")
     #: Whether the method keeps training samples (experience replay). A memory-free method
     #: refuses replay unless the config says ``allow_memory: true``.
     memory_based: ClassVar[bool] = False
@@ -144,13 +118,6 @@ class MethodAdapter:
     #: ``consolidation: "never"`` is then refused with this reason (iCaRL: "takes no teacher, so
     #: iCaRL would never distil").
     needs_consolidation: ClassVar[str] = ""
-    #: The PILOT model this port reproduces (``models/<upstream_model>.py``, the file a reviewer
-    #: diffs against and ``tests/test_upstream_<methods-file>.py`` runs); None: the
-    #: ``base_model_name``; "": none (a method from outside PILOT, such as MVP, that only reuses
-    #: a PILOT network). Read from the class itself, never inherited: DGR subclasses ER.
-    upstream_model: ClassVar[str | None] = None
-    #: Every deliberate difference from upstream's code (:class:`UpstreamDifference`).
-    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = ()
     #: Whether the training forward's logits on the stream batch are what evaluation would
     #: predict at that moment (``forward(train=True)`` in train mode equals ``forward(train=False)``
     #: in eval mode, per sample, with no evaluation view): then A_online costs nothing; otherwise
@@ -163,16 +130,6 @@ class MethodAdapter:
     #: model's passes; its outputs on each training batch reach :meth:`loss_terms`
     #: (``batch.teacher``). ``engine/teacher.py``.
     keeps_teacher: ClassVar[bool] = False
-    #: Whether a firing changes the network's per-image compute: DER and MEMO add a branch per
-    #: firing, FOSTER a boosting branch and a student, EASE and MOS an adapter (and RanPAC and
-    #: FeCAM stop training at their first). ``benchmarks/flops.py`` then counts the network
-    #: after 0, 1 and 2 firings, and the FLOP model's cost follows it task by task.
-    grows: ClassVar[bool] = False
-    #: The learning rate and training logit mask the generated paper configs use when the
-    #: paper's hp_grid table has no row for the method (``scripts/make_exps.py``); None: the
-    #: shared ``DEFAULT_LR`` (5e-3) and ``"batch"``. ``docs/methods.md`` gives each one's reason.
-    default_lr: ClassVar[float | None] = None
-    default_logit_mask: ClassVar[str | None] = None
     args: dict = field(default_factory=dict)
 
     # -- to override -------------------------------------------------------------------------
@@ -193,13 +150,6 @@ class MethodAdapter:
     def check_config(cls, cfg: Mapping[str, Any]) -> None:
         """Reject bad values of the method's own keys with a ValueError that says what to set
         (``resolve_config`` reports it as a ConfigError)."""
-
-    @classmethod
-    def paper_settings(cls, dataset: str, stream: str) -> dict[str, Any]:
-        """The method's own keys that upstream's run scripts set per dataset or stream (oLoRA's
-        window thresholds, hard buffer, buffer pairing): scripts/make_exps.py writes them into the
-        paper configs and ``pilot-online reproduce`` sets them for the cell's dataset."""
-        return {}
 
     def classification_loss(
         self,
@@ -333,13 +283,6 @@ class MethodAdapter:
         training state changes only from the stream. Nothing (``{}``) by default."""
         return {}
 
-    @classmethod
-    def state_bytes(cls, args: Mapping[str, Any]) -> int:
-        """Bytes of training state the method keeps outside its parameters and buffers (RanPAC's
-        M x M Gram matrix, FeCAM's covariances), for ``doctor``'s memory estimate; 0 by
-        default. ``args``: the resolved config (``nb_classes`` included)."""
-        return 0
-
     # -- the frozen query pass (evaluation query cache, ``engine/eval_cache.py``) -------------
     def query_parameters(self, network: nn.Module) -> list[nn.Parameter]:
         """Every parameter of the method's frozen, prompt-free query pass (L2P, DualPrompt, CODA,
@@ -379,13 +322,6 @@ class MethodAdapter:
             raise ValueError(
                 f"{type(self).__name__} keeps no extra state but the checkpoint has {sorted(state)}"
             )
-
-    @classmethod
-    def upstream_file(cls) -> str | None:
-        """``models/<name>.py`` of the PILOT model this port reproduces, or None."""
-        own = vars(cls).get("upstream_model")
-        name = cls.base_model_name if own is None else own
-        return f"models/{name}.py" if name else None
 
     def run_seed(self) -> int:
         """The run's integer seed, for draws a method makes itself (a firing's new layer):

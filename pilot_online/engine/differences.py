@@ -6,7 +6,7 @@ A port lists the records that apply in its ``upstream_differences``, where
 
 from __future__ import annotations
 
-from .adapter import UpstreamDifference
+from .card import UpstreamDifference
 
 #: The training loss's mask, shared by the ports whose upstream masks by task (L2P, DualPrompt,
 #: CODA-Prompt, fine-tuning).

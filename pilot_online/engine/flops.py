@@ -131,7 +131,7 @@ def seen_fractions(classes: int, init_cls: int, increment: int) -> list[float]:
 
 def flops_at(counts: Mapping[str, Any], firings: int) -> dict[str, float]:
     """A method's per-image counts after ``firings`` consolidation firings. A network that grows
-    at its firings (``MethodAdapter.grows``: DER and MEMO add a branch, FOSTER a boosting branch
+    at its firings (a method card's ``grows``: DER and MEMO add a branch, FOSTER a boosting branch
     and a student) was counted at 0, 1, 2, ... firings (``by_firings``); past the last count the
     last increment repeats (linear growth; a constant cost repeats a zero increment)."""
     steps = counts.get("by_firings")

@@ -13,28 +13,38 @@ group, with no edit here: in the third party's ``pyproject.toml``
 (or ``setup.py``'s ``entry_points={"pilot_online.methods": ["name = module:Class"]}``). The
 entry point's name is the config's ``model_name``; it names either the adapter class (registered
 under that name) or a module whose import registers it with :func:`register_method`. They are
-loaded once, the first time a name is listed or looked up.
+loaded once, the first time a name is listed or looked up. A module registers its method with
+its card (``@register_method("my_method_online", card=MethodCard(...))``, ``engine/card.py``); an
+entry point that names the class registers it with an empty card.
 """
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
 from importlib import metadata
 from typing import Callable, TypeVar
 
 from .adapter import MethodAdapter
+from .card import MethodCard
 
 #: The entry point group third-party methods register under.
 ENTRY_POINT_GROUP = "pilot_online.methods"
 
 _METHODS: dict[str, type[MethodAdapter]] = {}
+_CARDS: dict[str, MethodCard] = {}
 _entry_points_loaded = False
 
 AdapterT = TypeVar("AdapterT", bound=type[MethodAdapter])
 
 
-def register_method(name: str) -> Callable[[AdapterT], AdapterT]:
+def register_method(name: str, card: MethodCard | None = None) -> Callable[[AdapterT], AdapterT]:
     """Register an adapter class under ``name`` (the config's ``model_name``), which must be
-    lower case: PILOT's factory lower-cases ``model_name`` before it looks the method up."""
+    lower case: PILOT's factory lower-cases ``model_name`` before it looks the method up, with the
+    tooling's facts about it (``card``, ``engine/card.py``; None: an empty card)."""
+    if card is None:
+        card = MethodCard()
+    if not isinstance(card, MethodCard):
+        raise TypeError(f"register_method({name!r}, card=...) needs a MethodCard, got {card!r}")
 
     def decorator(cls: AdapterT) -> AdapterT:
         if name != name.lower():
@@ -50,15 +60,19 @@ def register_method(name: str) -> Callable[[AdapterT], AdapterT]:
             )
         if not (isinstance(cls, type) and issubclass(cls, MethodAdapter)):
             raise TypeError(f"{cls!r} must subclass pilot_online.engine.adapter.MethodAdapter")
-        for label in ("paper_name", "full_name"):  # a subclass is another method: own names
-            inherited = getattr(cls, label)
-            if inherited and label not in vars(cls):
-                raise TypeError(
-                    f"{cls.__name__} ({name!r}) inherits {label} {inherited!r}, so reports and "
-                    f"`pilot-online methods` would name it as that method: set {label} in "
-                    f'{cls.__name__} ("" labels it {name!r})'
-                )
+        misplaced = [f.name for f in fields(MethodCard) if hasattr(cls, f.name)]
+        if misplaced:  # a class attribute the tooling would never read
+            raise TypeError(
+                f"{cls.__name__} ({name!r}) sets {', '.join(misplaced)} on the adapter class, "
+                f"where nothing reads it: these are card fields, pass them as "
+                f"register_method({name!r}, card=MethodCard({misplaced[0]}=...))"
+            )
+        if card.upstream_model is None:  # the network's own PILOT model
+            resolved = replace(card, upstream_model=cls.base_model_name)
+        else:
+            resolved = card
         _METHODS[name] = cls
+        _CARDS[name] = resolved
         return cls
 
     return decorator
@@ -103,3 +117,9 @@ def get_method(name: str) -> type[MethodAdapter]:
             f"unknown model_name {name!r}. pilot-online methods: {', '.join(list_methods())}; "
             "upstream PILOT names (l2p, coda_prompt, ...) are handled by PILOT itself"
         ) from None
+
+
+def method_card(name: str) -> MethodCard:
+    """The card of the method registered as ``name`` (``engine/card.py``): for the tooling only."""
+    get_method(name)  # the same lookup and error as the adapter's
+    return _CARDS[name.lower()]

@@ -215,11 +215,11 @@ def paper_measured_seconds(cfg: Mapping[str, Any]) -> tuple[float, str] | None:
     """The paper's measured time of this config's method and ablation row on CUB (clear, one
     Quadro RTX 8000), with the row it is, or None where the table has no such row."""
     from ..engine.config import variant_of
-    from ..engine.registry import get_method
+    from ..engine.registry import method_card
     from .paper import time_consumption
 
     try:
-        paper_name = get_method(str(cfg.get("model_name"))).paper_name
+        paper_name = method_card(str(cfg.get("model_name"))).paper_name
     except ValueError:
         return None
     row = variant_of(cfg)

@@ -6,7 +6,7 @@ of Tables 1-2 (``all_acc_clear``, ``all_acc_blurry``), the Si-Blurry ablation
 from the paper's LaTeX (the data file names its source) and are read here; ``protocol``
 derives ``HP_GRID`` from the same file, so the search grid and the compared values cannot
 disagree. Nothing here imports torch, timm or PILOT; the method rows are matched to registered
-methods through their adapters' ``paper_name``.
+methods through their cards' ``paper_name`` (``engine/card.py``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class PaperCell:
     table: str  # all_acc_clear | all_acc_blurry | all_ablation_blurry
     dataset: str  # PILOT's name: cifar224, cub, imagenetr
     stream: str  # clear | si_blurry
-    method: str  # the paper's row name (an adapter's paper_name): CODA, L2P, ...
+    method: str  # the paper's row name (a method card's paper_name): CODA, L2P, ...
     row: str  # base | ours (+ P + FGH) | p (+ P) | fgh_only (+ FGH)
     column: float | str  # a learning rate (5e-5, 5e-3) or BEST
     mean: float
@@ -149,14 +149,14 @@ def paper_seed_count(method: str) -> int:
 
 
 def registered_names() -> dict[str, str]:
-    """The paper's row name -> the registered ``model_name`` whose adapter has that
+    """The paper's row name -> the registered ``model_name`` whose card has that
     ``paper_name`` (every method the paper lists must have exactly one)."""
     from .. import methods  # noqa: F401  (registers the built-in methods)
-    from ..engine.registry import get_method, list_methods
+    from ..engine.registry import list_methods, method_card
 
     names: dict[str, list[str]] = {}
     for name in list_methods():
-        paper_name = get_method(name).paper_name
+        paper_name = method_card(name).paper_name
         if paper_name:
             names.setdefault(paper_name, []).append(name)
     listed = [r["method"] for r in paper_data()["hp_grid"]["rows"]]
@@ -166,7 +166,7 @@ def registered_names() -> dict[str, str]:
         if len(found) != 1:
             raise ValueError(
                 f"the paper's row {method!r} matches {len(found)} registered methods "
-                f"({', '.join(found) or 'none'}): exactly one adapter must have paper_name "
+                f"({', '.join(found) or 'none'}): exactly one method card must have paper_name "
                 f"{method!r}"
             )
         out[method] = found[0]

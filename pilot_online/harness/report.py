@@ -70,7 +70,7 @@ def legend(group: bool = True) -> list[str]:
     return [*lines, f"note: {PILOT_AVERAGE_NOTE}."]
 
 
-#: The paper's method rows (adapters' ``paper_name``), in its tables' order.
+#: The paper's method rows (method cards' ``paper_name``), in its tables' order.
 PAPER_ROW_ORDER = (
     "Fine-tuning",
     "Linear probe",
@@ -86,23 +86,25 @@ PAPER_ROW_ORDER = (
 _ROW_ORDER = {name: i for i, name in enumerate(PAPER_ROW_ORDER)}
 
 
-def _adapter(model_name: str | None):
-    from ..engine.registry import get_method
+def _registered(model_name: str | None, lookup: str):
+    """The registry's ``lookup`` (``get_method`` or ``method_card``) of a method, or None for a
+    results file of a method this install does not register."""
+    from ..engine import registry
 
     try:
-        return get_method(str(model_name))
+        return getattr(registry, lookup)(str(model_name))
     except ValueError:
-        return None  # a results file of a method this install does not register
+        return None
 
 
 def method_label(model_name: str | None) -> str | None:
-    """The paper's row name of a method (its adapter's ``paper_name``), else its registered name."""
-    adapter = _adapter(model_name)
-    return (adapter.paper_name if adapter else "") or model_name
+    """The paper's row name of a method (its card's ``paper_name``), else its registered name."""
+    card = _registered(model_name, "method_card")
+    return (card.paper_name if card else "") or model_name
 
 
 def _memory_based(model_name: str | None) -> bool:
-    adapter = _adapter(model_name)
+    adapter = _registered(model_name, "get_method")
     return bool(adapter and adapter.memory_based)
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from ..core.progress import plural
 from ..engine.config import HP_COLUMNS, PAPER_FGH, PILOT_KEYS, ConfigError, load_json
-from ..engine.registry import get_method
+from ..engine.registry import method_card
 from .engines import EngineUnavailable, add_engine_arguments
 from .estimate import dataset_size, estimate_run_seconds
 from .paper import (
@@ -214,7 +214,7 @@ def cell_configs(
         raise ConfigError(f"{path} is not the {cell.method} {cell.stream} config it is named for")
     _check_paper_fgh(config, path)
     point: dict[str, Any] = {"dataset": cell.dataset}
-    point.update(get_method(config["model_name"]).paper_settings(cell.dataset, cell.stream))
+    point.update(method_card(config["model_name"]).settings_for(cell.dataset, cell.stream))
     if cell.column == BEST:
         lr, gamma, why = best_point(cell.method, cell.row, policy)
         point["init_lr"] = lr

@@ -8,8 +8,8 @@ instead: see ``aper_finetune.py``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, ClassVar
+import dataclasses
+from typing import ClassVar
 
 from torch import nn
 
@@ -17,12 +17,19 @@ from ..core.checks import integer, real
 from ..engine.adapter import ConfigKey
 from ..engine.backbone_names import pilot_backbones
 from ..engine.registry import register_method
+from .aper_finetune import CARD as APER_CARD
 from .aper_finetune import AperFinetuneOnline
 
+CARD = dataclasses.replace(
+    APER_CARD,
+    paper_name="APER w/ Adapter",
+    #: No dropout in the smoke runs (as their ``drop``), so one step is a function of the state.
+    smoke_overrides={"adapter_dropout": 0.0},
+)
 
-@register_method("aper_adapter_online")
+
+@register_method("aper_adapter_online", card=CARD)
 class AperAdapterOnline(AperFinetuneOnline):
-    paper_name: ClassVar[str] = "APER w/ Adapter"
     base_model_name: ClassVar[str] = "aper_adapter"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("aper_adapter")
     tuned_parameters: ClassVar[tuple[str, ...]] = ("adaptmlp",)
@@ -32,8 +39,6 @@ class AperAdapterOnline(AperFinetuneOnline):
             0.1, "dropout inside the adapters (PILOT hard-codes 0.1)", check=real(0, 1)
         ),
     }
-    #: No dropout in the smoke runs (as their ``drop``), so one step is a function of the state.
-    smoke_overrides: ClassVar[Mapping[str, Any]] = {"adapter_dropout": 0.0}
 
     def build_network(self, args: dict) -> nn.Module:
         network = super().build_network(args)

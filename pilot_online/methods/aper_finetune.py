@@ -23,22 +23,17 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..engine.adapter import StepOutput, UpstreamDifference
+from ..engine.adapter import StepOutput
 from ..engine.backbone_names import PLAIN_VIT
+from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
 from .finetune import FinetuneOnline
 
-
-@register_method("aper_finetune_online")
-class AperFinetuneOnline(FinetuneOnline):
-    paper_name: ClassVar[str] = "APER w/ Finetune"
-    base_model_name: ClassVar[str] = "aper_finetune"
-    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
-    #: Substrings of the adapted branch's parameter names that train (PILOT's freezing rule for
-    #: the method); empty: every parameter of the adapted branch trains.
-    tuned_parameters: ClassVar[tuple[str, ...]] = ()
-    #: The APER family's differences (aper_ssf, aper_vpt and aper_adapter inherit them).
-    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+#: The APER family's card: aper_ssf, aper_vpt and aper_adapter replace its paper name and keep
+#: its differences.
+CARD = MethodCard(
+    paper_name="APER w/ Finetune",
+    upstream_differences=(
         UpstreamDifference(
             "no_first_session_phase",
             "The adapted branch trains through the whole stream, where upstream tunes it on the "
@@ -53,7 +48,17 @@ class AperFinetuneOnline(FinetuneOnline):
             "P and FGH act on a trained FC layer; P's running class means of the same features "
             "are replace_fc's prototypes, replayed through that head.",
         ),
-    )
+    ),
+)
+
+
+@register_method("aper_finetune_online", card=CARD)
+class AperFinetuneOnline(FinetuneOnline):
+    base_model_name: ClassVar[str] = "aper_finetune"
+    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
+    #: Substrings of the adapted branch's parameter names that train (PILOT's freezing rule for
+    #: the method); empty: every parameter of the adapted branch trains.
+    tuned_parameters: ClassVar[tuple[str, ...]] = ()
 
     def build_network(self, args: dict) -> nn.Module:
         from utils.inc_net import MultiBranchCosineIncrementalNet, SimpleVitNet

@@ -6,16 +6,19 @@ the first task boundary and what the port does instead: see ``aper_finetune.py``
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 from ..engine.backbone_names import pilot_backbones
 from ..engine.registry import register_method
+from .aper_finetune import CARD as APER_CARD
 from .aper_finetune import AperFinetuneOnline
 
+CARD = dataclasses.replace(APER_CARD, paper_name="APER w/ SSF")
 
-@register_method("aper_ssf_online")
+
+@register_method("aper_ssf_online", card=CARD)
 class AperSSFOnline(AperFinetuneOnline):
-    paper_name: ClassVar[str] = "APER w/ SSF"
     base_model_name: ClassVar[str] = "aper_ssf"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("aper_ssf")
     tuned_parameters: ClassVar[tuple[str, ...]] = ("ssf_scale", "ssf_shift_")

@@ -8,21 +8,24 @@ their length. What upstream does at the first task boundary and what the port do
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 from ..core.checks import integer
 from ..engine.adapter import ConfigKey
 from ..engine.backbone_names import pilot_backbones
 from ..engine.registry import register_method
+from .aper_finetune import CARD as APER_CARD
 from .aper_finetune import AperFinetuneOnline
 
 #: PILOT's ``vpt_type`` values (``get_backbone``: "shallow", anything else is deep).
 VPT_TYPES = ("deep", "shallow")
 
+CARD = dataclasses.replace(APER_CARD, paper_name="APER w/ VPT")
 
-@register_method("aper_vpt_online")
+
+@register_method("aper_vpt_online", card=CARD)
 class AperVPTOnline(AperFinetuneOnline):
-    paper_name: ClassVar[str] = "APER w/ VPT"
     base_model_name: ClassVar[str] = "aper_vpt"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("aper_vpt")
     tuned_parameters: ClassVar[tuple[str, ...]] = ("Prompt_Tokens",)

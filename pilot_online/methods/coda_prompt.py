@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from ..core.checks import integer, real
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, UpstreamDifference
+from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
 from ..engine.backbone_names import pilot_backbones
+from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.differences import BATCH_LOGIT_MASK
 from ..engine.registry import register_method
 
@@ -45,13 +46,10 @@ def _prompt_param(name: str, value: Any) -> list:
     return list(value)
 
 
-@register_method("coda_online")
-class CodaOnline(MethodAdapter):
-    paper_name: ClassVar[str] = "CODA"
-    full_name: ClassVar[str] = "CODA-Prompt"
-    base_model_name: ClassVar[str] = "coda_prompt"
-    backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("coda_prompt")
-    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+CARD = MethodCard(
+    paper_name="CODA",
+    full_name="CODA-Prompt",
+    upstream_differences=(
         BATCH_LOGIT_MASK,
         UpstreamDifference(
             "one_task_all_components",
@@ -69,7 +67,14 @@ class CodaOnline(MethodAdapter):
             "Upstream's pass adds in place to a leaf tensor, which fails on the CPU; with one "
             "task both passes select the same components.",
         ),
-    )
+    ),
+)
+
+
+@register_method("coda_online", card=CARD)
+class CodaOnline(MethodAdapter):
+    base_model_name: ClassVar[str] = "coda_prompt"
+    backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("coda_prompt")
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "prompt_param": ConfigKey(
             [100, 8, 0.0],

@@ -36,10 +36,12 @@ import torch
 from torch import nn
 
 from ..core.checks import boolean, real
-from ..engine.adapter import ConfigKey, UpstreamDifference
+from ..engine.adapter import ConfigKey
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, VIT_B16_WIDTH
+from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.checkpoint import tensors_to
 from ..engine.registry import register_method
+from .slca import CARD as SLCA_CARD
 from .slca import SLCAOnline
 
 
@@ -67,28 +69,25 @@ def fisher_average(
     return merged
 
 
-@register_method("cofima_online")
-class CoFiMAOnline(SLCAOnline):
-    """CoFiMA: SLCA (slow learner, class Gaussians, classifier alignment) whose weights are
-    Fisher-averaged with the last firing's at each firing (module docstring)."""
+def cofima_state_bytes(args: Mapping[str, Any]) -> int:
+    """SLCA's class statistics and three fp32 copies of the trainable weights (the anchor,
+    the previous Fisher and the period's Fisher sum)."""
+    weights = VIT_B16_PARAMETERS + int(args["nb_classes"]) * (VIT_B16_WIDTH + 1)
+    return SLCA_CARD.memory_bytes(args) + 3 * 4 * weights
 
-    paper_name: ClassVar[str] = "CoFiMA"
-    base_model_name: ClassVar[str] = "cofima"
-    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
-    #: Upstream merges once per task: a firing per ``consolidation_new_classes`` new classes is
-    #: the stream's sign of one; a merge every N samples would average several times per task,
-    #: each pulling the weights back towards the last firing's.
-    default_consolidation: ClassVar[str] = "new_classes"
-    #: 4 classes per smoke task: a firing per task; SLCA's short CA (CI time).
-    smoke_overrides: ClassVar[dict[str, Any]] = {
+
+CARD = MethodCard(
+    paper_name="CoFiMA",
+    # 4 classes per smoke task: a firing per task; SLCA's short CA (CI time).
+    smoke_overrides={
         "consolidation_new_classes": 4,
         "ca_samples_per_class": 16,
         "ca_epochs": 1,
-    }
-    #: SLCA's (class statistics, sessions, one head: upstream's ``cofima.py`` repeats SLCA's code
-    #: there) and the merge's own.
-    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
-        *SLCAOnline.upstream_differences,
+    },
+    # SLCA's (class statistics, sessions, one head: upstream's ``cofima.py`` repeats SLCA's code
+    # there) and the merge's own.
+    upstream_differences=(
+        *SLCA_CARD.upstream_differences,
         UpstreamDifference(
             "fisher_from_training_steps",
             "A period's Fisher is the mean over its training steps of the squared gradient each "
@@ -116,7 +115,22 @@ class CoFiMAOnline(SLCAOnline):
             "The online head holds every class of the stream from the start; upstream has no "
             "rows for classes to come.",
         ),
-    )
+    ),
+    state_bytes=cofima_state_bytes,
+)
+
+
+@register_method("cofima_online", card=CARD)
+class CoFiMAOnline(SLCAOnline):
+    """CoFiMA: SLCA (slow learner, class Gaussians, classifier alignment) whose weights are
+    Fisher-averaged with the last firing's at each firing (module docstring)."""
+
+    base_model_name: ClassVar[str] = "cofima"
+    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
+    #: Upstream merges once per task: a firing per ``consolidation_new_classes`` new classes is
+    #: the stream's sign of one; a merge every N samples would average several times per task,
+    #: each pulling the weights back towards the last firing's.
+    default_consolidation: ClassVar[str] = "new_classes"
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         **SLCAOnline.config_keys,
         "wt_lambda": ConfigKey(
@@ -289,13 +303,6 @@ class CoFiMAOnline(SLCAOnline):
         self.prev_fisher = tensors_to(state["prev_fisher"], device)
         self.anchor = tensors_to(state["anchor"], device)
         self.merges = [int(f) for f in state["merges"]]
-
-    @classmethod
-    def state_bytes(cls, args: Mapping[str, Any]) -> int:
-        """SLCA's class statistics and three fp32 copies of the trainable weights (the anchor,
-        the previous Fisher and the period's Fisher sum)."""
-        weights = VIT_B16_PARAMETERS + int(args["nb_classes"]) * (VIT_B16_WIDTH + 1)
-        return super().state_bytes(args) + 3 * 4 * weights
 
     def report(self) -> dict[str, Any]:
         return {**super().report(), "cofima": {"merges": list(getattr(self, "merges", []))}}

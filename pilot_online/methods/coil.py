@@ -37,14 +37,9 @@ from ..core.cosine_head import CosineHead, attach_cosine_head
 from ..core.masks import classes_present
 from ..core.prototypes import PrototypeBank
 from ..core.transport import prospective_rows
-from ..engine.adapter import (
-    ConfigKey,
-    MethodAdapter,
-    StepOutput,
-    TrainingBatch,
-    UpstreamDifference,
-)
+from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, TrainingBatch
 from ..engine.backbone_names import PLAIN_VIT, plain_vit_overrides
+from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.config import replay_keys
 from ..engine.differences import (
     LOGITS_ONLY_EVALUATION,
@@ -93,57 +88,19 @@ def attach_coil_head(network: nn.Module, feature_dim: int, num_classes: int) -> 
     return head
 
 
-@register_method("coil_online")
-class COILOnline(MethodAdapter):
-    """The whole ViT and a cosine head, herding replay, distillation from the last firing and
-    the prospective co-transport (module docstring)."""
-
-    paper_name: ClassVar[str] = "COIL"
-    base_model_name: ClassVar[str] = "coil"  # PILOT's transforms for its COIL learner
-    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
-    memory_based: ClassVar[bool] = True
-    keeps_teacher: ClassVar[bool] = True
-    #: All four rows: the cosine head is a classifier with a row per class (an ``nn.Linear``
-    #: without bias whose forward is ``sigma * cos``), so + P replays the prototypes through the
-    #: network's own cosine logits and class-wise FGH weights its rows (sigma, one scalar shared
-    #: by every class, is left to the optimiser, as the backbone is).
-    variants: ClassVar[tuple[str, ...]] = ("base", "p", "fgh_only", "fgh")
-    config_keys: ClassVar[dict[str, ConfigKey]] = {
-        **replay_keys(
-            COIL_MEMORY_SIZE,
-            memory="herding",
-            why="COIL's memory_size 2000, fixed_memory false: a quota of 2000 // classes seen",
-        ),
-        "sinkhorn": ConfigKey(
-            0.464,
-            "entropic regularisation of the transport's Sinkhorn plan (upstream's key and value)",
-            check=real(positive=True),
-        ),
-        "norm_term": ConfigKey(
-            3.0,
-            "p of the transport's cost, the p-norm distance between class means (upstream's key "
-            "and value)",
-            check=real(minimum=1),
-        ),
-        "T": ConfigKey(
-            2.0,
-            "temperature of both distillation terms (upstream's key and value)",
-            check=real(positive=True),
-        ),
-    }
-    #: Upstream acts at task ends: a firing at each task boundary of a clear stream whose tasks
-    #: hold ``consolidation_new_classes`` classes takes the teacher and the old classes' means
-    #: and rows where ``after_task`` does.
-    default_consolidation: ClassVar[str] = "new_classes"
-    needs_consolidation: ClassVar[str] = (
-        "takes no teacher and no transport, so COIL would be replay with a cosine head"
-    )
-    #: Upstream: SGD at 1e-3 on the whole ViT. The paper's hp_grid has no COIL row; its ER row
-    #: (the whole ViT with a replay memory, the nearest method it searched) chose Adam at 5e-5.
-    default_lr: ClassVar[float | None] = 5e-5
-    #: The smoke stream's tasks hold 4 classes: a firing at each of its task boundaries.
-    smoke_overrides: ClassVar[dict[str, Any]] = {"consolidation_new_classes": 4}
-    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+CARD = MethodCard(
+    paper_name="COIL",
+    # All four rows: the cosine head is a classifier with a row per class (an ``nn.Linear``
+    # without bias whose forward is ``sigma * cos``), so + P replays the prototypes through the
+    # network's own cosine logits and class-wise FGH weights its rows (sigma, one scalar shared
+    # by every class, is left to the optimiser, as the backbone is).
+    variants=("base", "p", "fgh_only", "fgh"),
+    # Upstream: SGD at 1e-3 on the whole ViT. The paper's hp_grid has no COIL row; its ER row
+    # (the whole ViT with a replay memory, the nearest method it searched) chose Adam at 5e-5.
+    default_lr=5e-5,
+    # The smoke stream's tasks hold 4 classes: a firing at each of its task boundaries.
+    smoke_overrides={"consolidation_new_classes": 4},
+    upstream_differences=(
         REPLAY_LOGIT_MASK,
         UpstreamDifference(
             "one_cosine_head_over_every_class",
@@ -201,6 +158,48 @@ class COILOnline(MethodAdapter):
             "Online there is one pass and no task length to schedule over; the paper trains "
             "every method with Adam, and `optimizer: sgd` is one key away.",
         ),
+    ),
+)
+
+
+@register_method("coil_online", card=CARD)
+class COILOnline(MethodAdapter):
+    """The whole ViT and a cosine head, herding replay, distillation from the last firing and
+    the prospective co-transport (module docstring)."""
+
+    base_model_name: ClassVar[str] = "coil"  # PILOT's transforms for its COIL learner
+    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
+    memory_based: ClassVar[bool] = True
+    keeps_teacher: ClassVar[bool] = True
+    config_keys: ClassVar[dict[str, ConfigKey]] = {
+        **replay_keys(
+            COIL_MEMORY_SIZE,
+            memory="herding",
+            why="COIL's memory_size 2000, fixed_memory false: a quota of 2000 // classes seen",
+        ),
+        "sinkhorn": ConfigKey(
+            0.464,
+            "entropic regularisation of the transport's Sinkhorn plan (upstream's key and value)",
+            check=real(positive=True),
+        ),
+        "norm_term": ConfigKey(
+            3.0,
+            "p of the transport's cost, the p-norm distance between class means (upstream's key "
+            "and value)",
+            check=real(minimum=1),
+        ),
+        "T": ConfigKey(
+            2.0,
+            "temperature of both distillation terms (upstream's key and value)",
+            check=real(positive=True),
+        ),
+    }
+    #: Upstream acts at task ends: a firing at each task boundary of a clear stream whose tasks
+    #: hold ``consolidation_new_classes`` classes takes the teacher and the old classes' means
+    #: and rows where ``after_task`` does.
+    default_consolidation: ClassVar[str] = "new_classes"
+    needs_consolidation: ClassVar[str] = (
+        "takes no teacher and no transport, so COIL would be replay with a cosine head"
     )
 
     def backbone_kwargs(self, args: dict) -> dict[str, Any]:

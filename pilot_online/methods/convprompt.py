@@ -36,6 +36,7 @@ from ..core.checks import boolean, check_blocks, integer, list_of, text
 from ..core.conv_prompt import ConvPromptGenerator
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
 from ..engine.backbone_names import pilot_backbones
+from ..engine.card import MethodCard
 from ..engine.registry import register_method
 
 
@@ -92,11 +93,15 @@ class ConvPromptNet(nn.Module):
         return self.fc(features), features
 
 
-@register_method("convprompt_online")
+CARD = MethodCard(
+    paper_name="ConvPrompt",
+    upstream_model="",  # CVIR/convprompt, not a PILOT model
+)
+
+
+@register_method("convprompt_online", card=CARD)
 class ConvPromptOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "dualprompt"  # PILOT's DualPrompt ViT and data transforms
-    upstream_model: ClassVar[str] = ""  # CVIR/convprompt, not a PILOT model
-    paper_name: ClassVar[str] = "ConvPrompt"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("dualprompt")
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "prompt_layers": ConfigKey(

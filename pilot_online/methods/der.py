@@ -32,13 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.masks import mask_logits, training_mask
-from ..engine.adapter import (
-    MethodAdapter,
-    StepOutput,
-    TrainingBatch,
-    UpstreamDifference,
-)
+from ..engine.adapter import MethodAdapter, StepOutput, TrainingBatch
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, plain_vit_overrides
+from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.config import replay_keys
 from ..engine.differences import ONLINE_HERDING, REPLAY_LOGIT_MASK
 from ..engine.registry import register_method
@@ -120,38 +116,27 @@ def restart_linear(layer: nn.Linear, generator: torch.Generator) -> None:
     layer.bias.zero_()
 
 
-@register_method("der_online")
-class DEROnline(MethodAdapter):
-    """One ViT per firing, the older frozen, a widened head and an auxiliary head."""
+def branch_state_bytes(args: Mapping[str, Any], branch_parameters: int = VIT_B16_PARAMETERS) -> int:
+    """The branches the firings add, of ``branch_parameters`` each (DER: a ViT-B/16 without a
+    head; fp32, frozen once the next one comes, so without optimiser state): one per firing,
+    ``ceil(classes / consolidation_new_classes) - 1`` with ``new_classes`` (the clear stream's
+    task count minus one), else upstream's task count minus one. Upstream holds the same: one
+    branch per task."""
+    return 4 * branch_parameters * (DEROnline.expected_branches(args) - 1)
 
-    paper_name: ClassVar[str] = "DER"
-    base_model_name: ClassVar[str] = "der"
-    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
-    memory_based: ClassVar[bool] = True
-    config_keys: ClassVar[dict[str, Any]] = {
-        **replay_keys(
-            MEMORY_SIZE,
-            memory="herding",
-            why="DER's and MEMO's memory_size 2000, fixed_memory false: 2000 // classes seen",
-        ),
-    }
-    #: Upstream grows at each task start: a firing at each task boundary of a clear stream whose
-    #: tasks hold ``consolidation_new_classes`` classes.
-    default_consolidation: ClassVar[str] = "new_classes"
-    needs_consolidation: ClassVar[str] = (
-        "never adds a branch, so the method would be one network with replay"
-    )
-    #: Each firing adds a ViT branch: one more frozen forward per image (the FLOP model).
-    grows: ClassVar[bool] = True
-    #: The paper's hp_grid has no DER row; its ER row (a whole ViT trained with a replay memory,
-    #: the nearest it searched) chose 5e-5. Adam at 5e-3 ruins a whole ViT (docs/methods.md).
-    default_lr: ClassVar[float | None] = 5e-5
-    #: The smoke stream's tasks hold 4 classes: a firing at each of its task boundaries; two
-    #: blocks per ViT keep the CPU tests' time and memory small as branches are added.
-    smoke_overrides: ClassVar[Mapping[str, Any]] = {"consolidation_new_classes": 4, "vit_depth": 2}
-    #: Parameters one added branch holds (a ViT-B/16 without a head), for :meth:`state_bytes`.
-    branch_parameters: ClassVar[int] = VIT_B16_PARAMETERS
-    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+
+CARD = MethodCard(
+    paper_name="DER",
+    # Each firing adds a ViT branch: one more frozen forward per image (the FLOP model).
+    grows=True,
+    # The paper's hp_grid has no DER row; its ER row (a whole ViT trained with a replay memory,
+    # the nearest it searched) chose 5e-5. Adam at 5e-3 ruins a whole ViT (docs/methods.md).
+    default_lr=5e-5,
+    # The smoke stream's tasks hold 4 classes: a firing at each of its task boundaries; two
+    # blocks per ViT keep the CPU tests' time and memory small as branches are added.
+    smoke_overrides={"consolidation_new_classes": 4, "vit_depth": 2},
+    state_bytes=branch_state_bytes,
+    upstream_differences=(
         UpstreamDifference(
             "one_linear_head_over_every_class",
             "The head is one linear layer over every class of the stream from the build; a "
@@ -188,19 +173,34 @@ class DEROnline(MethodAdapter):
             "A resumed run rebuilds the same network, and nothing an evaluation draws can change "
             "what a firing draws.",
         ),
+    ),
+)
+
+
+@register_method("der_online", card=CARD)
+class DEROnline(MethodAdapter):
+    """One ViT per firing, the older frozen, a widened head and an auxiliary head."""
+
+    base_model_name: ClassVar[str] = "der"
+    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
+    memory_based: ClassVar[bool] = True
+    config_keys: ClassVar[dict[str, Any]] = {
+        **replay_keys(
+            MEMORY_SIZE,
+            memory="herding",
+            why="DER's and MEMO's memory_size 2000, fixed_memory false: 2000 // classes seen",
+        ),
+    }
+    #: Upstream grows at each task start: a firing at each task boundary of a clear stream whose
+    #: tasks hold ``consolidation_new_classes`` classes.
+    default_consolidation: ClassVar[str] = "new_classes"
+    needs_consolidation: ClassVar[str] = (
+        "never adds a branch, so the method would be one network with replay"
     )
 
     @classmethod
-    def state_bytes(cls, args: Mapping[str, Any]) -> int:
-        """The branches the firings add (fp32, frozen once the next one comes, so without
-        optimiser state): one per firing, ``ceil(classes / consolidation_new_classes) - 1`` with
-        ``new_classes`` (the clear stream's task count minus one), else upstream's task count
-        minus one. Upstream holds the same: one branch per task."""
-        return 4 * cls.branch_parameters * (cls.expected_branches(args) - 1)
-
-    @classmethod
     def expected_branches(cls, args: Mapping[str, Any]) -> int:
-        """Branches at the end of a run (for :meth:`state_bytes` and the FLOP model)."""
+        """Branches at the end of a run (for :func:`branch_state_bytes` and the FLOP model)."""
         classes = int(args["nb_classes"])
         trigger = args.get("consolidation") or cls.default_consolidation
         if trigger == "new_classes":

@@ -38,7 +38,8 @@ from torch import nn
 
 from ..core.checks import real
 from ..core.masks import mask_logits
-from ..engine.adapter import ConfigKey, StepOutput, TrainingBatch, UpstreamDifference
+from ..engine.adapter import ConfigKey, StepOutput, TrainingBatch
+from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.config import replay_keys
 from ..engine.differences import (
     ONE_LINEAR_HEAD,
@@ -128,39 +129,14 @@ class HeadDistillation:
     bias: torch.Tensor | None  # d KD / d b
 
 
-@register_method("dgr_online")
-class DGROnline(FinetuneOnline):
-    """Full fine-tuning with logit adjustment, distillation, per-class gradient reweighting and
-    herding replay."""
-
-    paper_name: ClassVar[str] = "DGR"
-    base_model_name: ClassVar[str] = "dgr"  # PILOT's transforms for its DGR learner
-    memory_based: ClassVar[bool] = True
-    keeps_teacher: ClassVar[bool] = True
-    config_keys: ClassVar[dict[str, ConfigKey]] = {
-        **replay_keys(
-            DGR_MEMORY_SIZE,
-            memory="herding",
-            why="DGR's memory_size 2000, fixed_memory false: a quota of 2000 // classes seen",
-        ),
-        "gammar_r": ConfigKey(
-            1.0,
-            "DGR's new-class damping exp(-gammar_r * known / total) (upstream key and value: 1)",
-            check=real(0),
-        ),
-        "lambda": ConfigKey(
-            DGR_LAMBDA,
-            "DGR's distillation weight: lambda * known / new times the KD loss (upstream key "
-            "and value: 1)",
-            check=real(0),
-        ),
-        "T": ConfigKey(
-            DGR_TEMPERATURE,
-            "distillation temperature (upstream's key and value: 2)",
-            check=real(positive=True),
-        ),
-    }
-    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+CARD = MethodCard(
+    paper_name="DGR",
+    # The smoke stream's tasks hold 4 classes: a firing, and a teacher, at each task boundary.
+    smoke_overrides={"consolidation_new_classes": 4},
+    # No hp_grid row for DGR; the whole-ViT rows that the paper searched low enough, ER's, chose
+    # 5e-5, and both whole-ViT rows collapse at 5e-3 (docs/methods.md).
+    default_lr=5e-5,
+    upstream_differences=(
         UpstreamDifference(
             "running_label_prior",
             "The logit adjustment's prior counts the labels trained on since the last "
@@ -188,15 +164,44 @@ class DGROnline(FinetuneOnline):
         REPLAY_LOGIT_MASK,
         ONE_LINEAR_HEAD,
         TEACHER_AT_FIRING,
-    )
-    #: The smoke stream's tasks hold 4 classes: a firing, and a teacher, at each task boundary.
-    smoke_overrides: ClassVar[dict[str, Any]] = {"consolidation_new_classes": 4}
+    ),
+)
+
+
+@register_method("dgr_online", card=CARD)
+class DGROnline(FinetuneOnline):
+    """Full fine-tuning with logit adjustment, distillation, per-class gradient reweighting and
+    herding replay."""
+
+    base_model_name: ClassVar[str] = "dgr"  # PILOT's transforms for its DGR learner
+    memory_based: ClassVar[bool] = True
+    keeps_teacher: ClassVar[bool] = True
+    config_keys: ClassVar[dict[str, ConfigKey]] = {
+        **replay_keys(
+            DGR_MEMORY_SIZE,
+            memory="herding",
+            why="DGR's memory_size 2000, fixed_memory false: a quota of 2000 // classes seen",
+        ),
+        "gammar_r": ConfigKey(
+            1.0,
+            "DGR's new-class damping exp(-gammar_r * known / total) (upstream key and value: 1)",
+            check=real(0),
+        ),
+        "lambda": ConfigKey(
+            DGR_LAMBDA,
+            "DGR's distillation weight: lambda * known / new times the KD loss (upstream key "
+            "and value: 1)",
+            check=real(0),
+        ),
+        "T": ConfigKey(
+            DGR_TEMPERATURE,
+            "distillation temperature (upstream's key and value: 2)",
+            check=real(positive=True),
+        ),
+    }
     #: In a clear stream with consolidation_new_classes = a task's classes (10, as CIFAR-100's
     #: 10 tasks), it fires at each task boundary: upstream's per-task statistics and teacher.
     default_consolidation: ClassVar[str] = "new_classes"
-    #: No hp_grid row for DGR; the whole-ViT rows that the paper searched low enough, ER's, chose
-    #: 5e-5, and both whole-ViT rows collapse at 5e-3 (docs/methods.md).
-    default_lr: ClassVar[float | None] = 5e-5
     # Per-class statistics (on the head's device, made at the first use; build_network starts
     # them afresh): G and the label counts since the last consolidation (float64), the classes
     # trained on so far and those seen before the last consolidation (bool).

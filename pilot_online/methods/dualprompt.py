@@ -26,8 +26,9 @@ from typing import Any, ClassVar
 from torch import nn
 
 from ..core.checks import boolean, check_blocks, integer, list_of
-from ..engine.adapter import ConfigKey, UpstreamDifference
+from ..engine.adapter import ConfigKey
 from ..engine.backbone_names import pilot_backbones
+from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.differences import BATCH_LOGIT_MASK, NO_BATCH_VOTE_AT_EVALUATION
 from ..engine.registry import register_method
 from .l2p import L2POnline
@@ -77,13 +78,9 @@ def per_sample_prefix_prompts(
     return out
 
 
-@register_method("dualprompt_online")
-class DualPromptOnline(L2POnline):
-    paper_name: ClassVar[str] = "DualPrompt"
-    base_model_name: ClassVar[str] = "dualprompt"
-    backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("dualprompt")
-    config_keys: ClassVar[dict[str, ConfigKey]] = DUALPROMPT_KEYS
-    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+CARD = MethodCard(
+    paper_name="DualPrompt",
+    upstream_differences=(
         BATCH_LOGIT_MASK,
         NO_BATCH_VOTE_AT_EVALUATION,
         UpstreamDifference(
@@ -101,7 +98,15 @@ class DualPromptOnline(L2POnline):
             "(`shared_prompt_pool`).",
             "Both need the task identity and task starts, which a task-free stream never gives.",
         ),
-    )
+    ),
+)
+
+
+@register_method("dualprompt_online", card=CARD)
+class DualPromptOnline(L2POnline):
+    base_model_name: ClassVar[str] = "dualprompt"
+    backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("dualprompt")
+    config_keys: ClassVar[dict[str, ConfigKey]] = DUALPROMPT_KEYS
 
     @classmethod
     def check_config(cls, cfg: Mapping[str, Any]) -> None:

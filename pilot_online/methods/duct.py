@@ -39,8 +39,9 @@ from torch import nn
 
 from ..core.checks import boolean, real
 from ..core.prototypes import PrototypeBank
-from ..engine.adapter import ConfigKey, StepOutput, UpstreamDifference
+from ..engine.adapter import ConfigKey, StepOutput
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, VIT_B16_WIDTH
+from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.checkpoint import tensors_to
 from ..engine.registry import register_method
 from .finetune import FinetuneOnline
@@ -129,18 +130,16 @@ def transported_rows(
     return (F.normalize(moved, dim=1) * rows.norm(dim=1, keepdim=True)).to(weight.dtype)
 
 
-@register_method("duct_online")
-class DUCTOnline(FinetuneOnline):
-    """DUCT: fine-tuning whose backbone is merged by task vectors and whose head is consolidated
-    by optimal transport at each firing (module docstring)."""
+def duct_state_bytes(args: Mapping[str, Any]) -> int:
+    """One fp32 copy of the backbone (the anchor) and three fp32 ``C x D`` class means."""
+    return 4 * VIT_B16_PARAMETERS + 3 * 4 * int(args["nb_classes"]) * VIT_B16_WIDTH
 
-    paper_name: ClassVar[str] = "DUCT"
-    base_model_name: ClassVar[str] = "duct"
-    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
-    default_consolidation: ClassVar[str] = "new_classes"
-    #: 4 classes per smoke task: a firing per task.
-    smoke_overrides: ClassVar[dict[str, Any]] = {"consolidation_new_classes": 4}
-    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+
+CARD = MethodCard(
+    paper_name="DUCT",
+    # 4 classes per smoke task: a firing per task.
+    smoke_overrides={"consolidation_new_classes": 4},
+    upstream_differences=(
         UpstreamDifference(
             "task_vector_from_last_firing",
             "The backbone is never reset to the pre-trained weights: a firing merges the task "
@@ -185,7 +184,19 @@ class DUCTOnline(FinetuneOnline):
             "15 (ViT class means can be that far apart) and POT stops with a degenerate plan; "
             "where it does not underflow, the log domain gives POT's plan.",
         ),
-    )
+    ),
+    state_bytes=duct_state_bytes,
+)
+
+
+@register_method("duct_online", card=CARD)
+class DUCTOnline(FinetuneOnline):
+    """DUCT: fine-tuning whose backbone is merged by task vectors and whose head is consolidated
+    by optimal transport at each firing (module docstring)."""
+
+    base_model_name: ClassVar[str] = "duct"
+    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
+    default_consolidation: ClassVar[str] = "new_classes"
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "bcb_lr_scale": ConfigKey(
             0.01,
@@ -393,11 +404,6 @@ class DUCTOnline(FinetuneOnline):
         self.anchor = tensors_to(state["anchor"], device)
         self.ratios = [float(r) for r in state["ratios"]]
         self.transports = int(state["transports"])
-
-    @classmethod
-    def state_bytes(cls, args: Mapping[str, Any]) -> int:
-        """One fp32 copy of the backbone (the anchor) and three fp32 ``C x D`` class means."""
-        return 4 * VIT_B16_PARAMETERS + 3 * 4 * int(args["nb_classes"]) * VIT_B16_WIDTH
 
     def report(self) -> dict[str, Any]:
         return {

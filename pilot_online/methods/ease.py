@@ -35,7 +35,7 @@ Online, task-free (the choices are in docs/methods.md, "EASE"):
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -45,7 +45,8 @@ from torch import nn
 from ..core.checks import integer, real
 from ..core.cosine_head import CosineHead, attach_cosine_head
 from ..core.prototypes import PrototypeBank
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, UpstreamDifference
+from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
 
 logger = logging.getLogger(__name__)
@@ -94,42 +95,21 @@ def reweighted_logits(
     return (cosines * weights.unsqueeze(1)).sum(0)
 
 
-@register_method("ease_online")
-class EaseOnline(MethodAdapter):
-    paper_name: ClassVar[str] = "EASE"
-    base_model_name: ClassVar[str] = "ease"
-    #: The names PILOT's ``get_backbone`` builds for model ``ease`` (its ``_ease`` branch).
-    backbone_types: ClassVar[tuple[str, ...]] = (
-        "vit_base_patch16_224_ease",
-        "vit_base_patch16_224_in21k_ease",
-    )
-    default_consolidation: ClassVar[str] = "new_classes"
-    #: Each firing adds an adapter, which every forward runs (the FLOP model counts it).
-    grows: ClassVar[bool] = True
-    removed_keys: ClassVar[dict[str, str]] = {
-        "adapter_num": "EASE adds one adapter subspace per consolidation firing, without a cap "
-        "(upstream: one per task)"
-    }
-    config_keys: ClassVar[dict[str, ConfigKey]] = {
-        "ffn_num": ConfigKey(64, "adapter bottleneck width (PILOT: 64)", check=integer(minimum=1)),
-        "alpha": ConfigKey(
-            0.1, "weight of a class's other subspaces at prediction (PILOT: 0.1)", check=real(0)
-        ),
-        "adapter_dropout": ConfigKey(
-            0.1, "dropout inside the adapters (PILOT hard-codes 0.1)", check=real(0, 1)
-        ),
-    }
-    #: No dropout (one step is a function of the state). The second subspace opens after 80
-    #: samples: in the contract's main.py runs (4 batches of 40) it then trains for two steps on
-    #: both streams. Its adapters' up-projections start at zero (upstream's LoRA init), so the
-    #: down-projections first get a gradient at its second step; with new_classes, the Si-Blurry
-    #: run would open it before the last step only.
-    smoke_overrides: ClassVar[Mapping[str, Any]] = {
+CARD = MethodCard(
+    paper_name="EASE",
+    # Each firing adds an adapter, which every forward runs (the FLOP model counts it).
+    grows=True,
+    # No dropout (one step is a function of the state). The second subspace opens after 80
+    # samples: in the contract's main.py runs (4 batches of 40) it then trains for two steps on
+    # both streams. Its adapters' up-projections start at zero (upstream's LoRA init), so the
+    # down-projections first get a gradient at its second step; with new_classes, the Si-Blurry
+    # run would open it before the last step only.
+    smoke_overrides={
         "adapter_dropout": 0.0,
         "consolidation": "every_n_samples",
         "consolidation_every_n_samples": 80,
-    }
-    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+    },
+    upstream_differences=(
         UpstreamDifference(
             "proxy_head_over_every_class",
             "The proxy head covers every class of the stream, its loss limited to the batch's "
@@ -162,7 +142,32 @@ class EaseOnline(MethodAdapter):
             "the run's seed and the firing, not from the global random stream.",
             "A resumed run rebuilds the same sets, and evaluation timing cannot change the draws.",
         ),
+    ),
+)
+
+
+@register_method("ease_online", card=CARD)
+class EaseOnline(MethodAdapter):
+    base_model_name: ClassVar[str] = "ease"
+    #: The names PILOT's ``get_backbone`` builds for model ``ease`` (its ``_ease`` branch).
+    backbone_types: ClassVar[tuple[str, ...]] = (
+        "vit_base_patch16_224_ease",
+        "vit_base_patch16_224_in21k_ease",
     )
+    default_consolidation: ClassVar[str] = "new_classes"
+    removed_keys: ClassVar[dict[str, str]] = {
+        "adapter_num": "EASE adds one adapter subspace per consolidation firing, without a cap "
+        "(upstream: one per task)"
+    }
+    config_keys: ClassVar[dict[str, ConfigKey]] = {
+        "ffn_num": ConfigKey(64, "adapter bottleneck width (PILOT: 64)", check=integer(minimum=1)),
+        "alpha": ConfigKey(
+            0.1, "weight of a class's other subspaces at prediction (PILOT: 0.1)", check=real(0)
+        ),
+        "adapter_dropout": ConfigKey(
+            0.1, "dropout inside the adapters (PILOT hard-codes 0.1)", check=real(0, 1)
+        ),
+    }
 
     def backbone_kwargs(self, args: dict) -> dict[str, Any]:
         # vit_ease loads its weights from timm.create_model(..., pretrained=True), hard-coded.

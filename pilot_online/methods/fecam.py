@@ -21,6 +21,7 @@ anyway), and a class with one sample a zero covariance (``torch.cov`` would give
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -29,13 +30,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.checks import real
-from ..engine.adapter import ConfigKey, UpstreamDifference
+from ..engine.adapter import ConfigKey
 from ..engine.backbone_names import VIT_B16_WIDTH
+from ..engine.card import UpstreamDifference
 from ..engine.differences import FIRST_SESSION_DIFFERENCES
 from ..engine.registry import register_method
-from .ranpac import FirstSessionAnalyticOnline
+from .ranpac import FIRST_SESSION_CARD, FirstSessionAnalyticOnline
 
-#: The feature width of every backbone FeCAM accepts (ViT-B/16), for :meth:`state_bytes`.
+#: The feature width of every backbone FeCAM accepts (ViT-B/16), for :func:`fecam_state_bytes`.
 
 
 def row_corrcoef(matrices: torch.Tensor) -> torch.Tensor:
@@ -47,9 +49,31 @@ def row_corrcoef(matrices: torch.Tensor) -> torch.Tensor:
     return (cov / (std[..., :, None] * std[..., None, :])).clamp(-1, 1)
 
 
-@register_method("fecam_online")
+def fecam_state_bytes(args: Mapping[str, Any]) -> int:
+    """Per class: a d x d outer-product sum and a d-sum (float64), and two heads' means and
+    d x d precisions (float32: training's buffers and evaluation's view)."""
+    c, d = int(args["nb_classes"]), VIT_B16_WIDTH
+    return c * (d * d + d + 1) * 8 + 2 * c * (d * d + d) * 4
+
+
+CARD = dataclasses.replace(
+    FIRST_SESSION_CARD,
+    paper_name="FeCAM",
+    upstream_differences=(
+        *FIRST_SESSION_DIFFERENCES,
+        UpstreamDifference(
+            "single_sample_class_zero_covariance",
+            "A class with one sample gets a zero covariance before shrinkage, where upstream's "
+            "torch.cov gives NaN.",
+            "In a stream a class can be evaluated after its first sample.",
+        ),
+    ),
+    state_bytes=fecam_state_bytes,
+)
+
+
+@register_method("fecam_online", card=CARD)
 class FeCAMOnline(FirstSessionAnalyticOnline):
-    paper_name: ClassVar[str] = "FeCAM"
     base_model_name: ClassVar[str] = "fecam"
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         **FirstSessionAnalyticOnline.config_keys,
@@ -63,22 +87,6 @@ class FeCAMOnline(FirstSessionAnalyticOnline):
         "analytic_precision",
         "analytic_seen",
     )
-    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
-        *FIRST_SESSION_DIFFERENCES,
-        UpstreamDifference(
-            "single_sample_class_zero_covariance",
-            "A class with one sample gets a zero covariance before shrinkage, where upstream's "
-            "torch.cov gives NaN.",
-            "In a stream a class can be evaluated after its first sample.",
-        ),
-    )
-
-    @classmethod
-    def state_bytes(cls, args: Mapping[str, Any]) -> int:
-        """Per class: a d x d outer-product sum and a d-sum (float64), and two heads' means and
-        d x d precisions (float32: training's buffers and evaluation's view)."""
-        c, d = int(args["nb_classes"]), VIT_B16_WIDTH
-        return c * (d * d + d + 1) * 8 + 2 * c * (d * d + d) * 4
 
     def attach(self, network: nn.Module, args: Mapping[str, Any]) -> nn.Module:
         network = super().attach(network, args)

@@ -10,7 +10,7 @@ same: the backbone's pooled token, then a linear head. Two things differ from up
   are no tasks, so the head is one ``nn.Linear`` over all classes, set once at build:
   prototypes are replayed through it and FGH's class mode reweights its rows. The loss masks the
   classes absent from the batch where upstream masks those outside the task
-  (:attr:`FinetuneOnline.upstream_differences`).
+  (the card's ``upstream_differences``).
 - PILOT's factory builds the plain ViT with ``pretrained=True`` and no dropout arguments
   hard-coded; :meth:`FinetuneOnline.backbone_kwargs` forces the config's ``pretrained``, ``drop``
   and ``drop_path`` onto that ``timm.create_model`` call instead.
@@ -21,14 +21,16 @@ samples, 100 replayed per step): replay is a mechanism, so it composes with any 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from ..core.checks import integer
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, UpstreamDifference
+from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
 from ..engine.backbone_names import PLAIN_VIT, plain_vit_overrides
+from ..engine.card import MethodCard
 from ..engine.differences import BATCH_LOGIT_MASK, ONE_LINEAR_HEAD
 from ..engine.registry import register_method
 
@@ -40,15 +42,19 @@ REPLAY_KEYS: dict[str, ConfigKey] = {
 }
 
 
-@register_method("finetune_online")
-class FinetuneOnline(MethodAdapter):
-    paper_name: ClassVar[str] = "Fine-tuning"
-    base_model_name: ClassVar[str] = "finetune"  # PILOT's transforms for its fine-tuning learner
-    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
-    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+CARD = MethodCard(
+    paper_name="Fine-tuning",
+    upstream_differences=(
         BATCH_LOGIT_MASK,
         ONE_LINEAR_HEAD,
-    )
+    ),
+)
+
+
+@register_method("finetune_online", card=CARD)
+class FinetuneOnline(MethodAdapter):
+    base_model_name: ClassVar[str] = "finetune"  # PILOT's transforms for its fine-tuning learner
+    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
 
     def backbone_kwargs(self, args: dict) -> dict[str, Any]:
         return {**plain_vit_overrides(args), **super().backbone_kwargs(args)}
@@ -69,12 +75,16 @@ class FinetuneOnline(MethodAdapter):
         return network.fc
 
 
-@register_method("er_online")
+ER_CARD = dataclasses.replace(
+    CARD,
+    paper_name="ER",
+    upstream_model="",  # not a PILOT model (PILOT has no replay row)
+)
+
+
+@register_method("er_online", card=ER_CARD)
 class EROnline(FinetuneOnline):
     """Fine-tuning plus experience replay (the loop's ``ReplayMixin``, on by default here)."""
-
-    upstream_model: ClassVar[str] = ""  # not a PILOT model (PILOT has no replay row)
-    paper_name: ClassVar[str] = "ER"
 
     memory_based: ClassVar[bool] = True
     config_keys: ClassVar[dict[str, ConfigKey]] = REPLAY_KEYS

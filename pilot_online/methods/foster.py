@@ -44,8 +44,9 @@ from ..core.checks import real
 from ..core.masks import classes_present, mask_logits, training_mask
 from ..core.prototypes import PrototypeBank
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, TrainingBatch
-from ..engine.adapter import UpstreamDifference as Difference
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, plain_vit_overrides
+from ..engine.card import MethodCard
+from ..engine.card import UpstreamDifference as Difference
 from ..engine.config import replay_keys
 from ..engine.registry import register_method
 from ..engine.teacher import distillation_loss
@@ -91,59 +92,22 @@ def simple_linear(
     return layer
 
 
-@register_method("foster_online")
-class FosterOnline(MethodAdapter):
-    """Boosting a second branch after each firing, a student compressing it concurrently."""
+def state_bytes(args: Mapping[str, Any]) -> int:
+    """From the first firing on: two more ViTs (the branch and the student) that train, each
+    with its gradient and Adam's two moments, while the first drops its own three."""
+    return 4 * 5 * VIT_B16_PARAMETERS
 
-    paper_name: ClassVar[str] = "FOSTER"
-    base_model_name: ClassVar[str] = "foster"  # PILOT's transforms for its FOSTER learner
-    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
-    memory_based: ClassVar[bool] = True
-    #: Herding ranks by the lineage's features (the first backbone, then the student): one
-    #: width and a continuous space across firings, where the boosted features change both.
-    herding_features: ClassVar[str] = HERDING_FEATURES
-    grows: ClassVar[bool] = True  # a second branch and the student from the first firing on
-    default_consolidation: ClassVar[str] = "new_classes"
-    needs_consolidation: ClassVar[str] = "never boosts, so FOSTER would be fine-tuning with replay"
-    #: The paper's hp_grid has no FOSTER row; its ER row (the whole ViT with a replay memory, the
-    #: nearest method it searched) chose 5e-5. Adam at 5e-3 ruins a whole ViT.
-    default_lr: ClassVar[float | None] = 5e-5
-    #: The smoke stream's tasks hold 4 classes: a firing at each of its task boundaries.
-    smoke_overrides: ClassVar[dict[str, Any]] = {"consolidation_new_classes": 4}
-    config_keys: ClassVar[dict[str, ConfigKey]] = {
-        **replay_keys(
-            FOSTER_MEMORY_SIZE,
-            memory="herding",
-            per_class=FOSTER_PER_CLASS,
-            why="FOSTER's memory_size 2000, fixed_memory true, memory_per_class 20",
-        ),
-        "beta1": ConfigKey(
-            0.96, "effective-number beta of the boosting CE's class weights", check=real(0, 1)
-        ),
-        "beta2": ConfigKey(
-            0.97, "effective-number beta of the compression BKD's class weights", check=real(0, 1)
-        ),
-        "lambda_okd": ConfigKey(1.0, "weight of the old branch's distillation", check=real(0)),
-        "T": ConfigKey(2.0, "distillation temperature (KD and BKD)", check=real(positive=True)),
-        "oofc": ConfigKey(
-            "ft",
-            "the new classes' old-feature block of the head: ft trains it, az keeps it at zero",
-            choices=("ft", "az"),
-        ),
-        "is_teacher_wa": ConfigKey(
-            False, "weight aligning is not ported (upstream's config: false)", forced=True
-        ),
-        "is_student_wa": ConfigKey(
-            False, "weight aligning is not ported (upstream's config: false)", forced=True
-        ),
-        "wa_value": ConfigKey(1, "weight aligning is not ported", forced=True),
-    }
-    removed_keys: ClassVar[dict[str, str]] = {
-        "boosting_epochs": "online training makes one pass: boosting trains on each step",
-        "compression_epochs": "online training makes one pass: the student trains on each step",
-        "lr": "online training has one learning rate, init_lr: set that",
-    }
-    upstream_differences: ClassVar[tuple[Difference, ...]] = (
+
+CARD = MethodCard(
+    paper_name="FOSTER",
+    grows=True,  # a second branch and the student from the first firing on
+    # The paper's hp_grid has no FOSTER row; its ER row (the whole ViT with a replay memory, the
+    # nearest method it searched) chose 5e-5. Adam at 5e-3 ruins a whole ViT.
+    default_lr=5e-5,
+    # The smoke stream's tasks hold 4 classes: a firing at each of its task boundaries.
+    smoke_overrides={"consolidation_new_classes": 4},
+    state_bytes=state_bytes,
+    upstream_differences=(
         Difference(
             "batch_logit_mask",
             "The boosting cross-entropies (of the whole head and of fe_fc) mask the logits of the "
@@ -199,7 +163,55 @@ class FosterOnline(MethodAdapter):
             "Online there is one pass and no phase length to schedule over; the paper trains "
             "every method with Adam, and `optimizer: sgd` is one key away.",
         ),
-    )
+    ),
+)
+
+
+@register_method("foster_online", card=CARD)
+class FosterOnline(MethodAdapter):
+    """Boosting a second branch after each firing, a student compressing it concurrently."""
+
+    base_model_name: ClassVar[str] = "foster"  # PILOT's transforms for its FOSTER learner
+    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
+    memory_based: ClassVar[bool] = True
+    #: Herding ranks by the lineage's features (the first backbone, then the student): one
+    #: width and a continuous space across firings, where the boosted features change both.
+    herding_features: ClassVar[str] = HERDING_FEATURES
+    default_consolidation: ClassVar[str] = "new_classes"
+    needs_consolidation: ClassVar[str] = "never boosts, so FOSTER would be fine-tuning with replay"
+    config_keys: ClassVar[dict[str, ConfigKey]] = {
+        **replay_keys(
+            FOSTER_MEMORY_SIZE,
+            memory="herding",
+            per_class=FOSTER_PER_CLASS,
+            why="FOSTER's memory_size 2000, fixed_memory true, memory_per_class 20",
+        ),
+        "beta1": ConfigKey(
+            0.96, "effective-number beta of the boosting CE's class weights", check=real(0, 1)
+        ),
+        "beta2": ConfigKey(
+            0.97, "effective-number beta of the compression BKD's class weights", check=real(0, 1)
+        ),
+        "lambda_okd": ConfigKey(1.0, "weight of the old branch's distillation", check=real(0)),
+        "T": ConfigKey(2.0, "distillation temperature (KD and BKD)", check=real(positive=True)),
+        "oofc": ConfigKey(
+            "ft",
+            "the new classes' old-feature block of the head: ft trains it, az keeps it at zero",
+            choices=("ft", "az"),
+        ),
+        "is_teacher_wa": ConfigKey(
+            False, "weight aligning is not ported (upstream's config: false)", forced=True
+        ),
+        "is_student_wa": ConfigKey(
+            False, "weight aligning is not ported (upstream's config: false)", forced=True
+        ),
+        "wa_value": ConfigKey(1, "weight aligning is not ported", forced=True),
+    }
+    removed_keys: ClassVar[dict[str, str]] = {
+        "boosting_epochs": "online training makes one pass: boosting trains on each step",
+        "compression_epochs": "online training makes one pass: the student trains on each step",
+        "lr": "online training has one learning rate, init_lr: set that",
+    }
 
     @classmethod
     def check_config(cls, cfg: Mapping[str, Any]) -> None:
@@ -209,12 +221,6 @@ class FosterOnline(MethodAdapter):
                     f"{key} must be below 1 (the effective number 1 - beta**n is 0 at 1); "
                     f"got {cfg[key]}: upstream uses 0.96 and 0.97"
                 )
-
-    @classmethod
-    def state_bytes(cls, args: Mapping[str, Any]) -> int:
-        """From the first firing on: two more ViTs (the branch and the student) that train, each
-        with its gradient and Adam's two moments, while the first drops its own three."""
-        return 4 * 5 * VIT_B16_PARAMETERS
 
     def backbone_kwargs(self, args: dict) -> dict[str, Any]:
         # PILOT's plain-ViT factory hard-codes pretrained=True and no dropout: the config's win.

@@ -17,19 +17,15 @@ the classes known at the last firing (a mask: in a Si-Blurry stream they are no 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from ..core.checks import real
-from ..engine.adapter import (
-    ConfigKey,
-    StepOutput,
-    TrainingBatch,
-    UpstreamDifference,
-)
+from ..engine.adapter import ConfigKey, StepOutput, TrainingBatch
 from ..engine.backbone_names import PLAIN_VIT
+from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.config import replay_keys
 from ..engine.differences import (
     LOGITS_ONLY_EVALUATION,
@@ -47,11 +43,35 @@ ICARL_MEMORY_SIZE = 2000
 ICARL_TEMPERATURE = 2.0
 
 
-@register_method("icarl_online")
+CARD = MethodCard(
+    paper_name="iCaRL",
+    # The paper's hp_grid has no iCaRL row; its ER row (the whole ViT with a replay memory, the
+    # nearest method it searched) chose 5e-5 (docs/methods.md). Adam at 5e-3 ruins a whole ViT.
+    default_lr=5e-5,
+    # The smoke stream's tasks hold 4 classes: a firing at each of its task boundaries.
+    smoke_overrides={"consolidation_new_classes": 4},
+    upstream_differences=(
+        REPLAY_LOGIT_MASK,
+        ONE_LINEAR_HEAD,
+        ONLINE_HERDING,
+        LOGITS_ONLY_EVALUATION,
+        UpstreamDifference(
+            "adam_constant_lr",
+            "The optimiser is the protocol's Adam at a constant learning rate (5e-5 in the paper "
+            "configs), where upstream runs SGD (momentum 0.9, LR 1e-3, weight decay 5e-4 then "
+            "2e-4) for 20 epochs per task, under step schedules whose milestones lie past them.",
+            "Online there is one pass and no task length to schedule over; the paper trains "
+            "every method with Adam, and `optimizer: sgd` is one key away.",
+        ),
+        TEACHER_AT_FIRING,
+    ),
+)
+
+
+@register_method("icarl_online", card=CARD)
 class ICaRLOnline(FinetuneOnline):
     """The whole ViT and a linear head, herding replay, distillation from the last firing."""
 
-    paper_name: ClassVar[str] = "iCaRL"
     base_model_name: ClassVar[str] = "icarl"  # PILOT's transforms for its iCaRL learner
     backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
     memory_based: ClassVar[bool] = True
@@ -72,26 +92,6 @@ class ICaRLOnline(FinetuneOnline):
     #: hold ``consolidation_new_classes`` classes takes the teacher where ``after_task`` does.
     default_consolidation: ClassVar[str] = "new_classes"
     needs_consolidation: ClassVar[str] = "takes no teacher, so iCaRL would never distil"
-    #: The paper's hp_grid has no iCaRL row; its ER row (the whole ViT with a replay memory, the
-    #: nearest method it searched) chose 5e-5 (docs/methods.md). Adam at 5e-3 ruins a whole ViT.
-    default_lr: ClassVar[float | None] = 5e-5
-    #: The smoke stream's tasks hold 4 classes: a firing at each of its task boundaries.
-    smoke_overrides: ClassVar[dict[str, Any]] = {"consolidation_new_classes": 4}
-    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
-        REPLAY_LOGIT_MASK,
-        ONE_LINEAR_HEAD,
-        ONLINE_HERDING,
-        LOGITS_ONLY_EVALUATION,
-        UpstreamDifference(
-            "adam_constant_lr",
-            "The optimiser is the protocol's Adam at a constant learning rate (5e-5 in the paper "
-            "configs), where upstream runs SGD (momentum 0.9, LR 1e-3, weight decay 5e-4 then "
-            "2e-4) for 20 epochs per task, under step schedules whose milestones lie past them.",
-            "Online there is one pass and no task length to schedule over; the paper trains "
-            "every method with Adam, and `optimizer: sgd` is one key away.",
-        ),
-        TEACHER_AT_FIRING,
-    )
 
     def build_network(self, args: dict) -> nn.Module:
         # PILOT's IncrementalNet (its forward expects SimpleLinear's dict: the inherited forward

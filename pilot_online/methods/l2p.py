@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from ..core.checks import boolean, integer, list_of, real, text
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, UpstreamDifference
+from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
 from ..engine.backbone_names import pilot_backbones
+from ..engine.card import MethodCard
 from ..engine.differences import BATCH_LOGIT_MASK, NO_BATCH_VOTE_AT_EVALUATION
 from ..engine.registry import register_method
 
@@ -63,16 +64,17 @@ PROMPT_POOL_KEYS: dict[str, ConfigKey] = {
 }
 
 
-@register_method("l2p_online")
+CARD = MethodCard(
+    paper_name="L2P",
+    upstream_differences=(BATCH_LOGIT_MASK, NO_BATCH_VOTE_AT_EVALUATION),
+)
+
+
+@register_method("l2p_online", card=CARD)
 class L2POnline(MethodAdapter):
-    paper_name: ClassVar[str] = "L2P"
     base_model_name: ClassVar[str] = "l2p"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("l2p")
     config_keys: ClassVar[dict[str, ConfigKey]] = PROMPT_POOL_KEYS
-    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
-        BATCH_LOGIT_MASK,
-        NO_BATCH_VOTE_AT_EVALUATION,
-    )
 
     @classmethod
     def check_config(cls, cfg: Mapping[str, Any]) -> None:

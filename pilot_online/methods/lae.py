@@ -39,8 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.checks import boolean, integer, real
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, UpstreamDifference
+from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
 from ..engine.backbone_names import pilot_backbones, plain_vit_overrides
+from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
 
 #: ``pet_cls`` values. Upstream's third, LoRA, cannot run there: ``attach_pets_vit`` reads
@@ -50,9 +51,55 @@ PET_CLASSES = ("Prefix", "Adapter")
 UPSTREAM_EPOCHS, UPSTREAM_FREEZE_EPOCHS, UPSTREAM_BATCH = 5, 3, 128
 
 
-@register_method("lae_online")
+def paper_settings(dataset: str, stream: str) -> dict[str, Any]:
+    """Upstream's ``exps/lae.json`` (and ``lae_inr.json`` on ImageNet-R) already train with
+    the online protocol's optimiser (Adam, constant LR, weight decay 0): their LR, and their
+    EMA steps per sample (``tuned_epoch / batch_size``)."""
+    if dataset == "imagenetr":
+        return {"init_lr": 0.00046875, "lae_ema_steps_per_sample": 50 / UPSTREAM_BATCH}
+    return {"init_lr": 0.0028125}
+
+
+CARD = MethodCard(
+    paper_name="LAE",
+    smoke_overrides={
+        "consolidation_new_classes": 4,  # the smoke tasks' class count: fires at the boundary
+        "lae_first_freeze_samples": 40,  # one batch of the tiny stream: the PET trains in task 0
+        "pet_length": 2,
+    },
+    paper_settings=paper_settings,
+    upstream_differences=(
+        UpstreamDifference(
+            "freeze_window_per_segment",
+            "The PET is frozen for the first lae_freeze_fraction (0.6) of each segment's samples, "
+            "the segment's length taken from the previous segment (lae_first_freeze_samples at "
+            "the stream's start), where upstream freezes it for num_freeze_epochs of tuned_epoch "
+            "epochs (3 of 5) of each task.",
+            "One pass has no epochs and no task length: the segment a firing closes is the "
+            "stream's measure of a task, so the PET trains in the last 40% of every task of a "
+            "clear stream, on CUB-sized tasks as on CIFAR's.",
+        ),
+        UpstreamDifference(
+            "ema_rate_per_sample",
+            "A step of n samples decays the offline PET by ema_decay ** (n * "
+            "lae_ema_steps_per_sample) where upstream decays it by ema_decay per step.",
+            "Upstream takes tuned_epoch / batch_size EMA steps per training sample; one online "
+            "pass takes one per batch, so 0.9999 per step would move the offline PET about 4x "
+            "less per task: the per-sample rate moves it as far as upstream's per task.",
+        ),
+        UpstreamDifference(
+            "ensemble_over_seen_classes",
+            "The ensemble's softmaxes run over the classes seen in training so far, where "
+            "upstream's run over every class of the tasks so far.",
+            "Task-free: no task's class list; at a task end of a clear stream both are the same "
+            "classes.",
+        ),
+    ),
+)
+
+
+@register_method("lae_online", card=CARD)
 class LAEOnline(MethodAdapter):
-    paper_name: ClassVar[str] = "LAE"
     base_model_name: ClassVar[str] = "lae"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("lae")
     default_consolidation: ClassVar[str] = "new_classes"
@@ -60,11 +107,6 @@ class LAEOnline(MethodAdapter):
     frozen_left: ClassVar[int] = 0
     #: Stream samples since the last firing (the stream's start): the open segment's length.
     segment_samples: ClassVar[int] = 0
-    smoke_overrides: ClassVar[dict[str, Any]] = {
-        "consolidation_new_classes": 4,  # the smoke tasks' class count: fires at the boundary
-        "lae_first_freeze_samples": 40,  # one batch of the tiny stream: the PET trains in task 0
-        "pet_length": 2,
-    }
     removed_keys: ClassVar[dict[str, str]] = {
         "lae_freeze_samples": "the PET's freeze window is now a share of the segment each firing "
         "closes (lae_freeze_fraction, upstream's 3 of 5 epochs) and lae_first_freeze_samples"
@@ -103,42 +145,6 @@ class LAEOnline(MethodAdapter):
             check=boolean,
         ),
     }
-    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
-        UpstreamDifference(
-            "freeze_window_per_segment",
-            "The PET is frozen for the first lae_freeze_fraction (0.6) of each segment's samples, "
-            "the segment's length taken from the previous segment (lae_first_freeze_samples at "
-            "the stream's start), where upstream freezes it for num_freeze_epochs of tuned_epoch "
-            "epochs (3 of 5) of each task.",
-            "One pass has no epochs and no task length: the segment a firing closes is the "
-            "stream's measure of a task, so the PET trains in the last 40% of every task of a "
-            "clear stream, on CUB-sized tasks as on CIFAR's.",
-        ),
-        UpstreamDifference(
-            "ema_rate_per_sample",
-            "A step of n samples decays the offline PET by ema_decay ** (n * "
-            "lae_ema_steps_per_sample) where upstream decays it by ema_decay per step.",
-            "Upstream takes tuned_epoch / batch_size EMA steps per training sample; one online "
-            "pass takes one per batch, so 0.9999 per step would move the offline PET about 4x "
-            "less per task: the per-sample rate moves it as far as upstream's per task.",
-        ),
-        UpstreamDifference(
-            "ensemble_over_seen_classes",
-            "The ensemble's softmaxes run over the classes seen in training so far, where "
-            "upstream's run over every class of the tasks so far.",
-            "Task-free: no task's class list; at a task end of a clear stream both are the same "
-            "classes.",
-        ),
-    )
-
-    @classmethod
-    def paper_settings(cls, dataset: str, stream: str) -> dict[str, Any]:
-        """Upstream's ``exps/lae.json`` (and ``lae_inr.json`` on ImageNet-R) already train with
-        the online protocol's optimiser (Adam, constant LR, weight decay 0): their LR, and their
-        EMA steps per sample (``tuned_epoch / batch_size``)."""
-        if dataset == "imagenetr":
-            return {"init_lr": 0.00046875, "lae_ema_steps_per_sample": 50 / UPSTREAM_BATCH}
-        return {"init_lr": 0.0028125}
 
     @classmethod
     def check_config(cls, cfg: Mapping[str, Any]) -> None:

@@ -10,6 +10,7 @@ The frozen backbone stays in eval mode (a fixed feature extractor: no dropout).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import torch
@@ -17,14 +18,18 @@ from torch import nn
 
 from ..engine.adapter import ConfigKey, StepOutput
 from ..engine.registry import register_method
+from .finetune import CARD as FINETUNE_CARD
 from .finetune import EROnline, FinetuneOnline
 
+CARD = dataclasses.replace(
+    FINETUNE_CARD,
+    paper_name="Linear probe",
+    upstream_model="",  # not a PILOT model (PILOT has no replay row)
+)
 
-@register_method("linear_probe_online")
+
+@register_method("linear_probe_online", card=CARD)
 class LinearProbeOnline(FinetuneOnline):
-    upstream_model: ClassVar[str] = ""  # not a PILOT model (PILOT has no replay row)
-    paper_name: ClassVar[str] = "Linear probe"
-
     def build_network(self, args: dict) -> nn.Module:
         network = super().build_network(args)
         network.backbone.requires_grad_(False)
@@ -40,12 +45,12 @@ class LinearProbeOnline(FinetuneOnline):
         network.fc.train()
 
 
-@register_method("er_linear_probe_online")
+ER_CARD = dataclasses.replace(CARD, paper_name="ER + Linear probe")
+
+
+@register_method("er_linear_probe_online", card=ER_CARD)
 class ERLinearProbeOnline(LinearProbeOnline):
     """Linear probe plus experience replay (the loop's ``ReplayMixin``, on by default here)."""
-
-    upstream_model: ClassVar[str] = ""  # not a PILOT model (PILOT has no replay row)
-    paper_name: ClassVar[str] = "ER + Linear probe"
 
     memory_based: ClassVar[bool] = True
     config_keys: ClassVar[dict[str, ConfigKey]] = EROnline.config_keys

@@ -21,6 +21,7 @@ about 86M dead parameters per firing that upstream holds.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -28,9 +29,11 @@ import torch
 from torch import nn
 
 from ..core.checks import boolean, real
-from ..engine.adapter import ConfigKey, UpstreamDifference
+from ..engine.adapter import ConfigKey
 from ..engine.backbone_names import pilot_backbones
+from ..engine.card import UpstreamDifference
 from ..engine.registry import register_method
+from .der import CARD as DER_CARD
 from .der import DEROnline
 
 #: Parameters one specialized extractor keeps after :func:`trim_specialized` (ViT-B/16 at
@@ -55,11 +58,36 @@ def specialized_trainable(extractor: nn.Module) -> nn.Module:
     return extractor
 
 
-@register_method("memo_online")
+def memo_state_bytes(args: Mapping[str, Any]) -> int:
+    """DER's count with MEMO's branch; older branches that keep training
+    (``train_adaptive``) also keep their gradients and Adam's two moments."""
+    factor = 4 if args.get("train_adaptive") else 1
+    return factor * 4 * MEMO_BRANCH_PARAMETERS * (DEROnline.expected_branches(args) - 1)
+
+
+CARD = dataclasses.replace(
+    DER_CARD,
+    paper_name="MEMO",
+    state_bytes=memo_state_bytes,
+    upstream_differences=(
+        *DER_CARD.upstream_differences,
+        UpstreamDifference(
+            "unused_blocks_dropped",
+            "Each specialized extractor drops the 12 ViT blocks that Specialized_Vit builds as a "
+            "VisionTransformer but never runs, and its unused patch and position embeddings, "
+            "class token and the generalized blocks' unused final norm are frozen, where "
+            "upstream keeps them all trainable.",
+            "None of them reaches an output or gets a gradient; kept, they would hold a whole "
+            "ViT-B of dead weights per firing in memory and in every checkpoint.",
+        ),
+    ),
+)
+
+
+@register_method("memo_online", card=CARD)
 class MEMOOnline(DEROnline):
     """Frozen generalized blocks after the first firing; one specialized block per firing."""
 
-    paper_name: ClassVar[str] = "MEMO"
     base_model_name: ClassVar[str] = "memo"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("memo")
     config_keys: ClassVar[dict[str, Any]] = {
@@ -78,19 +106,6 @@ class MEMOOnline(DEROnline):
             1.0, "weight of the auxiliary loss (upstream's key and value: 1.0)", check=real(0)
         ),
     }
-    branch_parameters: ClassVar[int] = MEMO_BRANCH_PARAMETERS
-    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
-        *DEROnline.upstream_differences,
-        UpstreamDifference(
-            "unused_blocks_dropped",
-            "Each specialized extractor drops the 12 ViT blocks that Specialized_Vit builds as a "
-            "VisionTransformer but never runs, and its unused patch and position embeddings, "
-            "class token and the generalized blocks' unused final norm are frozen, where "
-            "upstream keeps them all trainable.",
-            "None of them reaches an output or gets a gradient; kept, they would hold a whole "
-            "ViT-B of dead weights per firing in memory and in every checkpoint.",
-        ),
-    )
 
     @classmethod
     def check_config(cls, cfg: Mapping[str, Any]) -> None:
@@ -100,13 +115,6 @@ class MEMOOnline(DEROnline):
                 "vit_depth 1 leaves MEMO no generalized block (the specialized extractor is the "
                 "last block): set it to 2 or more, or null for upstream's 12"
             )
-
-    @classmethod
-    def state_bytes(cls, args: Mapping[str, Any]) -> int:
-        """DER's count with MEMO's branch; older branches that keep training
-        (``train_adaptive``) also keep their gradients and Adam's two moments."""
-        factor = 4 if args.get("train_adaptive") else 1
-        return factor * super().state_bytes(args)
 
     def build_network(self, args: dict) -> nn.Module:
         from utils.inc_net import AdaptiveNet  # PILOT, imported lazily

@@ -43,7 +43,7 @@ trigger ``new_classes``: MOS organises adapters and retrieval by classes).
   upstream: its task's); self-refined retrieval per sample over every set, ensembled as upstream's
   ``softmax(orig / (1 / (task + 1)))``.
 
-Deliberate differences: :attr:`MOSOnline.upstream_differences`.
+Deliberate differences: the card's ``upstream_differences`` (:data:`CARD`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ from ..core.checks import boolean, integer, real
 from ..core.class_stats import ClassGaussians, align_classifier
 from ..core.prototypes import PrototypeBank
 from ..core.rng import key_seed
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, UpstreamDifference
+from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
 
 #: ``ca_storage_efficient_method``: full covariances, or their diagonals.
@@ -139,24 +140,75 @@ def orth_loss(features: torch.Tensor, old_means: torch.Tensor, old: torch.Tensor
     return per_row.sum() / keep.sum()
 
 
-@register_method("mos_online")
+def paper_settings(dataset: str, stream: str) -> dict[str, Any]:
+    """Upstream's alignment weight decay is its config's ``weight_decay``: 5e-3 in
+    ``exps/mos_inr.json`` (ImageNet-R), 5e-4 (the key's default) elsewhere."""
+    return {"ca_weight_decay": 5e-3} if dataset == "imagenetr" else {}
+
+
+def state_bytes(args: Mapping[str, Any]) -> int:
+    """The class statistics (float32 D x D scatter per class, or D with ``variance``) and
+    the three D-wide class means (statistics, prototype head, orthogonality snapshot)."""
+    classes, dim = int(args["nb_classes"]), 768  # vit_mos hard-codes the width
+    scatter = dim if args.get("ca_storage_efficient_method") == "variance" else dim * dim
+    return 4 * classes * (scatter + 3 * dim)
+
+
+CARD = MethodCard(
+    paper_name="MOS",
+    # Each firing adds an adapter set, which every forward runs (the FLOP model counts it).
+    grows=True,
+    # The synthetic stream's groups of 4 classes and a short CA (CI time).
+    smoke_overrides={
+        "adapter_dropout": 0.0,
+        "consolidation_new_classes": 4,
+        "ca_epochs": 2,
+        "ca_samples_per_class": 16,
+    },
+    paper_settings=paper_settings,
+    state_bytes=state_bytes,
+    upstream_differences=(
+        UpstreamDifference(
+            "running_class_statistics",
+            "Class means and covariances and the prototype head fold in each stream batch's "
+            "features as it arrives (eval mode, training transforms), where upstream makes a "
+            "pass over the task's data with test transforms after training it.",
+            "A stream is seen once: there is no task's data to pass over again at a firing.",
+        ),
+        UpstreamDifference(
+            "statistics_at_pull_limit",
+            "The statistics of classes trained with set a >= 1 come through the mean of sets "
+            "0..a-1 for every batch, where upstream's statistics pass pulls the adapter there D "
+            "times per forward, so its first batches see it only partly pulled.",
+            "Online the statistics accumulate during training, before the firing that would "
+            "pull; the limit is what upstream's pass reaches after its first few forwards.",
+        ),
+        UpstreamDifference(
+            "evaluation_at_pull_limit",
+            "Evaluation uses each set s >= 1 as the mean of sets 0..s-1 from its first batch, "
+            "where upstream pulls the stored set there in place, D times per test batch, so its "
+            "first test batches after a task see it partly pulled.",
+            "Evaluation must not change training state nor depend on how often one evaluates; "
+            "the limit is what upstream reaches within its first few test batches.",
+        ),
+        UpstreamDifference(
+            "retrieval_by_majority_set",
+            "A class is retrieved through the adapter set that saw most of its samples, where "
+            "upstream uses its task's adapter.",
+            "A task-free stream has no task ids; in a clear stream the two agree.",
+        ),
+    ),
+)
+
+
+@register_method("mos_online", card=CARD)
 class MOSOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "mos"
-    paper_name: ClassVar[str] = "MOS"
     backbone_types: ClassVar[tuple[str, ...]] = (
         "vit_base_patch16_224_mos",
         "vit_base_patch16_224_in21k_mos",
     )
     default_consolidation: ClassVar[str] = "new_classes"
-    #: Each firing adds an adapter set, which every forward runs (the FLOP model counts it).
-    grows: ClassVar[bool] = True
-    #: The synthetic stream's groups of 4 classes and a short CA (CI time).
-    smoke_overrides: ClassVar[Mapping[str, Any]] = {
-        "adapter_dropout": 0.0,
-        "consolidation_new_classes": 4,
-        "ca_epochs": 2,
-        "ca_samples_per_class": 16,
-    }
     removed_keys: ClassVar[dict[str, str]] = {
         "mos_max_adapters": "MOS adds one adapter set per consolidation firing, without a cap "
         "(upstream: one per task)"
@@ -202,51 +254,6 @@ class MOSOnline(MethodAdapter):
             choices=CA_STATISTICS,
         ),
     }
-    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
-        UpstreamDifference(
-            "running_class_statistics",
-            "Class means and covariances and the prototype head fold in each stream batch's "
-            "features as it arrives (eval mode, training transforms), where upstream makes a "
-            "pass over the task's data with test transforms after training it.",
-            "A stream is seen once: there is no task's data to pass over again at a firing.",
-        ),
-        UpstreamDifference(
-            "statistics_at_pull_limit",
-            "The statistics of classes trained with set a >= 1 come through the mean of sets "
-            "0..a-1 for every batch, where upstream's statistics pass pulls the adapter there D "
-            "times per forward, so its first batches see it only partly pulled.",
-            "Online the statistics accumulate during training, before the firing that would "
-            "pull; the limit is what upstream's pass reaches after its first few forwards.",
-        ),
-        UpstreamDifference(
-            "evaluation_at_pull_limit",
-            "Evaluation uses each set s >= 1 as the mean of sets 0..s-1 from its first batch, "
-            "where upstream pulls the stored set there in place, D times per test batch, so its "
-            "first test batches after a task see it partly pulled.",
-            "Evaluation must not change training state nor depend on how often one evaluates; "
-            "the limit is what upstream reaches within its first few test batches.",
-        ),
-        UpstreamDifference(
-            "retrieval_by_majority_set",
-            "A class is retrieved through the adapter set that saw most of its samples, where "
-            "upstream uses its task's adapter.",
-            "A task-free stream has no task ids; in a clear stream the two agree.",
-        ),
-    )
-
-    @classmethod
-    def paper_settings(cls, dataset: str, stream: str) -> dict[str, Any]:
-        """Upstream's alignment weight decay is its config's ``weight_decay``: 5e-3 in
-        ``exps/mos_inr.json`` (ImageNet-R), 5e-4 (the key's default) elsewhere."""
-        return {"ca_weight_decay": 5e-3} if dataset == "imagenetr" else {}
-
-    @classmethod
-    def state_bytes(cls, args: Mapping[str, Any]) -> int:
-        """The class statistics (float32 D x D scatter per class, or D with ``variance``) and
-        the three D-wide class means (statistics, prototype head, orthogonality snapshot)."""
-        classes, dim = int(args["nb_classes"]), 768  # vit_mos hard-codes the width
-        scatter = dim if args.get("ca_storage_efficient_method") == "variance" else dim * dim
-        return 4 * classes * (scatter + 3 * dim)
 
     # -- network -------------------------------------------------------------------------------
     def backbone_kwargs(self, args: dict) -> dict[str, Any]:

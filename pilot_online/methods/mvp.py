@@ -70,6 +70,7 @@ from ..core.mvp_losses import (
 )
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
 from ..engine.backbone_names import pilot_backbones
+from ..engine.card import MethodCard
 from ..engine.registry import register_method
 
 #: ``gsf_reduction``: upstream's mean weight times the batch loss, or per-sample weights.
@@ -192,15 +193,19 @@ class MVPNet(nn.Module):
         return self.backbone.norm(x)[:, 0]
 
 
-@register_method("mvp_online")
+CARD = MethodCard(
+    paper_name="MVP",
+    upstream_model="",  # KHU-AGI/Si-Blurry, not a PILOT model
+    # CI time: the 20-token E-prompts cost MVP 5x a 2-token run on the CPU.
+    smoke_overrides={"len_g_prompt": 2, "len_e_prompt": 2},
+)
+
+
+@register_method("mvp_online", card=CARD)
 class MVPOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "l2p"  # PILOT's ViT module whose plain ViT we reuse
-    upstream_model: ClassVar[str] = ""  # KHU-AGI/Si-Blurry, not a PILOT model
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("l2p")
-    paper_name: ClassVar[str] = "MVP"
     config_keys: ClassVar[dict[str, ConfigKey]] = MVP_KEYS
-    #: CI time: the 20-token E-prompts cost MVP 5x a 2-token run on the CPU.
-    smoke_overrides: ClassVar[dict[str, Any]] = {"len_g_prompt": 2, "len_e_prompt": 2}
 
     @classmethod
     def check_config(cls, cfg: Mapping[str, Any]) -> None:

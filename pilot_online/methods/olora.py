@@ -40,7 +40,7 @@ other value, one key away:
   ``[h_0, ..., x]``, one place off; ``"aligned"``: each batch ranked by its own loss.
 
 The paper configs take the values upstream's run scripts set per stream and dataset, not its
-code defaults (:meth:`OLoRAOnline.paper_settings`: window 5.2 / 0.02 on Si-Blurry, 6.0 / 0.1 on
+code defaults (:func:`paper_settings`: window 5.2 / 0.02 on Si-Blurry, 6.0 / 0.1 on
 the clear stream; hard buffer 8 on CUB's clear stream, else 4; aligned buffer pairing on the clear
 stream), train with the batch-wise logit mask like every method, and let the window read that
 masked loss (docs/upstream-differences.md). Transforms are PILOT's, not upstream's.
@@ -79,6 +79,7 @@ from ..core.lora import (
     importance_loss,
 )
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, TrainingBatch
+from ..engine.card import MethodCard
 from ..engine.registry import register_method
 
 logger = logging.getLogger(__name__)
@@ -105,18 +106,56 @@ class OLoRANet(nn.Module):
         return self.fc(features), features
 
 
-@register_method("olora_online")
+#: Upstream's loss-window thresholds (mean, variance) per stream, from its run scripts rather
+#: than its code defaults: ``Si-blurry/scripts/blurry.sh`` passes 5.2 / 0.02 (for every
+#: dataset); the clear-stream trainer's ``Disjoint/configs/{cifar100,cub200,imagenetR}_online_
+#: lora.py`` keep 6.0 / 0.1 (``Disjoint/scripts/disjoint_cil.sh`` sets 5.6 / 0.04 only for
+#: Sketch, not a paper dataset).
+UPSTREAM_WINDOW: dict[str, tuple[float, float]] = {
+    "clear": (6.0, 0.1),
+    "si_blurry": (5.2, 0.02),
+}
+#: Upstream's clear-stream trainer ranks each batch by its own loss (``Disjoint/engine.py``:
+#: ``zip(current_loss + hard_loss, x + xh)``); the Si-Blurry trainer one place off.
+UPSTREAM_PAIRING: dict[str, str] = {"clear": "aligned", "si_blurry": "upstream"}
+
+
+def paper_settings(dataset: str, stream: str) -> dict[str, Any]:
+    """Upstream's run-script values for the stream and dataset (docs/upstream-differences.md):
+    window thresholds per stream; hard buffer 8 on CUB's clear stream
+    (``Disjoint/configs/cub200_online_lora.py``), else 4 (every other config, and the
+    Si-Blurry trainer's default); buffer pairing per trainer. The window reads the masked CE
+    (``olora_window_loss: "masked"``): the paper configs train with the batch-wise mask, and
+    upstream's window reads the loss it trains on."""
+    if stream not in UPSTREAM_WINDOW:
+        raise ValueError(f"stream must be one of {', '.join(UPSTREAM_WINDOW)}, got {stream!r}")
+    mean, variance = UPSTREAM_WINDOW[stream]
+    return {
+        "loss_window_mean_threshold": mean,
+        "loss_window_variance_threshold": variance,
+        "hard_buffer_size": 8 if (dataset, stream) == ("cub", "clear") else 4,
+        "olora_buffer_pairing": UPSTREAM_PAIRING[stream],
+        "olora_window_loss": "masked",
+    }
+
+
+CARD = MethodCard(
+    paper_name="oLoRA",
+    full_name="Online-LoRA",
+    upstream_model="",  # Online-LoRA-official, not a PILOT model
+    # One buffered batch: the same code paths, two passes a step instead of five (CI time).
+    smoke_overrides={"hard_buffer_size": 1},
+    paper_settings=paper_settings,
+)
+
+
+@register_method("olora_online", card=CARD)
 class OLoRAOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "olora"  # no PILOT counterpart: PILOT's default transforms
-    upstream_model: ClassVar[str] = ""  # Online-LoRA-official, not a PILOT model
     backbone_types: ClassVar[tuple[str, ...]] = (
         "vit_base_patch16_224",
         "vit_base_patch16_224_in21k",
     )
-    paper_name: ClassVar[str] = "oLoRA"
-    full_name: ClassVar[str] = "Online-LoRA"
-    #: One buffered batch: the same code paths, two passes a step instead of five (CI time).
-    smoke_overrides: ClassVar[dict[str, Any]] = {"hard_buffer_size": 1}
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "lora_rank": ConfigKey(
             4, "LoRA rank r on the q and v projections (upstream 4)", check=integer(1)
@@ -182,44 +221,10 @@ class OLoRAOnline(MethodAdapter):
         ),
     }
 
-    #: Upstream's loss-window thresholds (mean, variance) per stream, from its run scripts rather
-    #: than its code defaults: ``Si-blurry/scripts/blurry.sh`` passes 5.2 / 0.02 (for every
-    #: dataset); the clear-stream trainer's ``Disjoint/configs/{cifar100,cub200,imagenetR}_online_
-    #: lora.py`` keep 6.0 / 0.1 (``Disjoint/scripts/disjoint_cil.sh`` sets 5.6 / 0.04 only for
-    #: Sketch, not a paper dataset).
-    UPSTREAM_WINDOW: ClassVar[dict[str, tuple[float, float]]] = {
-        "clear": (6.0, 0.1),
-        "si_blurry": (5.2, 0.02),
-    }
-    #: Upstream's clear-stream trainer ranks each batch by its own loss (``Disjoint/engine.py``:
-    #: ``zip(current_loss + hard_loss, x + xh)``); the Si-Blurry trainer one place off.
-    UPSTREAM_PAIRING: ClassVar[dict[str, str]] = {"clear": "aligned", "si_blurry": "upstream"}
-
     # -- network -------------------------------------------------------------------------------
     @classmethod
     def check_config(cls, cfg: Mapping[str, Any]) -> None:
         check_blocks(cfg, "lora_layer")
-
-    @classmethod
-    def paper_settings(cls, dataset: str, stream: str) -> dict[str, Any]:
-        """Upstream's run-script values for the stream and dataset (docs/upstream-differences.md):
-        window thresholds per stream; hard buffer 8 on CUB's clear stream
-        (``Disjoint/configs/cub200_online_lora.py``), else 4 (every other config, and the
-        Si-Blurry trainer's default); buffer pairing per trainer. The window reads the masked CE
-        (``olora_window_loss: "masked"``): the paper configs train with the batch-wise mask, and
-        upstream's window reads the loss it trains on."""
-        if stream not in cls.UPSTREAM_WINDOW:
-            raise ValueError(
-                f"stream must be one of {', '.join(cls.UPSTREAM_WINDOW)}, got {stream!r}"
-            )
-        mean, variance = cls.UPSTREAM_WINDOW[stream]
-        return {
-            "loss_window_mean_threshold": mean,
-            "loss_window_variance_threshold": variance,
-            "hard_buffer_size": 8 if (dataset, stream) == ("cub", "clear") else 4,
-            "olora_buffer_pairing": cls.UPSTREAM_PAIRING[stream],
-            "olora_window_loss": "masked",
-        }
 
     def build_network(self, args: dict) -> nn.Module:
         import timm  # lazily: methods/ imports no timm when imported

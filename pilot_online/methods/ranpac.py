@@ -40,6 +40,7 @@ Online, task-free (docs/methods.md, "RanPAC"):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -49,8 +50,9 @@ from torch import nn
 
 from ..core.checks import boolean, integer
 from ..core.cosine_head import attach_cosine_head
-from ..engine.adapter import ConfigKey, StepOutput, UpstreamDifference
+from ..engine.adapter import ConfigKey, StepOutput
 from ..engine.backbone_names import PLAIN_VIT, pilot_backbones
+from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.differences import FIRST_SESSION_DIFFERENCES
 from ..engine.registry import register_method
 from .aper_adapter import AperAdapterOnline
@@ -77,6 +79,20 @@ Tensors = dict[str, torch.Tensor]
 #: ranks classes by something (as EASE's unseen classes score with its proxy head).
 UNSEEN_LOGIT = -1e4
 
+#: The card facts :class:`FirstSessionAnalyticOnline`'s methods share (RanPAC's and FeCAM's cards
+#: start from it).
+FIRST_SESSION_CARD = MethodCard(
+    variants=("base",),  # analytic heads: no gradient for P or FGH
+    #: Its cost changes at the first firing (the first session's tuning stops: no backward
+    #: after it); the FLOP model counts the network after each firing as for a growing one.
+    grows=True,
+    #: Smoke stream: 4-class tasks, so the first session ends before the second task's first batch.
+    smoke_overrides={
+        "adapter_dropout": 0.0,
+        "consolidation_new_classes": 4,
+    },
+)
+
 
 class FirstSessionAnalyticOnline(FinetuneOnline):
     """First-session PETL tuning until the trigger's first firing, then an analytic head from
@@ -84,23 +100,13 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
     (:meth:`new_statistics`, :meth:`accumulate`), the head's buffers (:meth:`new_head`), its
     solve from the statistics (:meth:`solve`) and its logits (:meth:`head_logits`)."""
 
-    paper_name: ClassVar[str] = ""
     backbone_types: ClassVar[tuple[str, ...]] = (
         *pilot_backbones("aper_adapter"),
         *pilot_backbones("aper_ssf"),
         *pilot_backbones("aper_vpt"),
         *PLAIN_VIT,
     )
-    variants: ClassVar[tuple[str, ...]] = ("base",)  # analytic heads: no gradient for P or FGH
     default_consolidation: ClassVar[str] = "new_classes"
-    #: Its cost changes at the first firing (the first session's tuning stops: no backward
-    #: after it); the FLOP model counts the network after each firing as for a growing one.
-    grows: ClassVar[bool] = True
-    #: Smoke stream: 4-class tasks, so the first session ends before the second task's first batch.
-    smoke_overrides: ClassVar[Mapping[str, Any]] = {
-        "adapter_dropout": 0.0,
-        "consolidation_new_classes": 4,
-    }
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "tune_first_session": ConfigKey(
             True,
@@ -301,25 +307,18 @@ def select_ridge(
     return ridges[best], errors
 
 
-@register_method("ranpac_online")
-class RanPACOnline(FirstSessionAnalyticOnline):
-    paper_name: ClassVar[str] = "RanPAC"
-    base_model_name: ClassVar[str] = "ranpac"
-    smoke_overrides: ClassVar[Mapping[str, Any]] = {
-        **FirstSessionAnalyticOnline.smoke_overrides,
-        "M": 256,
-    }
-    config_keys: ClassVar[dict[str, ConfigKey]] = {
-        **FirstSessionAnalyticOnline.config_keys,
-        "M": ConfigKey(10000, "random-projection width (PILOT: 10000)", check=integer(1)),
-        "ridge_holdout_every": ConfigKey(
-            5,
-            "every k-th stream sample is held out to choose the ridge (5: upstream's 20%)",
-            check=integer(2),
-        ),
-    }
-    head_names: ClassVar[tuple[str, ...]] = ("analytic_weight", "analytic_seen")
-    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+def ranpac_state_bytes(args: Mapping[str, Any]) -> int:
+    """Two M x M Grams and two M x C cross matrices (float64), two C x M heads (float32:
+    training's buffer and evaluation's view)."""
+    m, c = int(args["M"]), int(args["nb_classes"])
+    return 2 * m * m * 8 + 2 * m * c * 8 + 2 * c * m * 4
+
+
+CARD = dataclasses.replace(
+    FIRST_SESSION_CARD,
+    paper_name="RanPAC",
+    smoke_overrides={**FIRST_SESSION_CARD.smoke_overrides, "M": 256},
+    upstream_differences=(
         *FIRST_SESSION_DIFFERENCES,
         UpstreamDifference(
             "ridge_from_held_out_statistics",
@@ -335,14 +334,24 @@ class RanPACOnline(FirstSessionAnalyticOnline):
             "Statistics accumulate from the first step, which needs the projection; its "
             "distribution does not depend on when it is drawn.",
         ),
-    )
+    ),
+    state_bytes=ranpac_state_bytes,
+)
 
-    @classmethod
-    def state_bytes(cls, args: Mapping[str, Any]) -> int:
-        """Two M x M Grams and two M x C cross matrices (float64), two C x M heads (float32:
-        training's buffer and evaluation's view)."""
-        m, c = int(args["M"]), int(args["nb_classes"])
-        return 2 * m * m * 8 + 2 * m * c * 8 + 2 * c * m * 4
+
+@register_method("ranpac_online", card=CARD)
+class RanPACOnline(FirstSessionAnalyticOnline):
+    base_model_name: ClassVar[str] = "ranpac"
+    config_keys: ClassVar[dict[str, ConfigKey]] = {
+        **FirstSessionAnalyticOnline.config_keys,
+        "M": ConfigKey(10000, "random-projection width (PILOT: 10000)", check=integer(1)),
+        "ridge_holdout_every": ConfigKey(
+            5,
+            "every k-th stream sample is held out to choose the ridge (5: upstream's 20%)",
+            check=integer(2),
+        ),
+    }
+    head_names: ClassVar[tuple[str, ...]] = ("analytic_weight", "analytic_seen")
 
     def attach(self, network: nn.Module, args: Mapping[str, Any]) -> nn.Module:
         if "W_rand" in vars(network):

@@ -24,18 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.prototypes import PrototypeBank
-from ..engine.adapter import StepOutput, UpstreamDifference
+from ..engine.adapter import StepOutput
+from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
 from .linear_probe import LinearProbeOnline
 
-
-@register_method("simplecil_online")
-class SimpleCILOnline(LinearProbeOnline):
-    paper_name: ClassVar[str] = "SimpleCIL"
-    base_model_name: ClassVar[str] = "simplecil"
-    trains: ClassVar[bool] = False
-    variants: ClassVar[tuple[str, ...]] = ("base",)  # P and FGH act on gradients: none here
-    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
+CARD = MethodCard(
+    paper_name="SimpleCIL",
+    variants=("base",),  # P and FGH act on gradients: none here
+    upstream_differences=(
         UpstreamDifference(
             "running_class_means",
             "The head's rows are running class means over the stream's training batches, "
@@ -43,7 +40,14 @@ class SimpleCILOnline(LinearProbeOnline):
             "task's data in one pass with test transforms.",
             "Online there is no task end and no second pass over the data.",
         ),
-    )
+    ),
+)
+
+
+@register_method("simplecil_online", card=CARD)
+class SimpleCILOnline(LinearProbeOnline):
+    base_model_name: ClassVar[str] = "simplecil"
+    trains: ClassVar[bool] = False
 
     @classmethod
     def check_config(cls, cfg: Mapping[str, Any]) -> None:

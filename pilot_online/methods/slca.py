@@ -10,7 +10,7 @@ PILOT's ``models/slca.py``, network ``SLCANet``).
   running means and scatter matrices of the stream batch's features (:class:`ClassGaussians`,
   updated in ``observe`` with the features of the step, computed before its update, under the
   training transforms). Memory: one D x D float32 scatter per class
-  (:meth:`SLCAOnline.state_bytes`; 100 classes at D = 768: 236 MB), as upstream keeps them.
+  (:func:`slca_state_bytes`; 100 classes at D = 768: 236 MB), as upstream keeps them.
 * **Classifier alignment (CA)**, an evaluation view (:meth:`SLCAOnline.evaluation_view`), as
   upstream: at each task end upstream backs the head up (``fc.backup()``), aligns it, evaluates,
   and restores the unaligned head (``fc.recall()`` in ``after_task``), so CA serves evaluation
@@ -46,7 +46,8 @@ from torch import nn
 from ..core.checks import integer, real
 from ..core.class_stats import ClassGaussians, align_classifier
 from ..core.rng import key_seed
-from ..engine.adapter import ConfigKey, StepOutput, UpstreamDifference
+from ..engine.adapter import ConfigKey, StepOutput
+from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
 from .finetune import FinetuneOnline
 
@@ -57,20 +58,57 @@ def mean_scales(sessions: torch.Tensor, firing: int) -> torch.Tensor:
     return 0.9 + 0.1 * (sessions.double() + 1) / (firing + 1)
 
 
-@register_method("slca_online")
+def slca_state_bytes(args: Mapping[str, Any]) -> int:
+    """The class statistics: a D x D float32 scatter, a D mean and 2 counters per class."""
+    dim = int((args.get("backbone_kwargs") or {}).get("embed_dim", 768))
+    return int(args["nb_classes"]) * (4 * dim * dim + 4 * dim + 16)
+
+
+CARD = MethodCard(
+    paper_name="SLCA",
+    smoke_overrides={
+        "consolidation_new_classes": 4,  # the smoke tasks' class count: a session per task
+        "ca_samples_per_class": 16,
+        "ca_epochs": 1,
+    },
+    upstream_differences=(
+        UpstreamDifference(
+            "running_class_statistics",
+            "Each class's mean and covariance are running statistics of the stream batches' "
+            "features (training transforms, the backbone before each step's update) where "
+            "upstream passes the finished task's data once more through the trained backbone "
+            "(test transforms).",
+            "One pass keeps no data for a second pass; the running merge gives upstream's "
+            "numbers (torch.cov + 1e-4 I) for the features it is given.",
+        ),
+        UpstreamDifference(
+            "sessions_from_firings",
+            "A class's task in CA's mean decay and logit-norm blocks is its session (the "
+            "consolidation firings before its first sample), where upstream takes "
+            "class_id // task_size.",
+            "Task-free: no task ids; on a clear stream with a firing per task the sessions are "
+            "upstream's tasks.",
+        ),
+        UpstreamDifference(
+            "old_head_rows_keep_training",
+            "One nn.Linear over every class whose rows all stay trainable (under the loop's "
+            "logit mask), where upstream adds a head per task and freezes the earlier ones.",
+            "No task end to freeze at; with the batch-wise mask an absent class's row gets no "
+            "gradient anyway, and on Si-Blurry old classes recur and need their rows.",
+        ),
+    ),
+    state_bytes=slca_state_bytes,
+)
+
+
+@register_method("slca_online", card=CARD)
 class SLCAOnline(FinetuneOnline):
-    paper_name: ClassVar[str] = "SLCA"
     base_model_name: ClassVar[str] = "slca"
     #: Sessions are upstream's tasks (the CA's mean decay and logit-norm blocks): a firing per
     #: ``consolidation_new_classes`` new classes is the stream's sign of a task boundary, on
     #: CUB-sized tasks as on CIFAR's. CA itself runs at each evaluation (the view), whatever the
     #: trigger.
     default_consolidation: ClassVar[str] = "new_classes"
-    smoke_overrides: ClassVar[dict[str, Any]] = {
-        "consolidation_new_classes": 4,  # the smoke tasks' class count: a session per task
-        "ca_samples_per_class": 16,
-        "ca_epochs": 1,
-    }
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "bcb_lrscale": ConfigKey(
             0.01, "backbone LR = bcb_lrscale x init_lr (upstream 0.01; 0 freezes it)", check=real(0)
@@ -98,38 +136,6 @@ class SLCAOnline(FinetuneOnline):
             0.1, "CA's logit-normalisation temperature (upstream 0.1; 0: plain CE)", check=real(0)
         ),
     }
-    upstream_differences: ClassVar[tuple[UpstreamDifference, ...]] = (
-        UpstreamDifference(
-            "running_class_statistics",
-            "Each class's mean and covariance are running statistics of the stream batches' "
-            "features (training transforms, the backbone before each step's update) where "
-            "upstream passes the finished task's data once more through the trained backbone "
-            "(test transforms).",
-            "One pass keeps no data for a second pass; the running merge gives upstream's "
-            "numbers (torch.cov + 1e-4 I) for the features it is given.",
-        ),
-        UpstreamDifference(
-            "sessions_from_firings",
-            "A class's task in CA's mean decay and logit-norm blocks is its session (the "
-            "consolidation firings before its first sample), where upstream takes "
-            "class_id // task_size.",
-            "Task-free: no task ids; on a clear stream with a firing per task the sessions are "
-            "upstream's tasks.",
-        ),
-        UpstreamDifference(
-            "old_head_rows_keep_training",
-            "One nn.Linear over every class whose rows all stay trainable (under the loop's "
-            "logit mask), where upstream adds a head per task and freezes the earlier ones.",
-            "No task end to freeze at; with the batch-wise mask an absent class's row gets no "
-            "gradient anyway, and on Si-Blurry old classes recur and need their rows.",
-        ),
-    )
-
-    @classmethod
-    def state_bytes(cls, args: Mapping[str, Any]) -> int:
-        """The class statistics: a D x D float32 scatter, a D mean and 2 counters per class."""
-        dim = int((args.get("backbone_kwargs") or {}).get("embed_dim", 768))
-        return int(args["nb_classes"]) * (4 * dim * dim + 4 * dim + 16)
 
     def build_network(self, args: dict) -> nn.Module:
         from utils.inc_net import SLCANet  # PILOT, imported lazily
