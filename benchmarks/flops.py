@@ -3,19 +3,9 @@ of a whole CUB run beside the paper's time table.
 
 Run ``python benchmarks/flops.py`` (PILOT is needed: ``--pilot-root``, default ``$PILOT_ROOT`` or
 ``../shared/LAMDA-PILOT``; only imported, never written). For each method (``--methods``, default
-every registered one) it builds the network from the paper's config (``exps/<method>_base.json``,
-else the smoke config) at 224 px with random weights on the CPU, and counts with
-``torch.utils.flop_counter.FlopCounterMode`` (2 FLOPs per multiply-add) on ``--batch`` images:
-
-- ``train_forward_flops_per_image``: ``adapter.forward(train=True)``, the query pass included;
-- ``train_flops_per_image``: that plus the loss and ``backward`` (forward only for a method that
-  trains nothing, such as SimpleCIL);
-- ``query_flops_per_image``: the frozen query pass alone (0 without one);
-- ``test_flops_per_image``: ``adapter.forward(train=False)``.
-
-P and FGH are element-wise (no matrix products), so the base variant stands for all four rows.
-A network that grows at its firings (its card's ``grows``: DER, MEMO, FOSTER) is also counted
-after 1 and 2 firings (``by_firings``), which the FLOP model extends task by task.
+every registered one) it counts what ``pilot_online/harness/flop_count.py`` describes: the
+network of the method's paper config (base row) at 224 px with random weights on the CPU, on
+``--batch`` images, after 0, 1 and 2 firings for a network that grows.
 It writes them, with the torch and timm versions, to the package data
 ``pilot_online/data/flops.json`` (``--no-write`` to leave it; ``--table-only`` to skip counting
 and print from it), then prints the predicted GPU compute time of one CUB run (clear, 20 tasks,
@@ -36,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -65,98 +54,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def method_config(method: str, classes: int) -> dict[str, Any]:
-    """The paper's config of ``method`` (base row) at 224 px, random weights, on the CPU."""
-    from pilot_online.engine.config import load_json, resolve_config
-
-    short = method.removesuffix("_online")
-    path = ROOT / "exps" / f"{short}_online_base.json"
-    if not path.is_file():
-        path = ROOT / "exps" / f"smoke_{short}_online.json"
-    raw = load_json(path)
-    raw.pop("backbone_kwargs", None)  # 224 px
-    raw.update(pretrained=False, device=[-1], online_prototypes=False, fgh=None)
-    return {**resolve_config(raw), "nb_classes": classes, "nb_tasks": 20}
-
-
-def count(fn) -> tuple[int, Any]:
-    with FlopCounterMode(display=False) as counter:
-        result = fn()
-    return counter.get_total_flops(), result
-
-
-#: Firings a growing network (its card's ``grows``) is counted after: 0, 1 and 2, enough for
-#: the FLOP model to extend a linear (DER, MEMO) or settling (FOSTER) growth.
-GROWTH_FIRINGS = 2
-
-
-def count_method(method: str, args: argparse.Namespace) -> dict[str, Any]:
-    """FLOPs per image of ``method``'s training step, training forward, query pass and test
-    forward; for a network that grows at its firings, also after each of
-    :data:`GROWTH_FIRINGS` firings (``by_firings``)."""
-    from pilot_online.engine.registry import get_method, method_card
-    from pilot_online.pilot.backbones import run_overrides
-
-    config = method_config(method, args.classes)
-    adapter = get_method(method)(args=config)
-    torch.manual_seed(0)
-    with run_overrides(adapter, config):
-        network = adapter.build_network(config)
-        counts = count_network(adapter, network, args)
-        if not method_card(method).grows:
-            return counts
-        by_firings = [counts]
-        for firing in range(GROWTH_FIRINGS):
-            adapter.consolidate(network, firing)
-            by_firings.append(count_network(adapter, network, args))
-    return {**counts, "by_firings": by_firings}
-
-
-def count_network(adapter: Any, network: torch.nn.Module, args: argparse.Namespace) -> dict:
-    """FLOPs per image of one network as it stands (see :func:`count_method`). The teacher's
-    forward of a distilling method is not in it: the FLOP model adds a test forward for it."""
-    from pilot_online.engine.adapter import TrainingBatch
-
-    generator = torch.Generator().manual_seed(0)
-    x = torch.rand(args.batch, 3, 224, 224, generator=generator)
-    y = torch.randint(0, args.classes, (args.batch,), generator=generator)
-
-    adapter.train_mode(network)
-
-    seen = torch.ones(args.classes, dtype=torch.bool)
-    known = torch.arange(args.classes) < args.classes // 2  # the first half: old classes
-
-    def forward():
-        out = adapter.forward(network, x, train=True)
-        loss = adapter.classification_loss(network, out, y, None)
-        if out.aux_loss is not None:
-            loss = loss + out.aux_loss.reshape(())
-        # The method's own terms (DER's auxiliary head, FOSTER's student): part of its step.
-        batch = TrainingBatch(x, y, len(y), seen, known, teacher=None)
-        for term in adapter.loss_terms(network, out, batch).values():
-            loss = loss + term.reshape(())
-        return loss
-
-    forward_flops, loss = count(forward)
-    backward_flops = 0
-    if getattr(adapter, "trains", True) and loss.requires_grad:
-        backward_flops, _ = count(loss.backward)
-    network.zero_grad(set_to_none=True)
-
-    adapter.eval_mode(network)
-    with torch.no_grad():
-        test_flops, _ = count(lambda: adapter.forward(network, x, train=False))
-        query_flops = 0
-        if adapter.query_parameters(network):
-            query_flops, _ = count(lambda: adapter.query_features(network, x))
-    return {
-        "train_flops_per_image": (forward_flops + backward_flops) / args.batch,
-        "train_forward_flops_per_image": forward_flops / args.batch,
-        "query_flops_per_image": query_flops / args.batch,
-        "test_flops_per_image": test_flops / args.batch,
-    }
-
-
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import timm
 
@@ -164,6 +61,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(Path(args.pilot_root).resolve()))
     warnings.filterwarnings("ignore")
     from pilot_online.engine.registry import list_methods
+    from pilot_online.harness.flop_count import count_method
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] or list_methods()
     table: dict[str, Any] = {
@@ -181,7 +79,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
     for method in methods:
         begin = time.perf_counter()
-        table["methods"][method] = count_method(method, args)
+        table["methods"][method] = count_method(method, args.classes, args.batch)
         row = table["methods"][method]
         growth = row.get("by_firings")
         if growth:

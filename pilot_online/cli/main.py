@@ -220,6 +220,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_methods_arguments(methods)
     methods.set_defaults(func=run_methods)
 
+    from .port import add_configs_arguments, add_flops_arguments, run_configs, run_flops
+
+    configs = sub.add_parser("configs", help="write a method's configs (one from outside too)")
+    add_configs_arguments(configs)
+    configs.set_defaults(func=run_configs)
+    flops = sub.add_parser("flops", help="count a method's FLOPs per image for its card")
+    add_flops_arguments(flops)
+    flops.set_defaults(func=run_flops)
+
     report = sub.add_parser("report", help="AP / A_T table (mean ± std over seeds) from results")
     report.add_argument("paths", nargs="+", type=Path, help="results files or folders to search")
     report.add_argument("--per-seed", action="store_true", help="one row per run")

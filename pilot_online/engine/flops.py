@@ -66,14 +66,49 @@ def load_flops() -> dict[str, Any]:
 
 
 def method_flops(method: str, table: Mapping[str, Any] | None = None) -> dict[str, float]:
-    """The per-image FLOPs of one registered method; a clear error for one not counted."""
+    """The per-image FLOPs of one registered method: the package table's counts, else its card's
+    (``MethodCard.flops``: a method from outside the package); a clear error for one not counted."""
     methods = (table or load_flops())["methods"]
-    if method not in methods:
-        raise ValueError(
-            f"the FLOP model has no counts for {method!r} (it has {', '.join(sorted(methods))}): "
-            "run `python benchmarks/flops.py` with PILOT_ROOT set to count every registered method"
+    if method in methods:
+        return dict(methods[method])
+    own = _card_counts(method)
+    if own is not None:
+        return dict(own)
+    raise ValueError(
+        f"the FLOP model has no counts for {method!r} (it has {', '.join(sorted(methods))}): "
+        f"{count_fix(method)}"
+    )
+
+
+def _card_counts(method: str) -> Mapping[str, Any] | None:
+    """The counts on the method's card, or None. The one card field the engine reads: real-time
+    evaluation prices a step by the FLOP model, whose counts of an outside method are there."""
+    try:
+        from .registry import method_card
+
+        return method_card(method).flops
+    except (ImportError, ValueError):
+        return None
+
+
+def count_fix(method: str) -> str:
+    """How to give the FLOP model a method's counts: the package table for a built-in method,
+    its own card for one from outside (never an edit of the installed package's data)."""
+    try:
+        from .registry import get_method
+
+        built_in = get_method(method).__module__.startswith("pilot_online.")
+    except (ImportError, ValueError):
+        built_in = False
+    if built_in:
+        return (
+            f"run `python benchmarks/flops.py --methods {method}` (PILOT_ROOT set) in the "
+            "pilot-online checkout"
         )
-    return dict(methods[method])
+    return (
+        f"count them with `pilot-online flops {method} --pilot-root <PILOT checkout>` and paste "
+        f"the printed flops={{...}} into {method}'s MethodCard (register_method(..., card=...))"
+    )
 
 
 def _method_default(method: str, key: str, fallback: Any) -> Any:
@@ -325,10 +360,11 @@ def check_flop_counts(cfg: Mapping[str, Any]) -> None:
         raise ValueError(f'realtime="{mode}": {err}. Use another dataset, {other_modes}') from None
     counted = load_flops()["methods"]
     reference = cfg.get("realtime_reference", DEFAULT_REFERENCE)
-    missing = [m for m in dict.fromkeys((cfg.get("model_name"), reference)) if m not in counted]
+    wanted = dict.fromkeys((str(cfg.get("model_name")), str(reference)))
+    missing = [m for m in wanted if m not in counted and _card_counts(m) is None]
     if missing:
+        fixes = "; ".join(count_fix(m) for m in missing)
         raise ValueError(
             f'realtime="{mode}" needs the FLOP model\'s counts, and it has none for '
-            f"{', '.join(missing)}: run `python benchmarks/flops.py --methods "
-            f"{','.join(missing)}` (PILOT_ROOT set), {other_modes}"
+            f"{', '.join(missing)}: {fixes}; {other_modes}"
         )
