@@ -64,7 +64,6 @@ def worker(args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(Path(args.pilot_root).resolve()))
     import torch
 
-    import pilot_online.methods  # noqa: F401  (registers the adapters)
     from pilot_online.engine.config import load_json, resolve_config
     from pilot_online.engine.mixins import build_loop
     from pilot_online.engine.registry import get_method

@@ -113,7 +113,6 @@ def duration(seconds: float) -> str:
 
 
 def print_table(tflops: float | None) -> bool:
-    import pilot_online.methods  # noqa: F401  (registers every method: their paper names)
     from pilot_online.engine.registry import method_card
     from pilot_online.harness import estimate
 

@@ -305,7 +305,6 @@ def main(argv: list[str] | None = None) -> None:
     sys.dont_write_bytecode = True  # PILOT's tree stays untouched
     sys.path.insert(0, str(Path(args.pilot_root).resolve()))
     warnings.filterwarnings("ignore", category=FutureWarning)
-    import pilot_online.methods  # noqa: F401  (registers the adapters)
 
     print(
         f"device {device}, {args.img_size} px, batch {args.batch_size}, {args.classes} classes, "

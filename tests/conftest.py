@@ -32,6 +32,11 @@ import torch
 from torch import nn
 
 from pilot_online.engine.adapter import MethodAdapter, StepOutput
+from pilot_online.engine.registry import load_builtin_methods
+
+# Every built-in method registered now, before a test swaps the registry for a scratch copy (the
+# registry imports them on first use, which inside a scratch copy would register them there).
+load_builtin_methods()
 
 REQUIRE_PILOT_FLAG = "PILOT_ONLINE_REQUIRE_PILOT"
 REQUIRE_PILOT = os.environ.get(REQUIRE_PILOT_FLAG, "") not in ("", "0")

@@ -27,9 +27,9 @@ def smoke(**changes):
 
 
 def test_every_method_file_is_imported_and_registered():
-    """The registry is the one list of methods: every ``pilot_online/methods/*.py`` is imported
-    by ``methods/__init__.py`` and registers at least one ``*_online`` name; the paper's rows
-    (the hp_grid table) are among them."""
+    """The registry is the one list of methods: every ``pilot_online/methods/*.py`` is found and
+    imported by the registry and registers at least one ``*_online`` name; the paper's rows (the
+    hp_grid table) are among them."""
     import pilot_online.methods as methods
 
     files = {p.stem for p in Path(methods.__file__).parent.glob("*.py") if p.stem != "__init__"}

@@ -1,5 +1,5 @@
 """The method contract: what every registered method must do, checked for each one the registry
-holds, so a new adapter file (plus its import line) gets these tests with no other edit.
+holds, so a new adapter file gets these tests with no other edit.
 
 Per method, on its smoke config (32 px, random weights, PILOT's network from the patched copy):
 
@@ -18,8 +18,8 @@ Per method, on its smoke config (32 px, random weights, PILOT's network from the
 - two runs through PILOT's ``main.py`` on the tiny stream, (clear, base) and (Si-Blurry,
   + P + FGH), with test_pilot_integration.py's end-to-end checks.
 
-``test_a_new_method_is_one_file_and_one_import`` proves the promise behind all this: it copies the
-package, adds one adapter file and one import line, and runs this suite on the new method alone.
+``test_a_new_method_is_one_file`` proves the promise behind all this: it copies the
+package, adds one adapter file, and runs this suite on the new method alone.
 """
 
 from __future__ import annotations
@@ -438,7 +438,7 @@ def test_runs_through_pilot_main(pilot_main_run, name, variant, stream):
     check_online_run(report, results, name, variant, stream)
 
 
-# -- the promise: one file and one import line -------------------------------------------------
+# -- the promise: one file ----------------------------------------------------------------------
 #: The porting page's example adapters: this test runs each, so the walk-throughs stay true.
 PORTING_PAGE = REPO / "docs" / "porting.md"
 EXAMPLE_MARKER = "<!-- contract-test: methods/"
@@ -456,7 +456,7 @@ def porting_examples() -> list[tuple[str, str, str, str]]:
     for section in sections:
         file_name = section.split(" ", 1)[0].strip()
         source = section.split("```python\n", 1)[1].split("```", 1)[0]
-        method = re.search(r'@register_method\("([a-z0-9_]+)"\)', source).group(1)
+        method = re.search(r'@register_method\("([a-z0-9_]+)"', source).group(1)
         assert WALKTHROUGH_MARKER in section, f"{PORTING_PAGE}: {method} has no walk-through"
         after = section.split(WALKTHROUGH_MARKER, 1)[1]
         commands = after.split("```bash\n", 1)[1].split("```", 1)[0]
@@ -483,20 +483,16 @@ def fresh_clone(destination: Path) -> Path:
 @requires_pilot
 # Named by file, not by method: the walk-through's ``-k <method>`` must not select this test.
 @pytest.mark.parametrize("example", porting_examples(), ids=lambda example: example[0])
-def test_a_new_method_is_one_file_and_one_import(tmp_path, example):
+def test_a_new_method_is_one_file(tmp_path, example):
     """In a copy of a fresh clone, save one of the porting page's examples as
-    ``methods/<file>``, add one import line to ``methods/__init__.py`` (nothing else), and run its
-    walk-through exactly as written: configs, check-config, this suite on the new method alone
-    (collected for every contract test and passing them all) and, where the page runs one, a run
-    through a patched PILOT copy's ``main.py``."""
+    ``methods/<file>`` (nothing else), and run its walk-through exactly as written: configs,
+    check-config, this suite on the new method alone (collected for every contract test and
+    passing them all) and, where the page runs one, a run through a patched PILOT copy's
+    ``main.py``."""
     file_name, method, source, commands = example
     clone = fresh_clone(tmp_path / "work" / "checkout")
     copy_pilot(tmp_path / "work" / "shared" / "LAMDA-PILOT")  # the page's ../shared, pristine
-    (clone / "pilot_online" / "methods" / file_name).write_text(source)
-    init = clone / "pilot_online" / "methods" / "__init__.py"
-    module = file_name.removesuffix(".py")
-    imports, closing = init.read_text().rsplit(")", 1)
-    init.write_text(f"{imports}    {module},\n){closing}")  # the one import line
+    (clone / "pilot_online" / "methods" / file_name).write_text(source)  # the one file
 
     env = {k: v for k, v in os.environ.items() if k != "PILOT_ROOT"}  # the page sets it
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(clone), env.get("PYTHONPATH")]))

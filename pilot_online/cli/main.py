@@ -1,6 +1,6 @@
 """pilot-online: online, task-free training of LAMDA-PILOT's methods, with online prototypes and
 Fine-Grained Hypergradients. Commands: setup | run | sweep | best | tables | reproduce | doctor |
-check-config | methods | report | figures | scale-model | demo."""
+check-config | methods | configs | flops | report | figures | clean | scale-model | demo."""
 
 from __future__ import annotations
 
@@ -10,18 +10,14 @@ import logging
 import os
 import sys
 from pathlib import Path
-
-from ..engine.config import ConfigError, key_reference, load_json, resolve_config
-from ..harness.presets import add_best_arguments, run_best
-from ..harness.reproduce import add_reproduce_arguments, run_reproduce
-from ..harness.sweep import add_sweep_arguments, run_sweep
-from ..harness.tables import add_tables_arguments, run_tables
-from ..pilot import patching
-from .doctor import add_doctor_arguments, run_doctor
+from typing import Callable
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     """``python main.py --config X`` from anywhere: logs/ and data/ stay relative to the cwd."""
+    from ..engine.config import load_json, resolve_config
+    from ..pilot import patching
+
     root = Path(args.pilot_root or os.environ.get("PILOT_ROOT") or ".").resolve()
     try:
         patching.ensure_patched(root)
@@ -63,6 +59,8 @@ def run_overrides(args: argparse.Namespace) -> dict:
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
+    from ..engine.config import ConfigError, key_reference, load_json, resolve_config
+
     if args.keys:
         print(key_reference())
         return 0
@@ -139,7 +137,195 @@ method and its keys; docs/protocol.md: the paper's protocol, tables and figures)
 pilot-online COMMAND --help for each command's flags."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _setup(parser: argparse.ArgumentParser) -> None:
+    from ..pilot import patching
+
+    patching.add_setup_arguments(parser)
+    parser.set_defaults(func=patching.run_setup)
+
+
+def _run(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, type=Path, help="a PILOT-style JSON config")
+    parser.add_argument(
+        "--pilot-root", help="patched PILOT checkout (default: $PILOT_ROOT, then .)"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (JSON value; repeatable), e.g. init_lr=0.01",
+    )
+    parser.add_argument("--seed", type=int, nargs="+", help="the seeds to run (the config's seed)")
+    parser.add_argument(
+        "--device", type=_device_list, help="cpu, cuda, cuda:N or N (the config's device)"
+    )
+    parser.set_defaults(func=_cmd_run)
+
+
+def _sweep(parser: argparse.ArgumentParser) -> None:
+    from ..harness.sweep import add_sweep_arguments, run_sweep
+
+    add_sweep_arguments(parser)
+    parser.set_defaults(func=run_sweep)
+
+
+def _best(parser: argparse.ArgumentParser) -> None:
+    from ..harness.presets import add_best_arguments, run_best
+
+    add_best_arguments(parser)
+    parser.set_defaults(func=run_best)
+
+
+def _tables(parser: argparse.ArgumentParser) -> None:
+    from ..harness.tables import add_tables_arguments, run_tables
+
+    add_tables_arguments(parser)
+    parser.set_defaults(func=run_tables)
+
+
+def _reproduce(parser: argparse.ArgumentParser) -> None:
+    from ..harness.reproduce import add_reproduce_arguments, run_reproduce
+
+    add_reproduce_arguments(parser)
+    parser.set_defaults(func=run_reproduce)
+
+
+def _doctor(parser: argparse.ArgumentParser) -> None:
+    from .doctor import add_doctor_arguments, run_doctor
+
+    add_doctor_arguments(parser)
+    parser.set_defaults(func=run_doctor)
+
+
+def _check_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "configs",
+        nargs="*",
+        type=Path,
+        metavar="CONFIG",
+        help="JSON configs to resolve as a run would: 'ok' or 'invalid' and why, per file",
+    )
+    parser.add_argument("--keys", action="store_true", help="print the config-key reference")
+    parser.set_defaults(func=_cmd_check_config)
+
+
+def _methods(parser: argparse.ArgumentParser) -> None:
+    from .methods import add_methods_arguments, run_methods
+
+    add_methods_arguments(parser)
+    parser.set_defaults(func=run_methods)
+
+
+def _configs(parser: argparse.ArgumentParser) -> None:
+    from .port import add_configs_arguments, run_configs
+
+    add_configs_arguments(parser)
+    parser.set_defaults(func=run_configs)
+
+
+def _flops(parser: argparse.ArgumentParser) -> None:
+    from .port import add_flops_arguments, run_flops
+
+    add_flops_arguments(parser)
+    parser.set_defaults(func=run_flops)
+
+
+def _report(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("paths", nargs="+", type=Path, help="results files or folders to search")
+    parser.add_argument("--per-seed", action="store_true", help="one row per run")
+    parser.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    parser.add_argument("--plot", metavar="PNG", help="plot normalised task gradient norms G^k_n")
+    parser.add_argument("--plot-trace", metavar="PNG", help="plot one task's G^k over the steps")
+    parser.add_argument(
+        "--trace-task", type=int, default=2, help="task k for --plot-trace (1-based)"
+    )
+    parser.set_defaults(func=_cmd_report)
+
+
+def _figures(parser: argparse.ArgumentParser) -> None:
+    from ..harness.figures import FIGURES, GAMMA_METRICS
+
+    parser.add_argument("paths", nargs="+", type=Path, help="results files or folders to search")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the figures")
+    parser.add_argument(
+        "--which", nargs="+", choices=FIGURES, default=list(FIGURES), help="figures to draw"
+    )
+    parser.add_argument(
+        "--trace-task", type=int, default=2, help="task k of the single-task G^k trace (1-based)"
+    )
+    parser.add_argument("--max-steps", type=int, help="draw the first N steps of G^k traces")
+    parser.add_argument(
+        "--gamma-metric", default="AP", choices=GAMMA_METRICS, help="metric against gamma (Fig. 3)"
+    )
+    parser.set_defaults(func=_cmd_figures)
+
+
+def _clean(parser: argparse.ArgumentParser) -> None:
+    from .clean import add_clean_arguments, run_clean
+
+    add_clean_arguments(parser)
+    parser.set_defaults(func=run_clean)
+
+
+def _scale_model(parser: argparse.ArgumentParser) -> None:
+    from ..harness.scale_model import add_scale_model_arguments, run_scale_model
+
+    add_scale_model_arguments(parser)
+    parser.set_defaults(func=run_scale_model)
+
+
+def _demo(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--train-per-class",
+        type=int,
+        default=500,
+        help="stream images per class (at most 500, the quickstart's stream)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds the stream's order and the training (default 0)"
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path("runs/demo"),
+        help="folder for the two results files (default runs/demo)",
+    )
+    parser.set_defaults(func=_cmd_demo)
+
+
+#: Every command: its one-line help and the function that adds its flags and what it runs.
+#: A command's modules are imported only when it is parsed, so ``pilot-online --help`` and the
+#: light commands answer without importing torch.
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "setup": ("patch a PILOT checkout (idempotent; --check, --revert)", _setup),
+    "run": ("run a config through PILOT's trainer, like its main.py", _run),
+    "sweep": ("a grid of runs (LR, variants, streams...) + table", _sweep),
+    "best": ("choose each method's Best HP from an hp_grid sweep", _best),
+    "tables": ("the paper's tables (Markdown, LaTeX) from results", _tables),
+    "reproduce": (
+        "run cells of the paper's tables (or a whole table), then --vs-paper",
+        _reproduce,
+    ),
+    "doctor": ("before a real run: can this machine run it (GPU, weights, data, memory)", _doctor),
+    "check-config": ("validate configs without PILOT", _check_config),
+    "methods": ("list methods: paper name, rows, default trigger, keys (filterable)", _methods),
+    "configs": ("write a method's configs (one from outside too)", _configs),
+    "flops": ("count a method's FLOPs per image for its card", _flops),
+    "report": ("AP / A_T table (mean ± std over seeds) from results", _report),
+    "figures": ("the paper's figures (PNG + PDF) from results files", _figures),
+    "clean": ("delete the checkpoints interrupted runs left (lists them; --dry-run)", _clean),
+    "scale-model": (
+        "the paper's experiments on the scale model, and docs/scale-model.md",
+        _scale_model,
+    ),
+    "demo": ("without PILOT: Split Fashion-MNIST, the shipped ViT, base vs + P + FGH", _demo),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; with ``only``, every command's name and help but only that command's
+    flags (the others' modules stay unimported)."""
     from ..version import __version__
 
     parser = argparse.ArgumentParser(
@@ -156,147 +342,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="log at INFO level, and show a user error's traceback (also PILOT_ONLINE_TRACEBACK=1)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-
-    setup = sub.add_parser("setup", help="patch a PILOT checkout (idempotent; --check, --revert)")
-    patching.add_setup_arguments(setup)
-    setup.set_defaults(func=patching.run_setup)
-
-    run = sub.add_parser("run", help="run a config through PILOT's trainer, like its main.py")
-    run.add_argument("--config", required=True, type=Path, help="a PILOT-style JSON config")
-    run.add_argument("--pilot-root", help="patched PILOT checkout (default: $PILOT_ROOT, then .)")
-    run.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key (JSON value; repeatable), e.g. init_lr=0.01",
-    )
-    run.add_argument("--seed", type=int, nargs="+", help="the seeds to run (the config's seed)")
-    run.add_argument(
-        "--device", type=_device_list, help="cpu, cuda, cuda:N or N (the config's device)"
-    )
-    run.set_defaults(func=_cmd_run)
-
-    sweep = sub.add_parser("sweep", help="a grid of runs (LR, variants, streams...) + table")
-    add_sweep_arguments(sweep)
-    sweep.set_defaults(func=run_sweep)
-
-    best = sub.add_parser("best", help="choose each method's Best HP from an hp_grid sweep")
-    add_best_arguments(best)
-    best.set_defaults(func=run_best)
-
-    tables = sub.add_parser("tables", help="the paper's tables (Markdown, LaTeX) from results")
-    add_tables_arguments(tables)
-    tables.set_defaults(func=run_tables)
-
-    reproduce = sub.add_parser(
-        "reproduce", help="run cells of the paper's tables (or a whole table), then --vs-paper"
-    )
-    add_reproduce_arguments(reproduce)
-    reproduce.set_defaults(func=run_reproduce)
-
-    doctor = sub.add_parser(
-        "doctor", help="before a real run: can this machine run it (GPU, weights, data, memory)"
-    )
-    add_doctor_arguments(doctor)
-    doctor.set_defaults(func=run_doctor)
-
-    check = sub.add_parser("check-config", help="validate configs without PILOT")
-    check.add_argument(
-        "configs",
-        nargs="*",
-        type=Path,
-        metavar="CONFIG",
-        help="JSON configs to resolve as a run would: 'ok' or 'invalid' and why, per file",
-    )
-    check.add_argument("--keys", action="store_true", help="print the config-key reference")
-    check.set_defaults(func=_cmd_check_config)
-
-    from .methods import add_methods_arguments, run_methods
-
-    methods = sub.add_parser(
-        "methods", help="list methods: paper name, rows, default trigger, keys (filterable)"
-    )
-    add_methods_arguments(methods)
-    methods.set_defaults(func=run_methods)
-
-    from .port import add_configs_arguments, add_flops_arguments, run_configs, run_flops
-
-    configs = sub.add_parser("configs", help="write a method's configs (one from outside too)")
-    add_configs_arguments(configs)
-    configs.set_defaults(func=run_configs)
-    flops = sub.add_parser("flops", help="count a method's FLOPs per image for its card")
-    add_flops_arguments(flops)
-    flops.set_defaults(func=run_flops)
-
-    report = sub.add_parser("report", help="AP / A_T table (mean ± std over seeds) from results")
-    report.add_argument("paths", nargs="+", type=Path, help="results files or folders to search")
-    report.add_argument("--per-seed", action="store_true", help="one row per run")
-    report.add_argument("--json", action="store_true", help="also print the rows as JSON")
-    report.add_argument("--plot", metavar="PNG", help="plot normalised task gradient norms G^k_n")
-    report.add_argument("--plot-trace", metavar="PNG", help="plot one task's G^k over the steps")
-    report.add_argument(
-        "--trace-task", type=int, default=2, help="task k for --plot-trace (1-based)"
-    )
-    report.set_defaults(func=_cmd_report)
-
-    from ..harness.figures import FIGURES, GAMMA_METRICS
-
-    figures = sub.add_parser("figures", help="the paper's figures (PNG + PDF) from results files")
-    figures.add_argument("paths", nargs="+", type=Path, help="results files or folders to search")
-    figures.add_argument("--out", type=Path, required=True, help="folder for the figures")
-    figures.add_argument(
-        "--which", nargs="+", choices=FIGURES, default=list(FIGURES), help="figures to draw"
-    )
-    figures.add_argument(
-        "--trace-task", type=int, default=2, help="task k of the single-task G^k trace (1-based)"
-    )
-    figures.add_argument("--max-steps", type=int, help="draw the first N steps of G^k traces")
-    figures.add_argument(
-        "--gamma-metric", default="AP", choices=GAMMA_METRICS, help="metric against gamma (Fig. 3)"
-    )
-    figures.set_defaults(func=_cmd_figures)
-
-    from .clean import add_clean_arguments, run_clean
-
-    clean = sub.add_parser(
-        "clean", help="delete the checkpoints interrupted runs left (lists them; --dry-run)"
-    )
-    add_clean_arguments(clean)
-    clean.set_defaults(func=run_clean)
-
-    from ..harness.scale_model import add_scale_model_arguments, run_scale_model
-
-    scale = sub.add_parser(
-        "scale-model", help="the paper's experiments on the scale model, and docs/scale-model.md"
-    )
-    add_scale_model_arguments(scale)
-    scale.set_defaults(func=run_scale_model)
-
-    demo = sub.add_parser(
-        "demo", help="without PILOT: Split Fashion-MNIST, the shipped ViT, base vs + P + FGH"
-    )
-    demo.add_argument(
-        "--train-per-class",
-        type=int,
-        default=500,
-        help="stream images per class (at most 500, the quickstart's stream)",
-    )
-    demo.add_argument(
-        "--seed", type=int, default=0, help="seeds the stream's order and the training (default 0)"
-    )
-    demo.add_argument(
-        "--output",
-        type=Path,
-        default=Path("runs/demo"),
-        help="folder for the two results files (default runs/demo)",
-    )
-    demo.set_defaults(func=_cmd_demo)
+    for name, (help_line, configure) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_line)
+        if only is None or only == name:
+            configure(command)
     return parser
 
 
+def _command_in(argv: list[str]) -> str:
+    """The command ``argv`` names (its first word that is one), or "" (``--help``, a typo)."""
+    return next((word for word in argv if word in COMMANDS), "")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    args = build_parser(only=_command_in(words)).parse_args(words)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

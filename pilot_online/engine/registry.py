@@ -1,8 +1,10 @@
 """Method registry: names in configs map to adapter classes through a decorator, as timm registers
 models. PILOT's patched factory reaches it through :func:`pilot_online.pilot.create_learner`.
 
-Differences from timm: a duplicate name raises, and the built-in adapters are registered by the
-explicit imports of ``pilot_online/methods/__init__.py`` (which ``import pilot_online`` runs).
+Differences from timm: a duplicate name raises, and nothing registers at import. The built-in
+methods are the modules of the ``pilot_online/methods/`` folder, found on disk and imported the
+first time a name is listed or looked up, as the entry points below are: a new method is one file
+in that folder, and commands that need no method (``pilot-online --help``) never import torch.
 
 Methods from outside the package register through the ``pilot_online.methods`` entry point
 group, with no edit here: in the third party's ``pyproject.toml``
@@ -20,6 +22,8 @@ entry point that names the class registers it with an empty card.
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from dataclasses import fields, replace
 from importlib import metadata
 from typing import Callable, TypeVar
@@ -29,10 +33,13 @@ from .card import MethodCard
 
 #: The entry point group third-party methods register under.
 ENTRY_POINT_GROUP = "pilot_online.methods"
+#: The package whose every module is a built-in method's file.
+BUILTIN_PACKAGE = "pilot_online.methods"
 
 _METHODS: dict[str, type[MethodAdapter]] = {}
 _CARDS: dict[str, MethodCard] = {}
 _entry_points_loaded = False
+_builtins_loaded = False
 
 AdapterT = TypeVar("AdapterT", bound=type[MethodAdapter])
 
@@ -78,6 +85,29 @@ def register_method(name: str, card: MethodCard | None = None) -> Callable[[Adap
     return decorator
 
 
+def builtin_modules() -> list[str]:
+    """The built-in methods' modules: every module of :data:`BUILTIN_PACKAGE`, by name."""
+    package = importlib.import_module(BUILTIN_PACKAGE)
+    names = sorted(info.name for info in pkgutil.iter_modules(package.__path__))
+    return [f"{BUILTIN_PACKAGE}.{name}" for name in names]
+
+
+def load_builtin_methods() -> None:
+    """Import every built-in method's module, which registers it (once)."""
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True  # before importing: a method file's own lookups must not recurse
+    for module in builtin_modules():
+        importlib.import_module(module)
+
+
+def load_methods() -> None:
+    """Register every method: the built-in ones, then the entry points'."""
+    load_builtin_methods()
+    load_entry_point_methods()
+
+
 def load_entry_point_methods() -> None:
     """Register the methods of every installed ``pilot_online.methods`` entry point (once)."""
     global _entry_points_loaded
@@ -102,14 +132,14 @@ def load_entry_point_methods() -> None:
 
 def list_methods() -> list[str]:
     """Registered method names, sorted (entry-point methods included)."""
-    load_entry_point_methods()
+    load_methods()
     return sorted(_METHODS)
 
 
 def get_method(name: str) -> type[MethodAdapter]:
     """The adapter class for ``name``; unknown names raise with the valid choices."""
     if name.lower() not in _METHODS:
-        load_entry_point_methods()
+        load_methods()
     try:
         return _METHODS[name.lower()]
     except KeyError:

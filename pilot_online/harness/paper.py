@@ -151,7 +151,6 @@ def paper_seed_count(method: str) -> int:
 def registered_names() -> dict[str, str]:
     """The paper's row name -> the registered ``model_name`` whose card has that
     ``paper_name`` (every method the paper lists must have exactly one)."""
-    from .. import methods  # noqa: F401  (registers the built-in methods)
     from ..engine.registry import list_methods, method_card
 
     names: dict[str, list[str]] = {}
