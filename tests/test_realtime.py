@@ -22,8 +22,7 @@ from test_resume import Run, assert_same_run, base_config, tiny_setup, vector_da
 
 from pilot_online.core.realtime import RealtimeSchedule, check_realtime
 from pilot_online.core.streams import Stream, clear_stream
-from pilot_online.engine import flops
-from pilot_online.engine import session as session_module
+from pilot_online.engine import flops, scoring
 from pilot_online.engine.config import ConfigError, load_json, resolve_config
 from pilot_online.engine.loop import OnlineLoop
 from pilot_online.engine.mixins import build_loop
@@ -156,7 +155,7 @@ def test_the_stream_does_not_wait_at_a_task_end(tmp_path) -> None:
     assert groups == [(0, [1, 2]), (3, [4, 5])]
     session.run()
     assert (session.batches_trained, session.batches_skipped) == (4, 8)
-    assert session.online_samples == 96
+    assert session.scoring.samples == 96
 
 
 # ------------------------------------------------------------------ resume mid-stream
@@ -268,7 +267,7 @@ def test_measured_c_times_both_loops_and_leaves_the_run_as_it_was(tmp_path, monk
     equals the same run with C = 3 given, bit for bit: the measurement moved no generator."""
     data = vector_data()
     built = clear_stream(data[1], init_cls=2, increment=2, batch_size=8, seed=3)
-    real_fastest = session_module._fastest_step
+    real_fastest = scoring._fastest_step
     built_for = []
 
     def fastest(loop, *args):
@@ -280,9 +279,9 @@ def test_measured_c_times_both_loops_and_leaves_the_run_as_it_was(tmp_path, monk
         adapter, network = tiny_setup(config)
         return build_loop(adapter, network, config, 6)
 
-    monkeypatch.setattr(session_module, "_fastest_step", fastest)
+    monkeypatch.setattr(scoring, "_fastest_step", fastest)
     monkeypatch.setattr(
-        session_module,
+        scoring,
         "reference_run_config",
         lambda config, reference: {**config, "model_name": reference},
     )

@@ -489,7 +489,7 @@ def test_every_shipped_config_checkpoints():
 def test_auto_checkpoints_at_task_ends_and_on_the_interval(tmp_path, monkeypatch):
     """``"auto"``: a checkpoint at each task end, and one after any step once the interval has
     passed since the last; a resume from either ends as the uninterrupted run."""
-    from pilot_online.engine import session as session_module
+    from pilot_online.engine import checkpointer
 
     run = p_fgh_run()
     run.config = {**run.config, "checkpoint_every": "auto"}
@@ -500,7 +500,7 @@ def test_auto_checkpoints_at_task_ends_and_on_the_interval(tmp_path, monkeypatch
         session.run()
     assert run.session(tmp_path / "long").resume_position == (1, 0)
     # An interval already passed at every step: a checkpoint after each one.
-    monkeypatch.setattr(session_module, "AUTO_CHECKPOINT_SECONDS", 0.0)
+    monkeypatch.setattr(checkpointer, "AUTO_CHECKPOINT_SECONDS", 0.0)
     resumed = run.killed_then_resumed(tmp_path / "short", [5])
     assert resumed[1]["extra"]["resumed_from"] == [{"task": 1, "step": 1, "samples_seen": 40}]
     assert_same_run(straight, resumed)
@@ -548,7 +548,7 @@ def sigterm_is_not_fatal():
 def test_a_signal_checkpoints_says_where_and_the_rerun_resumes(
     tmp_path, signum, sigterm_is_not_fatal, capsys, caplog
 ):
-    from pilot_online.engine.session import RunInterrupted
+    from pilot_online.engine.checkpointer import RunInterrupted
 
     run = p_fgh_run()
     run.config = {**run.config, "checkpoint_every": "auto"}  # task ends only, in this test
@@ -608,7 +608,7 @@ class TwoSignalSource(NoisySource):
 
 def test_the_first_signal_says_at_once_what_happens(tmp_path, caplog):
     """The warning is logged from the handler, before the step that was running finishes."""
-    from pilot_online.engine.session import RunInterrupted
+    from pilot_online.engine.checkpointer import RunInterrupted
 
     run = p_fgh_run()
     session = run.session(tmp_path)
@@ -624,12 +624,12 @@ def test_the_first_signal_says_at_once_what_happens(tmp_path, caplog):
     session.loop.train_step = logged_step
     handler = logging.Handler()
     handler.emit = lambda record: events.append(record.getMessage())
-    logging.getLogger("pilot_online.engine.session").addHandler(handler)
+    logging.getLogger("pilot_online.engine.checkpointer").addHandler(handler)
     try:
         with caplog.at_level("WARNING"), pytest.raises(RunInterrupted):
             session.run()
     finally:
-        logging.getLogger("pilot_online.engine.session").removeHandler(handler)
+        logging.getLogger("pilot_online.engine.checkpointer").removeHandler(handler)
     line = (
         f"SIGINT: the run stops after this batch (or evaluation) and writes a checkpoint to "
         f"{session.checkpoint_path.resolve()}; press Ctrl-C again to stop at once (within 2 s), "
@@ -642,7 +642,7 @@ def test_the_first_signal_says_at_once_what_happens(tmp_path, caplog):
 
 def test_the_first_signal_line_reaches_stderr_when_logs_go_to_stdout(tmp_path, capsys):
     """PILOT's main.py logs to a file and stdout: the line is then printed on stderr too."""
-    from pilot_online.engine.session import RunInterrupted
+    from pilot_online.engine.checkpointer import RunInterrupted
 
     run = p_fgh_run()
     session = run.session(tmp_path)
@@ -663,7 +663,7 @@ def test_the_first_signal_line_reaches_stderr_when_logs_go_to_stdout(tmp_path, c
 def test_a_second_signal_stops_at_once_and_the_checkpoint_is_whole(tmp_path, capsys):
     """Ctrl-C twice within one slow step: out in well under 2 s, with the line that says how old
     the checkpoint is; the rerun resumes from it and ends as the uninterrupted run."""
-    from pilot_online.engine.session import RunInterrupted
+    from pilot_online.engine.checkpointer import RunInterrupted
 
     run = p_fgh_run()
     run.config = {**run.config, "checkpoint_every": "auto"}  # task ends only
@@ -708,8 +708,8 @@ def test_a_second_signal_during_the_checkpoint_write_keeps_the_previous_one(
 ):
     """The first signal's checkpoint is being written when the second comes: the write is
     abandoned, its temporary file removed, and the task-end checkpoint before it stays whole."""
-    import pilot_online.engine.session as session_module
-    from pilot_online.engine.session import RunInterrupted
+    from pilot_online.engine import checkpointer
+    from pilot_online.engine.checkpointer import RunInterrupted
 
     run = p_fgh_run()
     run.config = {**run.config, "checkpoint_every": "auto"}
@@ -717,7 +717,7 @@ def test_a_second_signal_during_the_checkpoint_write_keeps_the_previous_one(
     folder = tmp_path / "mid-write"
     session = run.session(folder)
     session.data = SignalSource(*run.data, signum=signal.SIGINT, at=6)
-    real_save = session_module.save_checkpoint
+    real_save = checkpointer.save_checkpoint
 
     def save_then_interrupted(path, state, config):
         if state["position"] == {"task": 1, "step": 2}:  # the first signal's checkpoint
@@ -729,7 +729,7 @@ def test_a_second_signal_during_the_checkpoint_write_keeps_the_previous_one(
             write_atomic_with(path, writer)
         real_save(path, state, config)
 
-    monkeypatch.setattr(session_module, "save_checkpoint", save_then_interrupted)
+    monkeypatch.setattr(checkpointer, "save_checkpoint", save_then_interrupted)
     with pytest.raises(RunInterrupted):
         session.run()
     assert "the last checkpoint is whole" in capsys.readouterr().err
@@ -742,7 +742,7 @@ def test_a_second_signal_during_the_checkpoint_write_keeps_the_previous_one(
 def test_every_line_counts_tasks_from_one(tmp_path, caplog, capsys):
     """The checkpoint lines, the progress bar and the interrupt line describe one moment alike:
     the second batch of task 2 of 3 (PILOT's own lines and files keep its 0-based keys)."""
-    from pilot_online.engine.session import RunInterrupted
+    from pilot_online.engine.checkpointer import RunInterrupted
 
     run = p_fgh_run()
     run.config = {**run.config, "checkpoint_every": 1}
@@ -766,7 +766,7 @@ def test_every_line_counts_tasks_from_one(tmp_path, caplog, capsys):
 
 def test_a_signal_at_a_task_end_stops_after_its_evaluation(tmp_path, capsys):
     """A signal during the evaluation: the task-end checkpoint is the whole state to stop at."""
-    from pilot_online.engine.session import RunInterrupted
+    from pilot_online.engine.checkpointer import RunInterrupted
 
     run = p_fgh_run()
     session = run.session(tmp_path)
@@ -785,7 +785,7 @@ def test_a_signal_at_a_task_end_stops_after_its_evaluation(tmp_path, capsys):
 
 
 def test_a_signal_without_checkpoints_says_the_rerun_starts_over(tmp_path, capsys, caplog):
-    from pilot_online.engine.session import RunInterrupted
+    from pilot_online.engine.checkpointer import RunInterrupted
 
     run = p_fgh_run()
     config = {**run.config, "checkpoint_every": None}

@@ -20,6 +20,7 @@ from torch import nn
 
 from pilot_online.core.results import load_results
 from pilot_online.core.streams import clear_stream, si_blurry_stream
+from pilot_online.engine import events
 from pilot_online.engine import session as session_module
 from pilot_online.engine.adapter import StepOutput
 from pilot_online.engine.loop import OnlineLoop
@@ -392,11 +393,11 @@ def test_array_data_source_yields_stream_batches_in_order() -> None:
 
 def test_reset_peak_memory_collects_then_resets_the_runs_device(monkeypatch) -> None:
     calls = []
-    monkeypatch.setattr(session_module.gc, "collect", lambda: calls.append("gc") or 0)
+    monkeypatch.setattr(events.gc, "collect", lambda: calls.append("gc") or 0)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append(d))
-    session_module.reset_peak_memory(torch.device("cuda:1"))
+    events.reset_peak_memory(torch.device("cuda:1"))
     assert calls == ["gc", torch.device("cuda:1")]  # freed first, then counted from here
-    session_module.reset_peak_memory(torch.device("cpu"))
+    events.reset_peak_memory(torch.device("cpu"))
     assert calls == ["gc", torch.device("cuda:1"), "gc"]  # no CUDA call for a CPU run
 
 
@@ -604,10 +605,11 @@ def test_each_task_end_logs_the_whole_runs_progress(caplog) -> None:
     import logging
 
     session = make_session(three_task_stream())
-    with caplog.at_level(logging.INFO, logger="pilot_online.engine.session"):
+    with caplog.at_level(logging.INFO, logger="pilot_online.engine.console"):
         for task in range(3):
             session.train_task(task)
-            session.train_seconds, session.eval_seconds = 240.0 * (task + 1), 120.0 * (task + 1)
+            session.clock.train_seconds = 240.0 * (task + 1)
+            session.clock.eval_seconds = 120.0 * (task + 1)
             session.complete_task(task)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("run: ")]
     assert lines == [

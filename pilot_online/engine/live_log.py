@@ -1,9 +1,10 @@
 """Live logging of a run to TensorBoard (config ``"logger": "tensorboard"``).
 
-The session calls one object through its hooks (:meth:`TensorBoardLogger.on_step`, ``end_task``,
-``on_eval``, ``close``); with ``logger`` null no object exists and ``torch.utils.tensorboard``
-is never imported, so a run without the key is unchanged. The x axis of every scalar is the
-global stream step: the number of stream batches consumed so far (1 after the first batch).
+The logger is one of the session's listeners (``events.py``: :meth:`TensorBoardLogger.on_step`,
+``on_task_trained``, ``on_close``), and the evaluations call its ``on_eval``; with ``logger``
+null no object exists and ``torch.utils.tensorboard`` is never imported, so a run without the
+key is unchanged. The x axis of every scalar is the global stream step: the number of stream
+batches consumed so far (1 after the first batch).
 
 Step scalars are kept on the device and read once every ``log_interval`` steps (the session's
 progress bar reads the device there too), so logging adds no per-step host sync:
@@ -27,6 +28,7 @@ progress bar reads the device there too), so logging adds no per-step host sync:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import time
@@ -38,6 +40,7 @@ import torch
 
 from ..core.fgh_stats import alpha_statistics
 from ..core.metrics import task_gradient_norms
+from .events import RunListener, StepEvent
 
 if TYPE_CHECKING:
     from .loop import OnlineLoop, StepStats
@@ -64,7 +67,7 @@ def default_log_dir(results_path: Path | None, logger_dir: str | None) -> Path:
     return Path("runs", "tensorboard", time.strftime("run-%Y%m%d-%H%M%S", time.gmtime()))
 
 
-class TensorBoardLogger:
+class TensorBoardLogger(RunListener):
     """Writes a run's scalars with ``torch.utils.tensorboard.SummaryWriter``."""
 
     def __init__(
@@ -95,14 +98,21 @@ class TensorBoardLogger:
         self._closed = False
 
     # -- hooks -------------------------------------------------------------------------------------
-    def on_step(self, stats: StepStats) -> None:
+    def on_step(self, event: StepEvent) -> None:
         """One stream batch was trained on (in real-time mode with the batches that passed,
         scored only, while it ran); its device tensors are read at the next flush."""
+        stats = _with_passing(event)
         self.step += stats.stream_batches
         self._pending.append((self.step, stats))
         if self.step % self.interval == 0:
             self.flush()
             self.summarise()
+
+    def on_task_trained(self, task: int) -> None:
+        self.end_task()
+
+    def on_close(self) -> None:
+        self.close()
 
     def end_task(self) -> None:
         """A stream segment ended: write what is pending and the summaries at this step."""
@@ -224,3 +234,19 @@ def make_live_logger(
         raise ValueError(f"unknown logger {name!r}; valid: null, 'tensorboard'")
     log_dir = default_log_dir(results_path, config.get("logger_dir"))
     return TensorBoardLogger(log_dir, loop, task_classes, int(config.get("log_interval", 10)))
+
+
+def _with_passing(event: StepEvent) -> StepStats:
+    """A real-time step's stats with the batches that passed during it: its A_online count
+    with theirs, which advance the stream step too."""
+    stats = event.stats
+    if not event.passing_batches:
+        return stats
+    own = stats.online_correct
+    correct = event.passing_correct
+    return dataclasses.replace(
+        stats,
+        online_correct=correct if own is None else own + correct,
+        online_samples=stats.samples + event.passing_samples,
+        stream_batches=stats.stream_batches + event.passing_batches,
+    )

@@ -22,10 +22,11 @@ from ..core.results import results_path
 from ..core.streams import build_stream
 from ..engine.adapter import MethodAdapter
 from ..engine.checkpoint import CompletedRun, checkpoint_path_for, completed_results
+from ..engine.checkpointer import RunInterrupted
 from ..engine.config import resolve_config
 from ..engine.mixins import build_loop
 from ..engine.registry import get_method
-from ..engine.session import OnlineSession, RunInterrupted, unique_results_path
+from ..engine.session import OnlineSession, unique_results_path
 from .attention import use_sdpa
 from .backbones import run_overrides
 from .data import PilotDataSource

@@ -1,0 +1,99 @@
+"""What a person watching a run sees: a progress bar per task with the loss, the accuracy and
+A_online of the last ``log_interval`` batches, and a progress line with an ETA per task end.
+
+The window's sums stay on the device and are read once per interval (one transfer), never per
+step: the bar costs a training step nothing on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..core.progress import progress_line
+from .events import RunClock, RunListener, StepEvent
+from .scoring import OnlineScoring
+
+logger = logging.getLogger(__name__)
+
+
+class ProgressBar(RunListener):
+    """The task's bar (``progress``: shown or not) and the run's progress lines."""
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        num_tasks: int,
+        task_batches: list[int],
+        scoring: OnlineScoring,
+        device: torch.device,
+        shown: bool = True,
+    ) -> None:
+        self.num_tasks, self.task_batches, self.scoring = num_tasks, task_batches, scoring
+        self.interval = int(config.get("log_interval", 10))
+        self.device = device
+        self.shown = shown
+        self.bar: Any = None
+
+    def on_task_start(self, task: int, first: int) -> None:
+        self.bar = tqdm(
+            total=self.task_batches[task],
+            initial=first,
+            desc=f"task {task + 1}/{self.num_tasks}",
+            disable=not self.shown,
+            leave=False,
+        )
+        self.loss_sum = torch.zeros((), device=self.device)
+        self.correct_sum = torch.zeros((), device=self.device, dtype=torch.long)
+        self.seen = self.steps = 0
+        self.previous = first
+
+    def on_step(self, event: StepEvent) -> None:
+        stats = event.stats
+        if not stats.skipped:
+            self.loss_sum += stats.loss
+            self.steps += 1
+        self.correct_sum += stats.correct
+        self.seen += stats.samples
+        previous, self.previous = self.previous, event.step
+        if (
+            event.step // self.interval > previous // self.interval
+            or event.step == event.task_batches
+        ):
+            loss, correct, online = torch.stack(  # the only device reads
+                [self.loss_sum.float(), self.correct_sum.float(), self.scoring.correct.float()]
+            ).tolist()
+            shown = {
+                "loss": f"{loss / max(self.steps, 1):.3f}",
+                "acc": f"{100.0 * correct / self.seen:.1f}",
+            }
+            if self.scoring.samples:  # scored only with online_accuracy on
+                shown["A_online"] = f"{100.0 * online / self.scoring.samples:.1f}"
+            if self.scoring.realtime is not None:
+                shown["trained"] = f"{event.batches_trained}/{event.passed}"
+            self.bar.set_postfix(**shown)
+            self.bar.update(event.step - self.bar.n)
+            self.loss_sum.zero_(), self.correct_sum.zero_()
+            self.seen = self.steps = 0
+
+    def on_task_trained(self, task: int) -> None:
+        self.bar.update(self.task_batches[task] - self.bar.n)  # batches scored in earlier steps
+
+    def on_task_left(self, task: int) -> None:
+        self.close()
+
+    def on_close(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def task_evaluated(self, task: int, clock: RunClock) -> None:
+        """The whole run's progress, with an ETA at the pace so far (resumed time included)."""
+        logger.info(progress_line("run", task + 1, self.num_tasks, clock.total))
