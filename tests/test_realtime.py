@@ -23,6 +23,7 @@ from test_resume import Run, assert_same_run, base_config, tiny_setup, vector_da
 from pilot_online.core.realtime import RealtimeSchedule, check_realtime
 from pilot_online.core.streams import Stream, clear_stream
 from pilot_online.engine import flops, scoring
+from pilot_online.engine import session as session_module
 from pilot_online.engine.config import ConfigError, load_json, resolve_config
 from pilot_online.engine.loop import OnlineLoop
 from pilot_online.engine.mixins import build_loop
@@ -281,7 +282,7 @@ def test_measured_c_times_both_loops_and_leaves_the_run_as_it_was(tmp_path, monk
 
     monkeypatch.setattr(scoring, "_fastest_step", fastest)
     monkeypatch.setattr(
-        scoring,
+        session_module,
         "reference_run_config",
         lambda config, reference: {**config, "model_name": reference},
     )

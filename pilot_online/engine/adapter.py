@@ -81,6 +81,11 @@ class ConfigKey:
     choices: tuple | None = None
     check: Callable[[str, Any], Any] | None = None
 
+    def of(self, config: Mapping[str, Any], name: str) -> Any:
+        """The key's value in ``config`` (resolved configs hold every key), else its default:
+        the one place a component reads a key it owns without restating its default."""
+        return config.get(name, self.default)
+
 
 @dataclass
 class MethodAdapter:

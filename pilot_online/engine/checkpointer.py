@@ -20,7 +20,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..core.checks import described, integer, optional, spec_of
 from ..core.files import human_bytes
+from .adapter import ConfigKey
 from .checkpoint import (
     CheckpointError,
     checkpoint_path_for,
@@ -37,6 +39,36 @@ logger = logging.getLogger(__name__)
 #: none); a full ViT-B fine-tuning checkpoint (1 GB with Adam) took 20 s to write on a slow
 #: virtual disk (docs/checkpoints.md), under 4% of the interval, and less on a local SSD.
 AUTO_CHECKPOINT_SECONDS = 600.0
+
+
+_EVERY = 'null, "auto" or a positive integer'
+
+
+def _checkpoint_every(name: str, value: Any) -> Any:
+    """``"auto"`` (task ends and a time interval), a positive batch count, or null (off)."""
+    if value is None or value == "auto":
+        return value
+    try:
+        return integer(1)(name, value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f'{name} must be {_EVERY} ("auto": at each task end and every 10 '
+            f"minutes; N: every N stream batches; null: never), got {value!r}"
+        ) from None
+
+
+# Its cases are those of an optional positive integer ("auto" is the default, always valid).
+described(_EVERY, _checkpoint_every, spec_of(optional(integer(1))))
+
+#: The checkpointer's config keys (``engine/config.py`` gathers every component's).
+KEYS: dict[str, ConfigKey] = {
+    "checkpoint_every": ConfigKey(
+        "auto",
+        '"auto": checkpoint at each task end and every 10 minutes of training; N: every N '
+        "stream batches and at each task end; null: off. A rerun resumes from the checkpoint",
+        check=_checkpoint_every,
+    ),
+}
 
 
 class RunInterrupted(SystemExit):
@@ -137,7 +169,7 @@ class Checkpointer(RunListener):
         # holds this object.
         self._state, self._position = weakref.WeakMethod(state), weakref.WeakMethod(position)
         self._on_stop = weakref.WeakMethod(on_stop)
-        self.every = config.get("checkpoint_every", "auto") or None
+        self.every = KEYS["checkpoint_every"].of(config, "checkpoint_every") or None
         self.path = self._location(path)
         self.signals = StopSignals(self._say_it_will_stop, self._stop_at_once)
         self.last_saved = time.monotonic()

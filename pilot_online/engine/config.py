@@ -33,17 +33,22 @@ from ..core.fgh_options import OPTION_KEYS as FGH_KEYS
 from ..core.fgh_options import validate_options as validate_fgh_options
 from ..core.masks import LOGIT_MASKS
 from ..core.memory import MEMORIES
-from ..core.realtime import DEFAULT_REFERENCE, check_realtime, check_realtime_config
+from ..core.realtime import check_realtime_config
 from ..core.scale_backbone import resolve_weights
 from ..core.streams import BLURRED_SELECTIONS, STREAMS
 from ..core.triggers import TRIGGERS
 from .adapter import ConfigKey
 from .backbone_names import VIT_B16_BLOCKS
+from .checkpointer import KEYS as CHECKPOINT_KEYS
+from .console import KEYS as CONSOLE_KEYS
 from .eval_cache import CACHE_MODES
+from .evaluation import KEYS as EVALUATION_KEYS
 from .flops import check_flop_counts
-from .live_log import LOGGERS, check_logger_available
+from .live_log import KEYS as LIVE_LOG_KEYS
 from .loop import AMP_MODES, MATMUL_PRECISIONS, OPTIMIZERS
 from .pixel_cache import PIXEL_CACHE_MODES
+from .scoring import KEYS as SCORING_KEYS
+from .scoring import timing_config
 
 #: Suffixes ``pretrained_path`` accepts: the timm 0.6 npz, a torch state dict, a safetensors file.
 NPZ_SUFFIXES = (".npz",)
@@ -144,54 +149,14 @@ def _fgh(name: str, value: Any) -> Any:
     return value
 
 
-def _logger(name: str, value: Any) -> Any:
-    """A live logger whose package is installed (the name itself is checked by ``choices``)."""
-    try:
-        check_logger_available(value)
-    except ImportError as err:
-        raise ValueError(str(err)) from None
-    return value
-
-
-def _registered_method(name: str, value: Any) -> str:
-    """A registered method's name (``realtime_reference``)."""
-    from .registry import list_methods
-
-    methods = list_methods()
-    if value not in methods:
-        raise ValueError(
-            f"{name} {value!r} is no registered method{closest(str(value), methods)}; "
-            f"pilot-online methods: {', '.join(methods)}"
-        )
-    return value
-
-
-described("a registered method", _registered_method)
-
-_CHECKPOINT_EVERY = 'null, "auto" or a positive integer'
 #: ``hp_column`` values: a run fills its init_lr's column, or the "Best HP" column (the
 #: protocol, ``harness/protocol.py``, reads them from here, where the key is checked).
 HP_COLUMNS: tuple[str, ...] = ("lr", "best")
 
 
-def _checkpoint_every(name: str, value: Any) -> Any:
-    """``"auto"`` (task ends and a time interval), a positive batch count, or null (off)."""
-    if value is None or value == "auto":
-        return value
-    try:
-        return integer(1)(name, value)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f'{name} must be {_CHECKPOINT_EVERY} ("auto": at each task end and every 10 '
-            f"minutes; N: every N stream batches; null: never), got {value!r}"
-        ) from None
-
-
 described(description_of(_SEED_LIST), _seeds, spec_of(_SEED_LIST))
 described("a list of -1 (the CPU) or CUDA indices", _devices)
 described("null or an object of FGH options", _fgh)
-# Its cases are those of an optional positive integer ("auto" is the default, always valid).
-described(_CHECKPOINT_EVERY, _checkpoint_every, spec_of(optional(integer(1))))
 
 
 #: Keys PILOT's ``main.py``/``trainer.py``/``BaseLearner`` read, with the online defaults.
@@ -295,20 +260,6 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
         "memory, prototypes and triggers once",
         check=integer(1),
     ),
-    "realtime": ConfigKey(
-        None,
-        "real-time mode (Ghunaim et al. 2023, docs/protocol.md): the stream does not wait; a "
-        "step costing C reference steps trains on one batch in every C, the others are only "
-        "scored. C from the FLOP model (flops: backward = 2x forward; flops_counted), measured "
-        "step times (measured), or given (a number: a fixed compute budget); null: off",
-        check=check_realtime,
-    ),
-    "realtime_reference": ConfigKey(
-        DEFAULT_REFERENCE,
-        "real-time mode: the method whose step costs C = 1 (its base variant, its own replay "
-        "defaults, one step per batch)",
-        check=_registered_method,
-    ),
     "consolidation": ConfigKey(
         None,
         "when a method's task-boundary step runs, from the stream alone (core/triggers.py); "
@@ -329,11 +280,6 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
     ),
     "consolidation_plateau_variance": ConfigKey(
         0.1, "plateau trigger: ... and the window's loss variance below this", check=real(0)
-    ),
-    "eval_period": ConfigKey(
-        None,
-        "also evaluate every N stream samples (A_auc); null = off",
-        check=optional(integer(1)),
     ),
     "batchwise_prompt_eval": ConfigKey(
         False,
@@ -408,9 +354,6 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
         "main tables' column the run fills: lr (its init_lr) or best (Best HP, sweep --hp-from)",
         choices=HP_COLUMNS,
     ),
-    "log_interval": ConfigKey(
-        10, "steps between progress-bar updates (each one syncs the device)", check=integer(1)
-    ),
     "er_memory_size": ConfigKey(
         0,
         "experience-replay reservoir size; > 0 turns replay on (memory-based rows only)",
@@ -438,23 +381,12 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
         "let a memory-free row keep samples (experience replay on with er_memory_size)",
         check=boolean,
     ),
-    "logger": ConfigKey(
-        None,
-        "live logging: null (off) or tensorboard (scalars every log_interval)",
-        choices=LOGGERS,
-        check=_logger,
-    ),
-    "logger_dir": ConfigKey(
-        None,
-        "TensorBoard folder (default: beside the results file)",
-        check=optional(string("a folder path")),
-    ),
-    "checkpoint_every": ConfigKey(
-        "auto",
-        '"auto": checkpoint at each task end and every 10 minutes of training; N: every N '
-        "stream batches and at each task end; null: off. A rerun resumes from the checkpoint",
-        check=_checkpoint_every,
-    ),
+    # The run's listeners declare their own keys, each beside the code that reads it.
+    **SCORING_KEYS,
+    **EVALUATION_KEYS,
+    **CONSOLE_KEYS,
+    **LIVE_LOG_KEYS,
+    **CHECKPOINT_KEYS,
 }
 
 #: The forms of FGH the paper states (docs/fgh.md; ``benchmarks/fgh_proxy.py`` measures them).
@@ -796,3 +728,28 @@ def key_reference() -> str:
                 f"{spec.doc}{choices}{valid}{forced}"
             )
     return "\n".join(lines)
+
+
+def reference_run_config(config: Mapping[str, Any], reference: str) -> dict[str, Any]:
+    """The reference's run beside ``config``: the same PILOT and online keys (data, batch size,
+    device, image size, optimiser, LR) with ``model_name`` the reference, its base variant, one
+    step per batch, its own defaults for everything else (replay, trigger, backbone: the one of
+    its backbones the run's backbone name starts with, else its first)."""
+    from .registry import get_method
+
+    adapter = get_method(reference)
+    own = ("er_memory_size", "er_batch_size", "er_memory", "er_memory_per_class", "consolidation")
+    raw = {
+        k: v
+        for k, v in config.items()
+        if (k in PILOT_KEYS or k in ONLINE_KEYS) and k not in own and k != "backbone_type"
+    }
+    backbone = str(config.get("backbone_type") or "")
+    names = sorted(adapter.backbone_types, key=len, reverse=True)
+    raw["backbone_type"] = next((n for n in names if backbone.startswith(n)), None) or (
+        adapter.backbone_types[0] if adapter.backbone_types else backbone
+    )
+    raw.update(model_name=reference, online_prototypes=False, fgh=None, online_iter=1)
+    resolved = resolve_config(timing_config(raw))
+    resolved.update({k: config[k] for k in ("nb_classes", "nb_tasks") if k in config})
+    return resolved

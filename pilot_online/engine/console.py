@@ -14,11 +14,21 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..core.checks import integer
 from ..core.progress import progress_line
+from .adapter import ConfigKey
 from .events import RunClock, RunListener, StepEvent
 from .scoring import OnlineScoring
 
 logger = logging.getLogger(__name__)
+
+
+#: The console's config keys (``engine/config.py`` gathers every component's).
+KEYS: dict[str, ConfigKey] = {
+    "log_interval": ConfigKey(
+        10, "steps between progress-bar updates (each one syncs the device)", check=integer(1)
+    ),
+}
 
 
 class ProgressBar(RunListener):
@@ -34,7 +44,7 @@ class ProgressBar(RunListener):
         shown: bool = True,
     ) -> None:
         self.num_tasks, self.task_batches, self.scoring = num_tasks, task_batches, scoring
-        self.interval = int(config.get("log_interval", 10))
+        self.interval = int(KEYS["log_interval"].of(config, "log_interval"))
         self.device = device
         self.shown = shown
         self.bar: Any = None

@@ -17,9 +17,20 @@ import numpy as np
 import torch
 
 from ..core import metrics
+from ..core.checks import integer, optional
 from ..core.streams import Stream
+from .adapter import ConfigKey
 from .events import RunClock, RunListener, StepEvent
 from .loop import OnlineLoop
+
+#: The evaluations' config keys (``engine/config.py`` gathers every component's).
+KEYS: dict[str, ConfigKey] = {
+    "eval_period": ConfigKey(
+        None,
+        "also evaluate every N stream samples (A_auc); null = off",
+        check=optional(integer(1)),
+    ),
+}
 
 
 class Evaluator(RunListener):
@@ -49,7 +60,7 @@ class Evaluator(RunListener):
         self.periodic: list[dict[str, float]] = []
         # PILOT's evaluation report of each completed task: what a rerun hands back.
         self.task_reports: list[dict[str, Any]] = []
-        self.period = config.get("eval_period")
+        self.period = KEYS["eval_period"].of(config, "eval_period")
         self.next_periodic = self.period if self.period else None
 
     # -- periodic ----------------------------------------------------------------------------------

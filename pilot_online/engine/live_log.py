@@ -38,8 +38,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..core.checks import optional, string
 from ..core.fgh_stats import alpha_statistics
 from ..core.metrics import task_gradient_norms
+from .adapter import ConfigKey
+from .console import KEYS as CONSOLE_KEYS
 from .events import RunListener, StepEvent
 
 if TYPE_CHECKING:
@@ -54,6 +57,31 @@ def check_logger_available(name: str | None) -> None:
     """Fail before any training when the configured logger's package is missing."""
     if name == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
         raise ImportError(f'"logger": "tensorboard" needs the tensorboard package: {INSTALL_HINT}')
+
+
+def _logger(name: str, value: Any) -> Any:
+    """A live logger whose package is installed (the name itself is checked by ``choices``)."""
+    try:
+        check_logger_available(value)
+    except ImportError as err:
+        raise ValueError(str(err)) from None
+    return value
+
+
+#: The live log's config keys (``engine/config.py`` gathers every component's).
+KEYS: dict[str, ConfigKey] = {
+    "logger": ConfigKey(
+        None,
+        "live logging: null (off) or tensorboard (scalars every log_interval)",
+        choices=LOGGERS,
+        check=_logger,
+    ),
+    "logger_dir": ConfigKey(
+        None,
+        "TensorBoard folder (default: beside the results file)",
+        check=optional(string("a folder path")),
+    ),
+}
 
 
 def default_log_dir(results_path: Path | None, logger_dir: str | None) -> Path:
@@ -227,13 +255,14 @@ def make_live_logger(
     config: Any, loop: OnlineLoop, task_classes: list[list[int]], results_path: Path | None
 ) -> TensorBoardLogger | None:
     """The logger ``config["logger"]`` asks for, or None (no import, nothing created)."""
-    name = config.get("logger")
+    name = KEYS["logger"].of(config, "logger")
     if name is None:
         return None
     if name != "tensorboard":
         raise ValueError(f"unknown logger {name!r}; valid: null, 'tensorboard'")
-    log_dir = default_log_dir(results_path, config.get("logger_dir"))
-    return TensorBoardLogger(log_dir, loop, task_classes, int(config.get("log_interval", 10)))
+    log_dir = default_log_dir(results_path, KEYS["logger_dir"].of(config, "logger_dir"))
+    interval = int(CONSOLE_KEYS["log_interval"].of(config, "log_interval"))
+    return TensorBoardLogger(log_dir, loop, task_classes, interval)
 
 
 def _with_passing(event: StepEvent) -> StepStats:

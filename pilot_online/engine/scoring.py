@@ -20,8 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.realtime import DEFAULT_REFERENCE, RealtimeSchedule, realtime_on
+from ..core.checks import closest, described
+from ..core.realtime import DEFAULT_REFERENCE, RealtimeSchedule, check_realtime, realtime_on
 from ..core.rng import capture_rng_state, restore_rng_state
+from .adapter import ConfigKey
 from .events import RunClock, RunListener, StepEvent, reset_peak_memory
 from .loop import OnlineLoop, _synchronize
 
@@ -36,6 +38,41 @@ LoopFactory = Callable[[Mapping[str, Any]], OnlineLoop]
 #: fastest timed step of each (the least disturbed by other work on the machine).
 MEASURE_WARMUP_STEPS = 2
 MEASURE_TIMED_STEPS = 3
+
+
+def _registered_method(name: str, value: Any) -> str:
+    """A registered method's name (``realtime_reference``)."""
+    from .registry import list_methods
+
+    methods = list_methods()
+    if value not in methods:
+        raise ValueError(
+            f"{name} {value!r} is no registered method{closest(str(value), methods)}; "
+            f"pilot-online methods: {', '.join(methods)}"
+        )
+    return value
+
+
+described("a registered method", _registered_method)
+
+#: Real-time mode's config keys (``engine/config.py`` gathers every component's; A_online's
+#: ``online_accuracy`` belongs to the loop, which scores).
+KEYS: dict[str, ConfigKey] = {
+    "realtime": ConfigKey(
+        None,
+        "real-time mode (Ghunaim et al. 2023, docs/protocol.md): the stream does not wait; a "
+        "step costing C reference steps trains on one batch in every C, the others are only "
+        "scored. C from the FLOP model (flops: backward = 2x forward; flops_counted), measured "
+        "step times (measured), or given (a number: a fixed compute budget); null: off",
+        check=check_realtime,
+    ),
+    "realtime_reference": ConfigKey(
+        DEFAULT_REFERENCE,
+        "real-time mode: the method whose step costs C = 1 (its base variant, its own replay "
+        "defaults, one step per batch)",
+        check=_registered_method,
+    ),
+}
 
 
 class OnlineScoring(RunListener):
@@ -111,24 +148,31 @@ class OnlineScoring(RunListener):
         self.clock.online_seconds = float(online["seconds"])
 
 
+#: Builds the reference's run config beside a run's (``engine.config.reference_run_config``).
+ReferenceConfig = Callable[[Mapping[str, Any], str], dict[str, Any]]
+
+
 def resolve_realtime(
     config: Mapping[str, Any],
     loop: OnlineLoop,
     data: Any,
     stream_batches: Sequence[np.ndarray],
     loop_factory: LoopFactory | None,
+    reference_config: ReferenceConfig,
 ) -> RealtimeSchedule:
     """The run's C (``realtime``): from the FLOP model, measured here, or given. Once per run: a
     resumed run takes its C from the checkpoint."""
-    mode = config["realtime"]
-    reference = str(config.get("realtime_reference") or DEFAULT_REFERENCE)
+    mode = KEYS["realtime"].of(config, "realtime")
+    reference = KEYS["realtime_reference"].of(config, "realtime_reference") or DEFAULT_REFERENCE
     if mode in ("flops", "flops_counted"):
         from .flops import realtime_flop_cost
 
         cost, detail = realtime_flop_cost(config, counted=mode == "flops_counted")
         schedule = RealtimeSchedule.from_value(cost, mode, reference, detail)
     elif mode == "measured":
-        schedule = measure_cost(config, loop, data, stream_batches, loop_factory, reference)
+        schedule = measure_cost(
+            config, loop, data, stream_batches, loop_factory, reference_config, reference
+        )
     else:
         schedule = RealtimeSchedule.from_value(float(mode), "given")
     total = len(stream_batches)
@@ -150,10 +194,11 @@ def measure_cost(
     data: Any,
     stream_batches: Sequence[np.ndarray],
     loop_factory: LoopFactory | None,
+    reference_config: ReferenceConfig,
     reference: str,
 ) -> RealtimeSchedule:
     """C from step times measured in this process: a fresh loop of this run's config and one of
-    the reference's (:func:`reference_run_config`), each trained for
+    the reference's (``reference_config(config, reference)``), each trained for
     :data:`MEASURE_WARMUP_STEPS` + :data:`MEASURE_TIMED_STEPS` steps on the stream's first
     batch, random weights, no A_online pass; C is the ratio of their fastest timed steps. Every
     RNG is put back afterwards and the peak-memory count restarted, so the run trains as it
@@ -174,7 +219,7 @@ def measure_cost(
         seconds = {}
         for who, run_config in (
             ("method", timing_config(config)),
-            ("reference", reference_run_config(config, reference)),
+            ("reference", reference_config(config, reference)),
         ):
             timed = loop_factory(run_config)
             seconds[who] = _fastest_step(timed, data, inputs, labels, indices)
@@ -208,32 +253,6 @@ def timing_config(config: Mapping[str, Any]) -> dict[str, Any]:
         "checkpoint_every": None,
         "grad_trace": False,
     }
-
-
-def reference_run_config(config: Mapping[str, Any], reference: str) -> dict[str, Any]:
-    """The reference's run beside ``config``: the same PILOT and online keys (data, batch size,
-    device, image size, optimiser, LR) with ``model_name`` the reference, its base variant, one
-    step per batch, its own defaults for everything else (replay, trigger, backbone: the one of
-    its backbones the run's backbone name starts with, else its first)."""
-    from .config import ONLINE_KEYS, PILOT_KEYS, resolve_config
-    from .registry import get_method
-
-    adapter = get_method(reference)
-    own = ("er_memory_size", "er_batch_size", "er_memory", "er_memory_per_class", "consolidation")
-    raw = {
-        k: v
-        for k, v in config.items()
-        if (k in PILOT_KEYS or k in ONLINE_KEYS) and k not in own and k != "backbone_type"
-    }
-    backbone = str(config.get("backbone_type") or "")
-    names = sorted(adapter.backbone_types, key=len, reverse=True)
-    raw["backbone_type"] = next((n for n in names if backbone.startswith(n)), None) or (
-        adapter.backbone_types[0] if adapter.backbone_types else backbone
-    )
-    raw.update(model_name=reference, online_prototypes=False, fgh=None, online_iter=1)
-    resolved = resolve_config(timing_config(raw))
-    resolved.update({k: config[k] for k in ("nb_classes", "nb_tasks") if k in config})
-    return resolved
 
 
 def _fastest_step(

@@ -30,6 +30,7 @@ from ..core.rng import capture_rng_state, restore_rng_state
 from ..core.streams import Stream
 from .checkpoint import CheckpointError
 from .checkpointer import Checkpointer, RunInterrupted
+from .config import reference_run_config
 from .console import ProgressBar
 from .evaluation import Evaluator
 from .events import RunClock, RunListener, StepEvent, reset_peak_memory
@@ -164,7 +165,7 @@ class OnlineSession:
             self.checkpointer.say_why_it_starts_over()
         if realtime_on(config) and self.scoring.realtime is None:  # a resumed run keeps its C
             self.scoring.realtime = resolve_realtime(
-                config, loop, data, self.stream_batches, loop_factory
+                config, loop, data, self.stream_batches, loop_factory, reference_run_config
             )
 
     # -- what the learner and the tests read ---------------------------------------------------
