@@ -137,7 +137,7 @@ class MethodAdapter:
     keeps_teacher: ClassVar[bool] = False
     args: dict = field(default_factory=dict)
 
-    # -- to override -------------------------------------------------------------------------
+    # -- required: every port writes these three ---------------------------------------------------
     def build_network(self, args: dict) -> nn.Module:
         """Build the PILOT network (freezing what the method freezes)."""
         raise NotImplementedError
@@ -150,11 +150,31 @@ class MethodAdapter:
         """The final FC layer: prototypes are replayed through it, FGH's class mode reweights it."""
         raise NotImplementedError
 
-    # -- defaults that usually fit -------------------------------------------------------------
+    # -- build: once, before the first step --------------------------------------------------------
     @classmethod
     def check_config(cls, cfg: Mapping[str, Any]) -> None:
         """Reject bad values of the method's own keys with a ValueError that says what to set
         (``resolve_config`` reports it as a ConfigError)."""
+
+    def backbone_kwargs(self, args: dict) -> dict[str, Any]:
+        """Keyword arguments forced on every ``timm.create_model`` call while the network is built
+        (``backbone_kwargs`` of the config; methods add what PILOT's factory hard-codes)."""
+        return dict(args.get("backbone_kwargs") or {})
+
+    def trainable_parameters(self, network: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+        """Named parameters the optimiser and FGH see (everything with ``requires_grad``)."""
+        return ((n, p) for n, p in network.named_parameters() if p.requires_grad)
+
+    def lr_scale(self, name: str, parameter: nn.Parameter) -> float:
+        """The factor on the config's ``init_lr`` for one trainable parameter, asked once when
+        the loop is built: the loop's optimiser gets one group per distinct scale (SLCA's slow
+        learner: the backbone at 0.01 x the head's LR). 1 for every parameter by default."""
+        return 1.0
+
+    # -- step: every training step, in this order (docs/porting.md, When each hook runs) -----------
+    def train_mode(self, network: nn.Module) -> None:
+        """Put the network in training mode (methods with frozen query backbones override)."""
+        network.train()
 
     def classification_loss(
         self,
@@ -169,29 +189,6 @@ class MethodAdapter:
         logits = out.logits if mask is None else mask_logits(out.logits, mask)
         return F.cross_entropy(logits, labels)
 
-    def trainable_parameters(self, network: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-        """Named parameters the optimiser and FGH see (everything with ``requires_grad``)."""
-        return ((n, p) for n, p in network.named_parameters() if p.requires_grad)
-
-    def lr_scale(self, name: str, parameter: nn.Parameter) -> float:
-        """The factor on the config's ``init_lr`` for one trainable parameter, asked once when
-        the loop is built: the loop's optimiser gets one group per distinct scale (SLCA's slow
-        learner: the backbone at 0.01 x the head's LR). 1 for every parameter by default."""
-        return 1.0
-
-    def train_mode(self, network: nn.Module) -> None:
-        """Put the network in training mode (methods with frozen query backbones override)."""
-        network.train()
-
-    def eval_mode(self, network: nn.Module) -> None:
-        """Put the network in evaluation mode."""
-        network.eval()
-
-    def backbone_kwargs(self, args: dict) -> dict[str, Any]:
-        """Keyword arguments forced on every ``timm.create_model`` call while the network is built
-        (``backbone_kwargs`` of the config; methods add what PILOT's factory hard-codes)."""
-        return dict(args.get("backbone_kwargs") or {})
-
     def loss_terms(
         self, network: nn.Module, out: StepOutput, batch: TrainingBatch
     ) -> dict[str, torch.Tensor]:
@@ -201,31 +198,6 @@ class MethodAdapter:
         DER's auxiliary head, oLoRA's regulariser. Called once per training step, inside the
         autocast of the forward. None by default."""
         return {}
-
-    # -- the engine teacher (``keeps_teacher``) -------------------------------------------------
-    def make_teacher(self, network: nn.Module) -> nn.Module:
-        """The frozen snapshot the loop keeps at a firing: a deep copy of ``network`` with no
-        gradients, in eval mode (upstream's ``copy().freeze()``). Override to keep less."""
-        teacher = copy.deepcopy(network)
-        teacher.requires_grad_(False)
-        return teacher.eval()
-
-    def teacher_forward(self, teacher: nn.Module, x: torch.Tensor) -> StepOutput:
-        """The teacher's pass on a training batch (no gradients, eval mode): :meth:`forward` with
-        ``train=False`` by default, as upstream calls ``_old_network(inputs)`` after ``freeze``."""
-        return self.forward(teacher, x, train=False)
-
-    def map_prototypes(self, network: nn.Module, means: torch.Tensor) -> torch.Tensor:
-        """Online prototypes after a firing changed the classifier's input width (DER adds a
-        backbone, so the head reads wider features): the class means ``[C, D_old]`` in the new
-        feature space ``[C, D_new]``. Only a method whose firings grow its features overrides
-        it; the default refuses, naming this hook. The loop maps the herding memory's stored
-        features with it too (rows of any count): map each row alike."""
-        raise NotImplementedError(
-            f"{type(self).__name__}'s classifier changed its input width at a firing, so the "
-            "online prototypes no longer fit it: implement map_prototypes(network, means) to "
-            "map the class means into the new feature space"
-        )
 
     def extra_backward(
         self, network: nn.Module, autocast: Callable[[], AbstractContextManager]
@@ -256,6 +228,12 @@ class MethodAdapter:
         whose optimiser and FGH state the loop then drops; none by default."""
         return ()
 
+    def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
+        """After each step, the stream batch's outputs (computed before the step's update) and
+        labels: a method that learns without gradients (``trains = False``) learns here, as
+        SimpleCIL folds the batch into its class means. Nothing by default."""
+
+    # -- boundary: when the consolidation trigger fires --------------------------------------------
     def consolidate(self, network: nn.Module, firing: int) -> Iterable[nn.Parameter]:
         """The task-free stand-in for upstream's task-boundary step (freeze a first session, add
         an adapter, merge models, realign the classifier), run when the config's consolidation
@@ -273,6 +251,35 @@ class MethodAdapter:
         method rebuilds there the structure it had added (from a count in :meth:`extra_state`)."""
         return ()
 
+    def make_teacher(self, network: nn.Module) -> nn.Module:
+        """The frozen snapshot the loop keeps at a firing: a deep copy of ``network`` with no
+        gradients, in eval mode (upstream's ``copy().freeze()``). Override to keep less."""
+        teacher = copy.deepcopy(network)
+        teacher.requires_grad_(False)
+        return teacher.eval()
+
+    def teacher_forward(self, teacher: nn.Module, x: torch.Tensor) -> StepOutput:
+        """The teacher's pass on a training batch (no gradients, eval mode): :meth:`forward` with
+        ``train=False`` by default, as upstream calls ``_old_network(inputs)`` after ``freeze``."""
+        return self.forward(teacher, x, train=False)
+
+    def map_prototypes(self, network: nn.Module, means: torch.Tensor) -> torch.Tensor:
+        """Online prototypes after a firing changed the classifier's input width (DER adds a
+        backbone, so the head reads wider features): the class means ``[C, D_old]`` in the new
+        feature space ``[C, D_new]``. Only a method whose firings grow its features overrides
+        it; the default refuses, naming this hook. The loop maps the herding memory's stored
+        features with it too (rows of any count): map each row alike."""
+        raise NotImplementedError(
+            f"{type(self).__name__}'s classifier changed its input width at a firing, so the "
+            "online prototypes no longer fit it: implement map_prototypes(network, means) to "
+            "map the class means into the new feature space"
+        )
+
+    # -- evaluation: what evaluation predicts with -------------------------------------------------
+    def eval_mode(self, network: nn.Module) -> None:
+        """Put the network in evaluation mode."""
+        network.eval()
+
     def evaluation_view(self, network: nn.Module) -> Mapping[str, torch.Tensor]:
         """What evaluation predicts with, derived from the training state as it is now: tensors by
         the name of a network parameter or buffer (``named_parameters``/``named_buffers``), of
@@ -288,7 +295,6 @@ class MethodAdapter:
         training state changes only from the stream. Nothing (``{}``) by default."""
         return {}
 
-    # -- the frozen query pass (evaluation query cache, ``engine/eval_cache.py``) -------------
     def query_parameters(self, network: nn.Module) -> list[nn.Parameter]:
         """Every parameter of the method's frozen, prompt-free query pass (L2P, DualPrompt, CODA,
         MVP); empty (the default) when the method has none. A method that lists parameters here
@@ -306,15 +312,7 @@ class MethodAdapter:
         ``forward_from_query(network, x, query_features(network, x), train)`` exactly."""
         raise NotImplementedError
 
-    def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
-        """After each step, the stream batch's outputs (computed before the step's update) and
-        labels: a method that learns without gradients (``trains = False``) learns here, as
-        SimpleCIL folds the batch into its class means. Nothing by default."""
-
-    def report(self) -> dict[str, Any]:
-        """The method's entries for the results file's ``diagnostics.method``; none by default."""
-        return {}
-
+    # -- state: checkpoints and the results file ---------------------------------------------------
     def extra_state(self, network: nn.Module) -> dict[str, Any]:
         """What a checkpoint must hold beyond the trainable parameters, the network's buffers and
         the loop's state: the method's own training state (oLoRA: its plateau detector, hard
@@ -328,6 +326,11 @@ class MethodAdapter:
                 f"{type(self).__name__} keeps no extra state but the checkpoint has {sorted(state)}"
             )
 
+    def report(self) -> dict[str, Any]:
+        """The method's entries for the results file's ``diagnostics.method``; none by default."""
+        return {}
+
+    # -- helpers a port calls (not hooks) ----------------------------------------------------------
     def run_seed(self) -> int:
         """The run's integer seed, for draws a method makes itself (a firing's new layer):
         :func:`~pilot_online.core.rng.run_seed` of the config's ``seed``."""
