@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from ..core.checks import integer
 from ..core.progress import progress_line
@@ -50,6 +49,10 @@ class ProgressBar(RunListener):
         self.bar: Any = None
 
     def on_task_start(self, task: int, first: int) -> None:
+        # Here, not at the top: the key table imports this module for log_interval, and
+        # resolving a config needs no progress bar.
+        from tqdm.auto import tqdm
+
         self.bar = tqdm(
             total=self.task_batches[task],
             initial=first,
