@@ -253,10 +253,7 @@ class OnlineSession:
     def write(self, status: str = "complete", error: str | None = None) -> dict[str, Any]:
         """Close the listeners (the run is over: finished, failed or stopped) and write the
         results; partial runs go to ``*.partial`` (``results_file.py``)."""
-        results = self.results_file.results(status, error)
         self._close_listeners()
-        if self.results_file.path is None:
-            return results
         return self.results_file.write(status, error)
 
     def _close_listeners(self) -> None:
