@@ -23,6 +23,7 @@ from pilot_online.core.streams import clear_stream, si_blurry_stream
 from pilot_online.engine import events
 from pilot_online.engine import session as session_module
 from pilot_online.engine.adapter import StepOutput
+from pilot_online.engine.events import RunListener, StepEvent
 from pilot_online.engine.loop import OnlineLoop
 from pilot_online.engine.session import ArrayDataSource, OnlineSession, unique_results_path
 
@@ -617,3 +618,52 @@ def test_each_task_end_logs_the_whole_runs_progress(caplog) -> None:
         "run: 2/3 tasks, 12m00s elapsed, about 6m00s left",
         "run: 3/3 tasks, 18m00s elapsed, done",
     ]
+
+
+# ------------------------------------------------------------------ the driver's events (issue 35)
+
+
+class ConsolidatingLookup(LookupAdapter):
+    """LookupAdapter with a boundary step that changes nothing: any trigger may fire it."""
+
+    def consolidate(self, network: nn.Module, firing: int) -> tuple:
+        return ()
+
+
+class Recorder(RunListener):
+    def __init__(self) -> None:
+        self.heard: list[tuple] = []
+
+    def on_task_start(self, task: int, first: int) -> None:
+        self.heard.append(("start", task, first))
+
+    def on_firing(self, event: StepEvent) -> None:
+        self.heard.append(("firing", event.task, event.step, event.stats.firing))
+
+    def on_step(self, event: StepEvent) -> None:
+        self.heard.append(("step", event.task, event.step))
+
+    def on_task_trained(self, task: int) -> None:
+        self.heard.append(("trained", task))
+
+
+def test_listeners_hear_tasks_steps_and_firings_in_order() -> None:
+    """Three tasks of 2, 3 and 3 batches (samples 4, 4 | 4, 4, 2 | 4, 4, 1); every 8 samples the
+    trigger fires before the next step: before step 3 (8 samples since the start), step 5 (8
+    since), and step 8 (4 + 2 + 4 = 10 since), each heard just before its step."""
+    config = {**CONFIG, "consolidation": "every_n_samples", "consolidation_every_n_samples": 8}
+    adapter = ConsolidatingLookup()
+    loop = OnlineLoop(adapter, small_net(), config, C, "cpu")
+    stream = three_task_stream()
+    session = OnlineSession(loop, stream, label_source(stream.labels), config, progress=False)
+    recorder = Recorder()
+    session.listeners.append(recorder)
+    run_all(session)
+    assert recorder.heard == [
+        ("start", 0, 0), ("step", 0, 1), ("step", 0, 2), ("trained", 0),
+        ("start", 1, 0), ("firing", 1, 1, 0), ("step", 1, 1), ("step", 1, 2),
+        ("firing", 1, 3, 1), ("step", 1, 3), ("trained", 1),
+        ("start", 2, 0), ("step", 2, 1), ("step", 2, 2), ("firing", 2, 3, 2), ("step", 2, 3),
+        ("trained", 2),
+    ]  # fmt: skip
+    assert loop.trigger.firings == [8, 16, 26]

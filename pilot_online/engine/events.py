@@ -7,9 +7,10 @@ checkpoints and stop signals (``checkpointer.py``), the progress bar (``console.
 log (``live_log.py``) and the results file (``results_file.py``). A listener keeps its own state,
 and one that must survive a resume returns it from ``state_dict``.
 
-Firings (a consolidation trigger firing inside a step) reach the parts of the loop that hold
-parameters through :class:`~pilot_online.engine.loop.ParameterChange`; a listener sees a step's
-firings in its :attr:`StepEvent.stats`.
+Training emits three kinds of event: a task's start and end, each step, and each consolidation
+firing (:meth:`RunListener.on_firing`). Inside the loop, the parameters a firing adds, replaces or
+restarts reach the optimiser, FGH, the prototypes, the memory and the checkpoint through one
+:class:`~pilot_online.engine.loop.ParameterChange`.
 """
 
 from __future__ import annotations
@@ -94,6 +95,11 @@ class RunListener:
 
     def on_task_start(self, task: int, first: int) -> None:
         """Training of ``task`` starts at its batch ``first`` (0, or where a resume left it)."""
+
+    def on_firing(self, event: StepEvent) -> None:
+        """The consolidation trigger fired at the start of this step (``event.stats.firing``:
+        its index): the method consolidated before the step trained. Heard before
+        :meth:`on_step` of the same step."""
 
     def on_step(self, event: StepEvent) -> None:
         """A step trained (and, in real-time mode, the batches that passed were scored)."""

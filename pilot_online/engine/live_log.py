@@ -22,6 +22,8 @@ progress bar reads the device there too), so logging adds no per-step host sync:
   (running G^k_n, paper Sec. 5.1, over the tasks whose classes were seen, from the mean
   classifier-row gradient norms so far) and ``gradient_imbalance/max_over_mean`` (max over the
   seen classes of g^j divided by their mean);
+- at each consolidation firing: ``consolidation/firings`` (the firings so far, at the step after
+  which the trigger fired);
 - at evaluations: ``eval/periodic_accuracy`` (``eval_period``), and at task ends
   ``eval/accuracy``, ``eval/old``, ``eval/new`` and ``eval/task_<k>`` (tasks numbered from 1).
 """
@@ -146,6 +148,11 @@ class TensorBoardLogger(RunListener):
         """A stream segment ended: write what is pending and the summaries at this step."""
         self.flush()
         self.summarise()
+
+    def on_firing(self, event: StepEvent) -> None:
+        """The trigger fired after ``self.step`` stream batches: ``consolidation/firings``, the
+        firings so far, at that step."""
+        self.writer.add_scalar("consolidation/firings", event.stats.firing + 1, self.step)
 
     def on_eval(self, kind: str, accuracies: dict[str, float]) -> None:
         """An evaluation (``periodic`` or ``task_end``) with its accuracies by name (%)."""

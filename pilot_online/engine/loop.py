@@ -63,6 +63,8 @@ class StepStats:
     #: stands for: in real-time mode also those that passed, scored only, while it ran.
     online_samples: int | None = None
     stream_batches: int = 1
+    #: The consolidation firing this step began with (its index from 0), else None.
+    firing: int | None = None
 
 
 #: The constant-LR optimisers of online training, by config name (the ``optimizer`` choices),
@@ -419,8 +421,9 @@ class OnlineLoop:
             online_correct, online_seconds = self._score_online(inputs, labels)
         seen_before = self.seen.clone() if scored and online_correct is None else None
         self._view = None  # derived from the state this step changes
-        if fires:
-            self._consolidate(len(self.trigger.firings) - 1)
+        firing = len(self.trigger.firings) - 1 if fires else None
+        if firing is not None:
+            self._consolidate(firing)
         stream_size = len(labels)
         host_labels = labels
         inputs = inputs.to(self.device, non_blocking=True)
@@ -446,7 +449,11 @@ class OnlineLoop:
                 if seen_before is not None:  # the training forward's raw logits, as evaluated
                     online_correct = online_hits(out.logits[:stream_size], labels, seen_before)
                 self.samples_seen += stream_size
-                online = {"online_correct": online_correct, "online_seconds": online_seconds}
+                online = {
+                    "online_correct": online_correct,
+                    "online_seconds": online_seconds,
+                    "firing": firing,
+                }
             if not self.adapter.trains:  # it learns in observe(): no backward, no optimiser step
                 detached = _detached(terms)
                 self._observe(out, labels, stream_size, detached)

@@ -328,6 +328,9 @@ class OnlineSession:
                 passing_samples=passing_samples,
                 passing_batches=len(passing),
             )
+            if stats.firing is not None:
+                for listener in self.listeners:
+                    listener.on_firing(event)
             for listener in self.listeners:
                 listener.on_step(event)
             start = time.perf_counter()
