@@ -437,10 +437,6 @@ class OnlineSession:
         self.checkpointer.saved_at = self._position_text(*self.resume_position)
         restore_rng_state(state["rng"], self.loop.device)
 
-    def save_checkpoint(self, task: int, step: int) -> None:
-        """Write the checkpoint of this point now (``checkpointer.py``)."""
-        self.checkpointer.save(task, step)
-
     def _resume(self, state: dict[str, Any]) -> None:
         try:
             self.load_state_dict(state)
