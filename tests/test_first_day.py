@@ -21,6 +21,7 @@ import pytest
 from conftest import offline_env, raw_smoke_config, requires_pilot
 from test_resume import comparable
 
+from pilot_online.cli import setup as setup_command
 from pilot_online.cli.main import build_parser, main, run_overrides
 from pilot_online.core.files import human_bytes
 from pilot_online.core.results import load_results
@@ -242,7 +243,7 @@ def test_an_unpatched_checkout_is_one_line_per_problem_not_per_config(capsys):
         "243 of pilot-online's configs are not linked into exps/ yet (method000_online.json, "
         "method001_online.json, method002_online.json and 240 more)"
     )
-    patching._print_report(state)
+    setup_command._print_report(state)
     report = capsys.readouterr().out
     assert report.count("not linked") == 1
     assert len(report.splitlines()) == len(patching.PATCHES) + 3  # root, files, links, status

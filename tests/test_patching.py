@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from pilot_online.cli import setup as setup_command
 from pilot_online.pilot import patching
 from pilot_online.pilot.patching import PatchError
 
@@ -28,7 +29,7 @@ PILOT_SKIP_REASON = (
 
 def _setup_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    patching.add_setup_arguments(parser)
+    setup_command.add_setup_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -78,12 +79,12 @@ def test_setup_without_root_or_env_exits_2(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.delenv("PILOT_ROOT", raising=False)
-    assert patching.run_setup(_setup_args()) == 2
+    assert setup_command.run_setup(_setup_args()) == 2
     assert "PILOT_ROOT" in capsys.readouterr().err
 
 
 def test_setup_on_non_checkout_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert patching.run_setup(_setup_args(str(tmp_path), "--check")) == 2
+    assert setup_command.run_setup(_setup_args(str(tmp_path), "--check")) == 2
     assert "main.py" in capsys.readouterr().err
 
 
@@ -249,7 +250,7 @@ def test_apply_check_revert_round_trip(
     assert [f.state for f in state.files] == ["upstream"] * len(patching.PATCHES)
     assert state.missing_links == [FAKE_CONFIG]
     assert not state.patched
-    assert patching.run_setup(_setup_args(str(checkout), "--check")) == 1
+    assert setup_command.run_setup(_setup_args(str(checkout), "--check")) == 1
     with pytest.raises(PatchError, match=r"(?s)not patched yet.*Run `pilot-online setup"):
         patching.ensure_patched(checkout)
     pilot_own_configs = sorted(p.name for p in (checkout / "exps").iterdir())
@@ -283,13 +284,13 @@ def test_apply_check_revert_round_trip(
     before = {rel: os.stat(checkout / rel).st_mtime_ns for rel, _ in patching.PATCHES}
     link_inode = os.lstat(link).st_ino
     snapshot = _snapshot(checkout)
-    assert patching.run_setup(_setup_args(str(checkout))) == 0
+    assert setup_command.run_setup(_setup_args(str(checkout))) == 0
     assert _snapshot(checkout) == snapshot
     assert {rel: os.stat(checkout / rel).st_mtime_ns for rel, _ in patching.PATCHES} == before
     assert os.lstat(link).st_ino == link_inode
 
     capsys.readouterr()
-    assert patching.run_setup(_setup_args(str(checkout), "--check")) == 0
+    assert setup_command.run_setup(_setup_args(str(checkout), "--check")) == 0
     report = capsys.readouterr().out
     assert "utils/factory.py" in report and "status: patched" in report
 
@@ -301,13 +302,13 @@ def test_apply_check_revert_round_trip(
     assert sorted(p.name for p in (checkout / "exps").iterdir()) == pilot_own_configs
 
     snapshot = _snapshot(checkout)
-    assert patching.run_setup(_setup_args(str(checkout), "--revert")) == 0
+    assert setup_command.run_setup(_setup_args(str(checkout), "--revert")) == 0
     assert _snapshot(checkout) == snapshot
 
 
 def test_env_var_is_the_default_root(checkout: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PILOT_ROOT", str(checkout))
-    assert patching.run_setup(_setup_args()) == 0
+    assert setup_command.run_setup(_setup_args()) == 0
     assert patching.inspect(checkout).patched
 
 
@@ -326,7 +327,7 @@ def test_locally_modified_factory_is_refused_untouched(
     assert f"git -C {checkout} checkout -- utils/factory.py" in message
     assert _snapshot(checkout) == snapshot  # data_manager not patched either, no link made
 
-    assert patching.run_setup(_setup_args(str(checkout))) == 2
+    assert setup_command.run_setup(_setup_args(str(checkout))) == 2
     assert "utils/factory.py" in capsys.readouterr().err
     with pytest.raises(PatchError, match="refusing to revert"):
         patching.revert(checkout)

@@ -138,10 +138,10 @@ pilot-online COMMAND --help for each command's flags."""
 
 
 def _setup(parser: argparse.ArgumentParser) -> None:
-    from ..pilot import patching
+    from . import setup
 
-    patching.add_setup_arguments(parser)
-    parser.set_defaults(func=patching.run_setup)
+    setup.add_setup_arguments(parser)
+    parser.set_defaults(func=setup.run_setup)
 
 
 def _run(parser: argparse.ArgumentParser) -> None:
