@@ -560,7 +560,7 @@ def test_a_signal_checkpoints_says_where_and_the_rerun_resumes(
         session.run()
     assert stopped.value.code == 128 + signum
     *first, line = capsys.readouterr().err.strip().splitlines()
-    assert all(x.startswith("WARNING SIG") for x in first)  # the first signal's line
+    assert all(x.startswith("SIG") for x in first)  # the first signal's line
     name = signal.Signals(signum).name
     checkpoint = session.checkpoint_path
     size = human_bytes(checkpoint.stat().st_size)
@@ -641,7 +641,7 @@ def test_the_first_signal_says_at_once_what_happens(tmp_path, caplog):
 
 
 def test_the_first_signal_line_reaches_stderr_when_logs_go_to_stdout(tmp_path, capsys):
-    """PILOT's main.py logs to a file and stdout: the line is then printed on stderr too."""
+    """PILOT's main.py logs to a file and stdout: the lines then reach stderr too."""
     from pilot_online.engine.checkpointer import RunInterrupted
 
     run = p_fgh_run()
@@ -655,9 +655,13 @@ def test_the_first_signal_line_reaches_stderr_when_logs_go_to_stdout(tmp_path, c
             session.run()
     finally:
         root.handlers = saved
-    err = capsys.readouterr().err.splitlines()
-    assert err[0].startswith("WARNING SIGINT: the run stops after this batch (or evaluation)")
+    said = capsys.readouterr()
+    err = said.err.splitlines()
+    assert err[0].startswith("SIGINT: the run stops after this batch (or evaluation)")
     assert err[1].startswith("interrupted (SIGINT) at task 2 of 3")
+    # Both are log records: the run's own handler (PILOT's: stdout and its log file) has them.
+    logged = said.out.splitlines()
+    assert logged[-2:] == err[:2]
 
 
 def test_a_second_signal_stops_at_once_and_the_checkpoint_is_whole(tmp_path, capsys):
@@ -689,7 +693,7 @@ def test_a_second_signal_stops_at_once_and_the_checkpoint_is_whole(tmp_path, cap
     assert stopped.value.code == 130
     checkpoint = session.checkpoint_path.resolve()
     *first, line = capsys.readouterr().err.strip().splitlines()
-    assert all(x.startswith("WARNING SIG") for x in first)  # the first signal's line
+    assert all(x.startswith("SIG") for x in first)  # the first signal's line
     prefix = "stopped at once (SIGINT twice); the last checkpoint is whole, written "
     assert line.startswith(prefix)
     age, rest = line[len(prefix) :].split(" s ago", 1)

@@ -75,7 +75,7 @@ class RunInterrupted(SystemExit):
     """SIGINT or SIGTERM stopped the run at a point where its state is whole (after a step, or
     after a task's evaluation), once that point was checkpointed. A ``SystemExit`` with code 128
     + the signal's number, so PILOT's ``main.py`` and ``pilot-online run`` exit without a
-    traceback; the session has printed the one line that says where and what to do."""
+    traceback; the session has logged the one line that says where and what to do."""
 
 
 def _logs_reach_stderr(log: logging.Logger) -> bool:
@@ -94,6 +94,22 @@ def _logs_reach_stderr(log: logging.Logger) -> bool:
         and h.level <= logging.WARNING
         for h in handlers
     )
+
+
+def _tell(line: str) -> None:
+    """Log a stop notice at WARNING, where the run's handlers put it (PILOT's main.py: its log
+    file and stdout), and make sure the person at the terminal sees it: when no handler of the
+    chain writes to stderr, one that does carries this record too (the message alone)."""
+    if _logs_reach_stderr(logger):
+        logger.warning("%s", line)
+        return
+    terminal = logging.StreamHandler(sys.stderr)
+    terminal.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(terminal)
+    try:
+        logger.warning("%s", line)
+    finally:
+        logger.removeHandler(terminal)
 
 
 class StopSignals:
@@ -295,7 +311,7 @@ class Checkpointer(RunListener):
         else:
             then = "checkpoint_every is null, so nothing was saved; a rerun starts over"
         name = signal.Signals(received).name
-        print(f"interrupted ({name}) at {where}; {then}", file=sys.stderr, flush=True)
+        _tell(f"interrupted ({name}) at {where}; {then}")
         raise RunInterrupted(128 + received)
 
     def stop_at_the_end(self, written: Path | None) -> None:
@@ -303,11 +319,9 @@ class Checkpointer(RunListener):
         received = self.signals.received
         if received is None:
             return
-        print(
+        _tell(
             f"interrupted ({signal.Signals(received).name}) as the run ended; its results "
-            f"are complete ({written}): rerun the same command for any seeds left",
-            file=sys.stderr,
-            flush=True,
+            f"are complete ({written}): rerun the same command for any seeds left"
         )
         raise RunInterrupted(128 + received)
 
@@ -331,9 +345,7 @@ class Checkpointer(RunListener):
             f"{name}: the run stops after this batch (or evaluation) and {then}; press Ctrl-C "
             "again to stop at once (within 2 s), keeping the last checkpoint on disk"
         )
-        logger.warning("%s", line)
-        if not _logs_reach_stderr(logger):  # PILOT's main.py logs to a file and stdout only
-            print(f"WARNING {line}", file=sys.stderr, flush=True)
+        _tell(line)
 
     def _stop_at_once(self, signum: int) -> None:
         """At the second signal: stop now, saying what the checkpoint on disk holds (it is
@@ -348,5 +360,5 @@ class Checkpointer(RunListener):
             at = "" if self.saved_at is None else f", at {self.saved_at}"
             then = f"the last checkpoint is whole, written {age:.0f} s ago{at}: "
             then += self._resume_or_drop()
-        print(f"stopped at once ({name} twice); {then}", file=sys.stderr, flush=True)
+        _tell(f"stopped at once ({name} twice); {then}")
         raise RunInterrupted(128 + signum)
