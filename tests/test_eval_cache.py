@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import TinyAdapter, TinyNet, build_smoke_method, requires_pilot
 
-from pilot_online.engine.adapter import MethodAdapter, StepOutput
+from pilot_online.engine.adapter import MethodAdapter, QueryPass, StepOutput
 from pilot_online.engine.config import ConfigError, load_json, resolve_config
 from pilot_online.engine.eval_cache import QueryCache
 from pilot_online.engine.mixins import build_loop
@@ -29,11 +29,9 @@ REPO = Path(__file__).resolve().parent.parent
 NUM_CLASSES = 8
 NUM_TEST = 10
 #: Every registered method with a frozen query pass (an adapter that overrides
-#: ``query_parameters``): L2P, DualPrompt, CODA and MVP today.
+#: ``query_pass``): L2P, DualPrompt, CODA, MVP and APER's fine-tuning today.
 CACHED_METHODS = [
-    name
-    for name in list_methods()
-    if get_method(name).query_parameters is not MethodAdapter.query_parameters
+    name for name in list_methods() if get_method(name).query_pass is not MethodAdapter.query_pass
 ]
 #: PILOT's own forward of each network class whose adapter splits it into query + prompted pass.
 UPSTREAM_FORWARD = {
@@ -43,47 +41,42 @@ UPSTREAM_FORWARD = {
 
 
 class Recorder:
-    """Counts query passes and records the logits of every evaluation forward."""
+    """Counts query passes (the pass alone, or inside a whole forward) and records the logits of
+    every evaluation forward."""
 
     def __init__(self, adapter) -> None:
         self.adapter, self.query_calls, self.logits = adapter, 0, []
-        query, forward, from_query = (
-            adapter.query_features,
-            adapter.forward,
-            adapter.forward_from_query,
-        )
-
-        def counted_query(network, x):
-            self.query_calls += 1
-            return query(network, x)
-
-        self.inside_forward = False
+        query_pass, forward = adapter.query_pass, adapter.forward
 
         def recorded_forward(network, x, train):
-            self.inside_forward = True  # forward calls forward_from_query: record once
-            try:
-                out = forward(network, x, train)
-            finally:
-                self.inside_forward = False
+            self.query_calls += 1  # a whole forward runs the query pass too
+            out = forward(network, x, train)
             self.logits.append(out.logits)
             return out
 
-        def recorded_from_query(network, x, q, train):
-            out = from_query(network, x, q, train)
-            if not self.inside_forward:
-                self.logits.append(out.logits)
-            return out
+        def recorded_query_pass(network):
+            inner = query_pass(network)
 
-        adapter.query_features = counted_query  # instance attributes shadow the methods
+            def features(x):
+                self.query_calls += 1
+                return inner.features(x)
+
+            def from_query(x, query, train):
+                out = inner.forward(x, query, train)
+                self.logits.append(out.logits)
+                return out
+
+            return QueryPass(inner.parameters, features, from_query)
+
+        adapter.query_pass = recorded_query_pass  # instance attributes shadow the methods
         adapter.forward = recorded_forward
-        adapter.forward_from_query = recorded_from_query
 
     def take(self) -> torch.Tensor:
         logits, self.logits = torch.cat(self.logits), []
         return logits
 
     def close(self) -> None:
-        for name in ("query_features", "forward", "forward_from_query"):
+        for name in ("query_pass", "forward"):
             delattr(self.adapter, name)
 
 
@@ -117,7 +110,7 @@ def images() -> np.ndarray:
 @pytest.mark.parametrize("name", CACHED_METHODS)
 def test_cached_evaluation_is_bit_identical(pilot_on_path, name, images, device):
     adapter, network, config = build_smoke_method(name)
-    assert adapter.query_parameters(network), f"{name} declares no query pass"
+    assert adapter.query_pass(network) is not None, f"{name} declares no query pass"
     upstream_forward = UPSTREAM_FORWARD.get(type(network).__name__)
     if upstream_forward is not None:  # the split forward is PILOT's own forward, bit for bit
         x = ArrayDataSource._to_tensor(images)
@@ -149,13 +142,14 @@ def test_cached_evaluation_is_bit_identical(pilot_on_path, name, images, device)
     adapter.eval_mode(network)
     with torch.no_grad():
         batches = source.eval_batches(everything)
-        fill = [adapter.query_features(network, x.to(device)) for x, _ in batches]
+        query_pass = adapter.query_pass(network)
+        fill = [query_pass.features(x.to(device)) for x, _ in batches]
         fill_queries = torch.cat(fill)
         source.eval_batch_size = 3
         reuse_ids = torch.from_numpy(subset).split(3)
         expected = torch.cat(
             [
-                adapter.forward_from_query(network, x.to(device), fill_queries[ids], False).logits
+                query_pass.forward(x.to(device), fill_queries[ids], False).logits
                 for (x, _), ids in zip(source.eval_batches(subset), reuse_ids)
             ]
         )
@@ -168,24 +162,26 @@ def test_cached_evaluation_is_bit_identical(pilot_on_path, name, images, device)
 def test_convprompt_has_no_frozen_query_pass(pilot_on_path):
     """ConvPrompt's per-layer queries pass through the prompted layers before them."""
     adapter, network, _ = build_smoke_method("convprompt_online")
-    assert adapter.query_parameters(network) == []
+    assert adapter.query_pass(network) is None
 
 
 # -- without PILOT: the refusal rules ----------------------------------------------------------
 class QueryTiny(TinyAdapter):
     """``body`` is the query pass; the logits read it."""
 
-    def query_parameters(self, network):
-        return list(network.body.parameters())
+    def query_pass(self, network):
+        return QueryPass(
+            list(network.body.parameters()),
+            lambda x: self.query_features(network, x),
+            lambda x, query, train: StepOutput(network.fc(query), query),
+        )
 
     def query_features(self, network, x):
         return torch.relu(network.body(x))
 
-    def forward_from_query(self, network, x, query, train):
-        return StepOutput(network.fc(query), query)
-
     def forward(self, network, x, train):
-        return self.forward_from_query(network, x, self.query_features(network, x), train)
+        query = self.query_features(network, x)
+        return self.query_pass(network).forward(x, query, train)
 
 
 def tiny_predict(loop, x, ids):  # x may live anywhere: the loop moves each batch

@@ -149,7 +149,7 @@ def test_a_checkpoint_of_another_structure_is_refused():
     state = loop.state_dict()
     del state["teacher"]["differs"]["fc.bias"]
     with pytest.raises(ValueError, match="teacher does not fit the network's structure"):
-        Teacher.from_state(loop.adapter, make_loop().network, state["teacher"])
+        Teacher.from_state(make_loop().network, state["teacher"])
 
 
 def test_the_teacher_lives_on_the_loops_device(device):

@@ -83,8 +83,9 @@ def test_difference_penalty_in_adapter(coda: Built) -> None:
         init_train_gradients(Learner, coda, x, y, task_classes=2)
     adapter.train_mode(network)
     with torch.no_grad():
-        query = adapter.query_features(network, x)
-        ours = adapter.forward_from_query(network, x, query, train=True).aux_loss
+        query_pass = adapter.query_pass(network)
+        query = query_pass.features(x)
+        ours = query_pass.forward(x, query, True).aux_loss
         tokens = torch.zeros(len(x), 3, 768)
         prompt = network.prompt
         upstream = sum(prompt.forward(query, layer, tokens, train=True)[1] for layer in range(12))

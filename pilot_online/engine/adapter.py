@@ -17,7 +17,6 @@ Adapters import PILOT lazily (inside ``build_network``), so registering one need
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -87,6 +86,22 @@ class ConfigKey:
         return config.get(name, self.default)
 
 
+@dataclass(frozen=True)
+class QueryPass:
+    """A frozen first pass whose output selects what the second pass uses (prompts, a branch):
+    a function of each image alone, so evaluation computes it once per test sample and keeps it
+    (``engine/eval_cache.py``) while :attr:`parameters` stay unchanged."""
+
+    #: Every parameter of the pass: the cache is valid while none of them changes, and an
+    #: evaluation view may override none of them.
+    parameters: list[nn.Parameter]
+    #: ``features(x)``: the pass alone, one row per sample.
+    features: Callable[[torch.Tensor], torch.Tensor]
+    #: ``forward(x, query, train)``: the method's forward given the pass's rows; the method's
+    #: ``forward(network, x, train)`` must equal ``forward(x, features(x), train)`` exactly.
+    forward: Callable[[torch.Tensor, torch.Tensor, bool], StepOutput]
+
+
 @dataclass
 class MethodAdapter:
     """Base class of the per-method adapters. Subclasses override the three methods marked below;
@@ -129,11 +144,12 @@ class MethodAdapter:
     #: (the default: dropout, prompt votes, views) the loop runs an eval-mode pass before the step.
     train_forward_predicts: ClassVar[bool] = False
     #: Whether the method distils from its own past: the loop then keeps a frozen snapshot of
-    #: the network (:meth:`make_teacher`), taken at each consolidation firing before
+    #: the network (``engine/teacher.py``: a deep copy, frozen, in eval mode, run through
+    #: :meth:`forward` with ``train=False``), taken at each consolidation firing before
     #: :meth:`consolidate` runs (upstream's ``_old_network = self._network.copy().freeze()`` at a
     #: task end), on the loop's device, in every checkpoint, in ``doctor``'s memory and the FLOP
     #: model's passes; its outputs on each training batch reach :meth:`loss_terms`
-    #: (``batch.teacher``). ``engine/teacher.py``.
+    #: (``batch.teacher``).
     keeps_teacher: ClassVar[bool] = False
     args: dict = field(default_factory=dict)
 
@@ -251,18 +267,6 @@ class MethodAdapter:
         method rebuilds there the structure it had added (from a count in :meth:`extra_state`)."""
         return ()
 
-    def make_teacher(self, network: nn.Module) -> nn.Module:
-        """The frozen snapshot the loop keeps at a firing: a deep copy of ``network`` with no
-        gradients, in eval mode (upstream's ``copy().freeze()``). Override to keep less."""
-        teacher = copy.deepcopy(network)
-        teacher.requires_grad_(False)
-        return teacher.eval()
-
-    def teacher_forward(self, teacher: nn.Module, x: torch.Tensor) -> StepOutput:
-        """The teacher's pass on a training batch (no gradients, eval mode): :meth:`forward` with
-        ``train=False`` by default, as upstream calls ``_old_network(inputs)`` after ``freeze``."""
-        return self.forward(teacher, x, train=False)
-
     def map_prototypes(self, network: nn.Module, means: torch.Tensor) -> torch.Tensor:
         """Online prototypes after a firing changed the classifier's input width (DER adds a
         backbone, so the head reads wider features): the class means ``[C, D_old]`` in the new
@@ -295,22 +299,11 @@ class MethodAdapter:
         training state changes only from the stream. Nothing (``{}``) by default."""
         return {}
 
-    def query_parameters(self, network: nn.Module) -> list[nn.Parameter]:
-        """Every parameter of the method's frozen, prompt-free query pass (L2P, DualPrompt, CODA,
-        MVP); empty (the default) when the method has none. A method that lists parameters here
-        also implements :meth:`query_features` and :meth:`forward_from_query`."""
-        return []
-
-    def query_features(self, network: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The query pass alone: one row per sample, a function of that sample's image only."""
-        raise NotImplementedError
-
-    def forward_from_query(
-        self, network: nn.Module, x: torch.Tensor, query: torch.Tensor, train: bool
-    ) -> StepOutput:
-        """:meth:`forward` with the query pass's output given: ``forward`` must equal
-        ``forward_from_query(network, x, query_features(network, x), train)`` exactly."""
-        raise NotImplementedError
+    def query_pass(self, network: nn.Module) -> QueryPass | None:
+        """The method's frozen, prompt-free query pass (L2P, DualPrompt, CODA, MVP, APER's frozen
+        branch), whose rows evaluation caches per test sample (``engine/eval_cache.py``); None
+        (the default) when the method has none."""
+        return None
 
     # -- state: checkpoints and the results file ---------------------------------------------------
     def extra_state(self, network: nn.Module) -> dict[str, Any]:

@@ -246,7 +246,7 @@ class OnlineLoop:
         # Set by the session (``attach_samples``): replay loads memory samples through it.
         self.sample_loader: SampleLoader | None = None
         # Frozen query features by test-sample index (``engine/eval_cache.py``); methods without a
-        # query pass (``adapter.query_parameters`` empty) never use it.
+        # query pass (``adapter.query_pass`` None) never use it.
         self.query_cache = QueryCache(config.get("eval_query_cache", "auto"), self.device)
         self.amp = config.get("amp")
         check_amp(self.amp, self.device)
@@ -607,7 +607,7 @@ class OnlineLoop:
         self.known = self.seen.clone()
         if self.adapter.keeps_teacher:  # the task-end state, before the method's boundary step
             self.teacher = None  # the old snapshot's memory is free before the copy is made
-            self.teacher = Teacher.take(self.adapter, self.network, self.known, firing)
+            self.teacher = Teacher.take(self.network, self.known, firing)
         self._sync_parameters(self.adapter.consolidate(self.network, firing))
 
     def _teach(self, inputs: torch.Tensor) -> StepOutput | None:
@@ -712,9 +712,7 @@ class OnlineLoop:
         self.trigger.load_state_dict(state["trigger"])
         self.known.copy_(state["known"])
         teacher = state["teacher"]
-        self.teacher = (
-            None if teacher is None else Teacher.from_state(self.adapter, self.network, teacher)
-        )
+        self.teacher = None if teacher is None else Teacher.from_state(self.network, teacher)
         self.optimizer.load_state_dict(state["optimizer"])
         self.seen.copy_(state["seen"])
         self.optimizer_steps = int(state["optimizer_steps"])
@@ -726,9 +724,7 @@ class OnlineLoop:
         if self._grad_trace is not None:
             self._grad_trace = [row.to(self.device) for row in trace] if len(trace) else []
         # Last, once the network is restored: the cache is valid for the query pass as it is now.
-        self.query_cache.load_state_dict(
-            state["query_cache"], self.adapter.query_parameters(self.network)
-        )
+        self.query_cache.load_state_dict(state["query_cache"], self._query_parameters())
 
     # -- evaluation ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -766,7 +762,7 @@ class OnlineLoop:
         if not view:
             yield
             return
-        frozen_query = {id(p) for p in self.adapter.query_parameters(self.network)}
+        frozen_query = {id(p) for p in self._query_parameters()}
         tensors = {**dict(self.network.named_parameters()), **dict(self.network.named_buffers())}
         for name, value in view.items():
             target = tensors.get(name)
@@ -805,16 +801,15 @@ class OnlineLoop:
         self.adapter.eval_mode(self.network)
         allowed = allowed.to(self.device)
         topk = max(1, min(topk, int(allowed.sum())))
-        cache = None
-        if sample_ids is not None:
-            query_params = self.adapter.query_parameters(self.network)
-            cache = self.query_cache if self.query_cache.usable(query_params) else None
+        query_pass = None if sample_ids is None else self.adapter.query_pass(self.network)
+        if query_pass is not None and not self.query_cache.usable(query_pass.parameters):
+            query_pass = None
         preds, truths = [], []
         offset = 0
         for inputs, labels in batches:
             inputs = inputs.to(self.device)
             with self.autocast():
-                out = self._predict_batch(inputs, cache, sample_ids, offset)
+                out = self._predict_batch(inputs, query_pass, sample_ids, offset)
             offset += len(inputs)
             logits = mask_logits(out.logits.float(), allowed)
             preds.append(logits.topk(topk, dim=1).indices.cpu())
@@ -823,9 +818,9 @@ class OnlineLoop:
             return np.zeros((0, topk), dtype=np.int64), np.zeros(0, dtype=np.int64)
         return torch.cat(preds).numpy(), torch.cat(truths).long().numpy()
 
-    def _predict_batch(self, inputs, cache, sample_ids, offset) -> StepOutput:
-        """One evaluation forward, through the query cache when there is one."""
-        if cache is None:
+    def _predict_batch(self, inputs, query_pass, sample_ids, offset) -> StepOutput:
+        """One evaluation forward, through the query cache when ``query_pass`` is given."""
+        if query_pass is None:
             return self.adapter.forward(self.network, inputs, train=False)
         ids = sample_ids[offset : offset + len(inputs)]
         if len(ids) != len(inputs):
@@ -833,10 +828,14 @@ class OnlineLoop:
                 f"the data source yielded more test samples than the {len(sample_ids)} "
                 "indices it was asked for"
             )
-        query = cache.get(
-            ids, functools.partial(self.adapter.query_features, self.network, inputs), self.device
+        query = self.query_cache.get(
+            ids, functools.partial(query_pass.features, inputs), self.device
         )
-        return self.adapter.forward_from_query(self.network, inputs, query, train=False)
+        return query_pass.forward(inputs, query, False)
+
+    def _query_parameters(self) -> list[nn.Parameter]:
+        query_pass = self.adapter.query_pass(self.network)
+        return [] if query_pass is None else query_pass.parameters
 
     def autocast(self):
         """bf16 autocast when ``amp`` is ``"bf16"``; otherwise nothing at all."""

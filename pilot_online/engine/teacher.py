@@ -16,6 +16,7 @@ rather than assuming which ones trained.
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,17 +40,18 @@ class Teacher:
         self.firing = int(firing)
 
     @classmethod
-    def take(
-        cls, adapter: MethodAdapter, network: nn.Module, classes: torch.Tensor, firing: int
-    ) -> Teacher:
-        """Snapshot ``network`` as the adapter's :meth:`~MethodAdapter.make_teacher` does."""
-        return cls(adapter.make_teacher(network), classes, firing)
+    def take(cls, network: nn.Module, classes: torch.Tensor, firing: int) -> Teacher:
+        """Snapshot ``network``: a deep copy with no gradients, in eval mode (upstream's
+        ``copy().freeze()``). The whole network, as upstream keeps it: no port keeps less."""
+        return cls(_frozen_copy(network), classes, firing)
 
     @torch.no_grad()
     def forward(self, adapter: MethodAdapter, inputs: torch.Tensor) -> StepOutput:
-        """The snapshot's outputs on a training batch: eval mode, no gradients."""
+        """The snapshot's outputs on a training batch: the method's :meth:`~MethodAdapter.forward`
+        with ``train=False``, in eval mode, without gradients, as upstream calls
+        ``_old_network(inputs)`` after ``freeze``."""
         self.module.eval()
-        return adapter.teacher_forward(self.module, inputs)
+        return adapter.forward(self.module, inputs, train=False)
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.module.parameters())
@@ -75,12 +77,10 @@ class Teacher:
 
     @classmethod
     @torch.no_grad()
-    def from_state(
-        cls, adapter: MethodAdapter, network: nn.Module, state: dict[str, Any]
-    ) -> Teacher:
+    def from_state(cls, network: nn.Module, state: dict[str, Any]) -> Teacher:
         """Rebuild the snapshot from :meth:`state_dict` and ``network`` as restored from the same
         checkpoint (which holds the tensors the snapshot shared with it)."""
-        module = adapter.make_teacher(network)
+        module = _frozen_copy(network)
         tensors = module.state_dict(keep_vars=True)
         saved = set(state["differs"]) | set(state["same"])
         if saved != set(tensors):
@@ -99,9 +99,15 @@ class Teacher:
         return cls(module, classes, int(state["firing"]))
 
 
+def _frozen_copy(network: nn.Module) -> nn.Module:
+    teacher = copy.deepcopy(network)
+    teacher.requires_grad_(False)
+    return teacher.eval()
+
+
 def teacher_bytes(num_classes: int) -> int:
     """The snapshot's memory for ``doctor``: a ViT-B/16 with a head over ``num_classes``, fp32
-    (the distilling ports' networks; a method that keeps less overrides ``make_teacher``)."""
+    (the distilling ports' networks)."""
     return 4 * (VIT_B16_PARAMETERS + int(num_classes) * (VIT_B16_WIDTH + 1))
 
 

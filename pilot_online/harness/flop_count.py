@@ -92,8 +92,9 @@ def count_network(
     with torch.no_grad():
         test_flops, _ = counted(lambda: adapter.forward(network, inputs, train=False))
         query_flops = 0
-        if adapter.query_parameters(network):
-            query_flops, _ = counted(lambda: adapter.query_features(network, inputs))
+        query_pass = adapter.query_pass(network)
+        if query_pass is not None:
+            query_flops, _ = counted(lambda: query_pass.features(inputs))
     return {
         "train_flops_per_image": (forward_flops + backward_flops) / batch_size,
         "train_forward_flops_per_image": forward_flops / batch_size,

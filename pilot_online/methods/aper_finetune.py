@@ -18,12 +18,13 @@ features: the class means APER's prototype classifier is made of, replayed throu
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import torch
 from torch import nn
 
-from ..engine.adapter import StepOutput
+from ..engine.adapter import QueryPass, StepOutput
 from ..engine.backbone_names import PLAIN_VIT
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
@@ -75,17 +76,21 @@ class AperFinetuneOnline(FinetuneOnline):
         return network
 
     def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
-        return self.forward_from_query(network, x, self.query_features(network, x), train)
+        return self._forward_from_query(network, x, self._query_features(network, x), train)
 
-    def query_parameters(self, network: nn.Module) -> list[nn.Parameter]:
-        return list(network.backbones[0].parameters())
+    def query_pass(self, network: nn.Module) -> QueryPass:
+        return QueryPass(
+            list(network.backbones[0].parameters()),
+            functools.partial(self._query_features, network),
+            functools.partial(self._forward_from_query, network),
+        )
 
     @torch.no_grad()
-    def query_features(self, network: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _query_features(self, network: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The frozen pre-trained branch's features (a function of the image alone)."""
         return network.backbones[0](x)
 
-    def forward_from_query(
+    def _forward_from_query(
         self, network: nn.Module, x: torch.Tensor, query: torch.Tensor, train: bool
     ) -> StepOutput:
         features = torch.cat([query, network.backbones[1](x)], dim=1)

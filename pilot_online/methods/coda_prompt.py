@@ -13,13 +13,14 @@ pass with ``train=False`` and compute that penalty here, on the parameters' own 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from ..core.checks import integer, real
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.adapter import ConfigKey, MethodAdapter, QueryPass, StepOutput
 from ..engine.backbone_names import pilot_backbones
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.differences import BATCH_LOGIT_MASK
@@ -93,18 +94,22 @@ class CodaOnline(MethodAdapter):
     def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
         # CodaPromptVitNet.forward(pen=True, train=False), in two parts so that evaluation can
         # reuse the query.
-        return self.forward_from_query(network, x, self.query_features(network, x), train)
+        return self._forward_from_query(network, x, self._query_features(network, x), train)
 
-    def query_parameters(self, network: nn.Module) -> list[nn.Parameter]:
-        return list(network.backbone.parameters())
+    def query_pass(self, network: nn.Module) -> QueryPass:
+        return QueryPass(
+            list(network.backbone.parameters()),
+            functools.partial(self._query_features, network),
+            functools.partial(self._forward_from_query, network),
+        )
 
     @torch.no_grad()
-    def query_features(self, network: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _query_features(self, network: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The CLS token of the frozen backbone's prompt-free pass."""
         tokens, _ = network.backbone(x)
         return tokens[:, 0, :]
 
-    def forward_from_query(
+    def _forward_from_query(
         self, network: nn.Module, x: torch.Tensor, query: torch.Tensor, train: bool
     ) -> StepOutput:
         tokens, _ = network.backbone(x, prompt=network.prompt, q=query, train=False)

@@ -12,6 +12,7 @@ restores upstream behaviour for comparison.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from ..core.checks import boolean, integer, list_of, real, text
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.adapter import ConfigKey, MethodAdapter, QueryPass, StepOutput
 from ..engine.backbone_names import pilot_backbones
 from ..engine.card import MethodCard
 from ..engine.differences import BATCH_LOGIT_MASK, NO_BATCH_VOTE_AT_EVALUATION
@@ -97,17 +98,21 @@ class L2POnline(MethodAdapter):
 
     def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
         # PromptVitNet.forward, in two parts so that evaluation can reuse the query.
-        return self.forward_from_query(network, x, self.query_features(network, x), train)
+        return self._forward_from_query(network, x, self._query_features(network, x), train)
 
-    def query_parameters(self, network: nn.Module) -> list[nn.Parameter]:
-        return list(network.original_backbone.parameters())
+    def query_pass(self, network: nn.Module) -> QueryPass:
+        return QueryPass(
+            list(network.original_backbone.parameters()),
+            functools.partial(self._query_features, network),
+            functools.partial(self._forward_from_query, network),
+        )
 
     @torch.no_grad()
-    def query_features(self, network: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _query_features(self, network: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The frozen original ViT's pre-logits, which select the prompts."""
         return network.original_backbone(x)["pre_logits"]
 
-    def forward_from_query(
+    def _forward_from_query(
         self, network: nn.Module, x: torch.Tensor, query: torch.Tensor, train: bool
     ) -> StepOutput:
         out = network.backbone(x, task_id=-1, cls_features=query, train=train)

@@ -51,6 +51,7 @@ Differences from upstream, and why:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -68,7 +69,7 @@ from ..core.mvp_losses import (
     instance_logit_scale,
     key_contrastive_loss,
 )
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.adapter import ConfigKey, MethodAdapter, QueryPass, StepOutput
 from ..engine.backbone_names import pilot_backbones
 from ..engine.card import MethodCard
 from ..engine.registry import register_method
@@ -234,21 +235,22 @@ class MVPOnline(MethodAdapter):
             use_last_layer=args["use_last_layer"],
         )
 
-    def query_parameters(self, network: nn.Module) -> list[nn.Parameter]:
+    def query_pass(self, network: nn.Module) -> QueryPass:
         vit = network.backbone
         params = [*vit.patch_embed.parameters(), vit.cls_token, vit.pos_embed]
         for block in vit.blocks[: network.query_depth]:
             params.extend(block.parameters())
-        return params
-
-    def query_features(self, network: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return network.query(network.embed(x))
+        return QueryPass(
+            params,
+            lambda x: network.query(network.embed(x)),
+            functools.partial(self._forward_from_query, network),
+        )
 
     def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
         tokens = network.embed(x)
         return self._forward(network, tokens, network.query(tokens), train)
 
-    def forward_from_query(
+    def _forward_from_query(
         self, network: nn.Module, x: torch.Tensor, query: torch.Tensor, train: bool
     ) -> StepOutput:
         return self._forward(network, network.embed(x), query, train)
