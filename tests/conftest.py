@@ -146,6 +146,19 @@ def make_exps() -> Any:
     return load_script("make_exps")
 
 
+#: The ViT depth of the runs through PILOT's main.py (``tiny_config``): the scale model's, the
+#: shallowest every family builds (CODA's prompt layers 0-4, DualPrompt's e-prompts in blocks 2-4;
+#: tests/test_weights.py builds each family at it). The methods' code does not depend on the
+#: depth; the suite's time does. Networks built in-process keep the smoke configs' 12 blocks.
+TEST_VIT_DEPTH = 5
+
+
+def vit_depth_for_tests(config: dict[str, Any]) -> int:
+    """:data:`TEST_VIT_DEPTH`, or deeper where the config places prompts in a later block
+    (ConvPrompt's ``prompt_layers``: 0-6)."""
+    return max([TEST_VIT_DEPTH, *(layer + 1 for layer in config.get("prompt_layers") or [])])
+
+
 def raw_smoke_config(method: str) -> dict[str, Any]:
     """A registered method's smoke config as ``scripts/make_exps.py`` writes it (unresolved)."""
     return make_exps().smoke_config(method)

@@ -14,7 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TinyAdapter, TinyNet, VectorSource, offline_env, requires_pilot
+from conftest import (
+    TEST_VIT_DEPTH,
+    TinyAdapter,
+    TinyNet,
+    VectorSource,
+    offline_env,
+    requires_pilot,
+)
 
 from pilot_online.core.fgh import FineGrainedHypergradients
 from pilot_online.core.fgh_stats import alpha_statistics
@@ -238,6 +245,7 @@ def test_pilot_run_logs_live_and_draws_every_figure_from_its_results(pilot, tmp_
         log_interval=2,
         results_dir=str(tmp_path / "results"),
         logger="tensorboard",
+        vit_depth=TEST_VIT_DEPTH,
     )
     config_path = tmp_path / "config.json"
     config_path.write_text(json.dumps(config))

@@ -22,7 +22,9 @@ EXPECTED_TRAINABLE = {
     "prompt.biases": LAYERS * 2 * HEADS * GENERATORS,
     "prompt.keys": GENERATORS * DIM // 4,
     "prompt.matcher": DIM * DIM // 2 + DIM // 2 + DIM // 2 * DIM // 4 + DIM // 4,
-    "block norms": 12 * 2 * 2 * DIM,  # norm1 and norm2 of the 12 frozen blocks (upstream)
+    # norm1 and norm2 of the frozen blocks (upstream): 7 in the tests (conftest.py,
+    # vit_depth_for_tests: as deep as the last prompted layer)
+    "block norms": LAYERS * 2 * 2 * DIM,
     "final norm": 2 * DIM,
     "fc_norm": 2 * DIM,
     "fc": DIM * CLASSES + CLASSES,

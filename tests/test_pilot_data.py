@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import PILOT_ROOT, offline_env, requires_pilot
+from conftest import PILOT_ROOT, TEST_VIT_DEPTH, offline_env, requires_pilot
 
 from pilot_online.core.datasets import DATASETS, PILOT_DATASETS
 from pilot_online.core.results import load_results
@@ -395,6 +395,7 @@ def test_folder_dataset_runs_end_to_end_through_pilot_main(pilot, tmp_path):
         results_dir=str(tmp_path / "results"),
         online_prototypes=False,
         fgh=None,
+        vit_depth=TEST_VIT_DEPTH,
     )
     config_path = tmp_path / "config.json"
     config_path.write_text(json.dumps(config))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import copy_pilot, offline_env, raw_smoke_config, requires_pilot
+from conftest import copy_pilot, offline_env, raw_smoke_config, requires_pilot, vit_depth_for_tests
 
 from pilot_online.core.results import load_results
 from pilot_online.engine.registry import get_method
@@ -33,8 +33,8 @@ MEMORY, REPLAYED = 60, 20
 
 def tiny_config(method: str, variant: str, stream: str, results_dir: Path) -> dict:
     """The method's smoke config on ``synthetic_tiny`` (2 tasks of 4 classes, 160 samples in 4
-    batches of 40). ``variant``: ``base`` (P and FGH off) or ``p_fgh`` (the smoke config's
-    + P + FGH)."""
+    batches of 40), at the tests' ViT depth. ``variant``: ``base`` (P and FGH off) or ``p_fgh``
+    (the smoke config's + P + FGH)."""
     config = raw_smoke_config(f"{method.removesuffix('_online')}_online")
     config.update(
         dataset="synthetic_tiny",
@@ -46,6 +46,7 @@ def tiny_config(method: str, variant: str, stream: str, results_dir: Path) -> di
         prefix=f"{variant}_{stream}",
         results_dir=str(results_dir),
     )
+    config["vit_depth"] = vit_depth_for_tests(config)
     if variant == "base":
         config.update(online_prototypes=False, fgh=None)
     if stream == "si_blurry":

@@ -4,13 +4,14 @@ on the synthetic dataset at 32 px with random weights, clear + base and Si-Blurr
 from __future__ import annotations
 
 import pytest
-from conftest import requires_pilot
+from conftest import TEST_VIT_DEPTH, requires_pilot
 from test_pilot_integration import assert_single_pass
 
 pytestmark = requires_pilot
 
-# synthetic_tiny has 8 classes. Trainable: 12 blocks x q, v x (A 4x768 + B 768x4) + head 768x8 + 8
-TRAINABLE = 12 * 2 * 2 * 4 * 768 + 768 * 8 + 8
+# synthetic_tiny has 8 classes. Trainable: the tests' blocks x q, v x (A 4x768 + B 768x4)
+# + head 768x8 + 8
+TRAINABLE = TEST_VIT_DEPTH * 2 * 2 * 4 * 768 + 768 * 8 + 8
 
 
 @pytest.mark.parametrize(("variant", "stream"), [("base", "clear"), ("p_fgh", "si_blurry")])
