@@ -287,6 +287,36 @@ def test_selection_is_per_sample_and_scaled_by_key_use():
     assert network.key_counts.sum() == 1e6 + 5  # training counts each sample's key once
 
 
+def training_graph_nodes(loss: torch.Tensor) -> set[str]:
+    """The names of every backward node of ``loss``'s graph."""
+    names, stack, seen = set(), [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(parent for parent, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("use_contrastive", [True, False])
+def test_samples_that_share_a_key_sum_their_gradients_in_index_order(use_contrastive):
+    """Samples that choose the same key share its prompts, mask and key row, so their gradients
+    add up. Indexing (``t[chosen]``) backpropagates through ``index_put_`` with accumulate, which
+    on the CPU adds repeated indices with parallel atomics once a tensor has 32768 elements:
+    sums that differ from run to run in the last bits (two MVP smoke runs with one seed did).
+    ``index_select`` backpropagates through ``index_add_``, which adds in index order."""
+    network = tiny_mvp()
+    adapter = MVPOnline(args=mvp_args(use_contrastive=use_contrastive, use_mask=True))
+    images, labels = torch.rand(5, 3, 32, 32), torch.randint(0, 6, (5,))
+    out = adapter.forward(network, images, train=True)
+    loss = adapter.classification_loss(network, out, labels, None) + out.aux_loss
+    nodes = training_graph_nodes(loss)
+    assert "IndexBackward0" not in nodes
+    assert "IndexSelectBackward0" in nodes
+
+
 def test_evaluation_does_not_depend_on_batching():
     network = tiny_mvp()
     config = resolve_config(load_json(EXPS / "smoke_mvp_online.json"))

@@ -179,7 +179,10 @@ class MVPNet(nn.Module):
         """The normed CLS token of the prompt-tuned pass, with sample ``i`` using E-prompt
         ``chosen[i]``: prompt tokens join the sequence before their block and leave after it."""
         length = tokens.shape[1]
-        e_prompts = self.e_prompts[chosen]  # [B, E layers, len, D]
+        # index_select, not self.e_prompts[chosen]: indexing's backward is index_put_ with
+        # accumulate, which on the CPU adds duplicate indices with parallel atomics (run-to-run
+        # different float sums); index_select's backward (index_add_) sums in index order.
+        e_prompts = self.e_prompts.index_select(0, chosen)  # [B, E layers, len, D]
         x = tokens
         for index, block in enumerate(self.backbone.blocks):
             extra = []
@@ -276,7 +279,7 @@ class MVPOnline(MethodAdapter):
         logits = network.backbone.head(features)
         extras = {}
         if self.args["use_mask"]:
-            scale = instance_logit_scale(network.class_masks[chosen])
+            scale = instance_logit_scale(network.class_masks.index_select(0, chosen))
             logits = logits * scale
             extras["logit_scale"] = scale
 
@@ -285,7 +288,9 @@ class MVPOnline(MethodAdapter):
             query_distance = distances.gather(1, chosen[:, None]).squeeze(1)
             if self.args["use_contrastive"]:
                 keys = network.keys
-                key_distances = 1.0 - F.cosine_similarity(keys[chosen][:, None], keys[None], dim=-1)
+                key_distances = 1.0 - F.cosine_similarity(
+                    keys.index_select(0, chosen)[:, None], keys[None], dim=-1
+                )
                 aux = key_contrastive_loss(
                     query_distance,
                     key_distances,
