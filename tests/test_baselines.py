@@ -338,8 +338,8 @@ def test_plain_vit_rows_force_pilot_hard_coded_backbone_options():
         "drop_path_rate": 0.2,
         "img_size": 32,
     }
-    assert EROnline.memory_based and ERLinearProbeOnline.memory_based
-    assert not FinetuneOnline.memory_based and not LinearProbeOnline.memory_based
+    assert EROnline.replay is not None and ERLinearProbeOnline.replay is not None
+    assert FinetuneOnline.replay is None and LinearProbeOnline.replay is None
 
 
 # -- report ---------------------------------------------------------------------------------------

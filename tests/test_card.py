@@ -16,7 +16,7 @@ from conftest import REPO
 
 from pilot_online.core.masks import LOGIT_MASKS
 from pilot_online.engine import registry
-from pilot_online.engine.adapter import MethodAdapter
+from pilot_online.engine.adapter import RETIRED_MEMBERS, MethodAdapter
 from pilot_online.engine.card import ABLATION_ROWS, MethodCard, UpstreamDifference
 from pilot_online.engine.config import VARIANTS
 from pilot_online.methods.finetune import FinetuneOnline
@@ -78,6 +78,26 @@ def test_card_fields_on_the_adapter_class_are_refused(scratch_registry):
     with pytest.raises(TypeError, match=r"sets paper_name, default_lr on the adapter class.*"):
         registry.register_method("labelled_online")(Labelled)
     assert "labelled_online" not in registry.list_methods()
+
+
+def test_retired_declarations_on_the_adapter_class_are_refused(scratch_registry):
+    """``keeps_teacher = True`` on a port written against the old contract would give a method
+    that never distils, silently: the registry refuses it and names the declaration that
+    replaced it."""
+
+    class Old(FinetuneOnline):
+        keeps_teacher = True
+        default_consolidation = "new_classes"
+
+    with pytest.raises(
+        TypeError,
+        match=r"sets default_consolidation, keeps_teacher, which the contract no longer reads: "
+        r"default_consolidation: declare consolidation = Consolidation\(trigger=\.\.\.\); "
+        r"keeps_teacher: declare consolidation = Consolidation\(teacher=True\)",
+    ):
+        registry.register_method("old_online")(Old)
+    assert "old_online" not in registry.list_methods()
+    assert not set(RETIRED_MEMBERS) & set(dir(MethodAdapter))
 
 
 def test_no_adapter_has_a_card_field():

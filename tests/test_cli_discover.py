@@ -73,7 +73,7 @@ from pilot_online.engine.registry import register_method
 
 @register_method("plugin_online", card=MethodCard(paper_name="My method", variants=("base",)))
 class PluginAdapter(MethodAdapter):
-    default_consolidation: ClassVar[str] = "never"
+    '''A method from outside the package.'''
 
 
 class BareAdapter(MethodAdapter):

@@ -259,7 +259,7 @@ def test_the_defaults_are_upstreams():
         "herding",
         None,
     )
-    assert COILOnline.default_consolidation == "new_classes" and COILOnline.keeps_teacher
+    assert COILOnline.consolidation.trigger == "new_classes" and COILOnline.consolidation.teacher
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,7 @@ def base_config(method: str) -> dict[str, Any]:
     config["model_name"] = method
     if adapter.backbone_types:
         config["backbone_type"] = adapter.backbone_types[0]
-    if adapter.memory_based:
+    if adapter.replay is not None:
         config["er_memory_size"] = 1000
     return config
 

@@ -325,7 +325,7 @@ def train_segmented(built: Built, sizes: list[int], eval_period: int | None = No
     adapter, network, config = copy.deepcopy(built)  # one copy: cross-references kept
     variant = smoke_row(config)
     config = {**config, **VARIANTS[variant], "eval_period": eval_period}
-    if adapter.default_consolidation != "never":
+    if adapter.consolidation.trigger != "never":
         config.update(consolidation="new_classes", consolidation_new_classes=2)
     loop = build_loop(adapter, network, config, NUM_CLASSES)
     torch.manual_seed(0)  # the same random draws (oLoRA's fresh adapter at a plateau) in both
@@ -362,7 +362,7 @@ def test_training_does_not_depend_on_segment_ends(built):
     a, b = train_segmented(built, SEGMENT_CUTS[0]), train_one_segment(built)
     assert a.optimizer_steps == b.optimizer_steps and a.samples_seen == b.samples_seen == 12
     assert a.trigger.firings == b.trigger.firings
-    if a.adapter.default_consolidation != "never":
+    if a.adapter.consolidation.trigger != "never":
         assert a.trigger.firings == [4]
     # To rounding: PILOT's prompt gathers (L2P, DualPrompt) accumulate their gradients in a
     # thread-dependent order on the CPU, and Adam's first steps magnify it to about 4e-6.

@@ -1,4 +1,4 @@
-"""Replay a method declares (``memory_based`` and ``engine.config.replay_keys``) without
+"""Replay a method declares (``replay = Replay()`` and ``engine.config.replay_keys``) without
 subclassing ER: the class-balanced and herding memories in the loop, their config keys, and the
 per-method defaults the generated configs take (the card's ``default_lr`` and
 ``default_logit_mask``).
@@ -17,7 +17,7 @@ from conftest import TinyAdapter, TinyNet, make_exps, unit_config
 
 from pilot_online.core.memory import ClassBalancedMemory, normalized
 from pilot_online.engine import registry
-from pilot_online.engine.adapter import ConfigKey
+from pilot_online.engine.adapter import ConfigKey, Replay
 from pilot_online.engine.card import MethodCard
 from pilot_online.engine.config import ConfigError, replay_keys, resolve_config
 from pilot_online.engine.mixins import build_loop
@@ -99,7 +99,7 @@ def test_herding_replay_resumes_bit_for_bit():
 class Remembering(FinetuneOnline):
     """A throwaway memory-based method with declared herding replay and its own defaults."""
 
-    memory_based: ClassVar[bool] = True
+    replay: ClassVar[Replay | None] = Replay()
     config_keys: ClassVar[dict[str, ConfigKey]] = replay_keys(
         300, memory="herding", per_class=20, why="a test"
     )

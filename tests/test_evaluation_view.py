@@ -17,7 +17,7 @@ import torch
 from conftest import TinyAdapter, TinyNet
 from torch import nn
 
-from pilot_online.engine.adapter import StepOutput
+from pilot_online.engine.adapter import Consolidation, StepOutput
 from pilot_online.engine.mixins import build_loop
 
 C = 6
@@ -105,7 +105,7 @@ class Growing(TinyAdapter):
     upstream EASE and MOS add one adapter per task; zero-initialised, so a firing changes no
     output."""
 
-    default_consolidation = "every_n_samples"
+    consolidation = Consolidation(trigger="every_n_samples")
 
     def build_network(self, args):
         return GrowingNet()

@@ -18,14 +18,14 @@ import torch
 from conftest import TinyAdapter, TinyNet, unit_config
 from torch import nn
 
-from pilot_online.engine.adapter import StepOutput
+from pilot_online.engine.adapter import Consolidation, StepOutput
 from pilot_online.engine.mixins import build_loop
 
 C, WIDTH = 6, 8
 
 
 class Growing(TinyAdapter):
-    default_consolidation = "every_n_samples"
+    consolidation = Consolidation(trigger="every_n_samples")
 
     def build_network(self, args):
         network = TinyNet(hidden=WIDTH, num_classes=C)

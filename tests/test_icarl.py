@@ -205,7 +205,7 @@ def test_a_checkpoint_keeps_the_teacher_and_the_memory(tmp_path):
         ({"T": 0}, r"icarl_online: T must be"),
         ({"T": "2"}, r"icarl_online: T must be"),
         ({"consolidation": "never"}, r"takes no teacher"),
-        ({"er_memory_size": 0}, r"keeps a replay memory \(memory_based\).*default is 2000"),
+        ({"er_memory_size": 0}, r"keeps a replay memory \(replay = Replay\(\)\).*default is 2000"),
         ({"er_memory": "fifo"}, r"er_memory.*reservoir.*class_balanced.*herding"),
         ({"er_memory": "reservoir", "er_memory_per_class": 5}, r"er_memory_per_class is a quota"),
     ],
@@ -225,7 +225,7 @@ def test_the_defaults_are_upstreams_memory_and_ers_learning_rate():
     assert (cfg["er_memory"], cfg["er_memory_per_class"], cfg["T"]) == ("herding", None, 2.0)
     assert cfg["consolidation"] == "new_classes"
     assert ICaRLOnline.config_keys["er_memory_size"].default == 2000
-    assert ICaRLOnline.memory_based and ICaRLOnline.keeps_teacher
+    assert ICaRLOnline.replay is not None and ICaRLOnline.consolidation.teacher
     assert method_card("icarl_online").default_lr == HP_GRID["er"].best_lr == 5e-5
     paper = make_exps().paper_config("icarl", "base", blurry=True)
     assert (paper["init_lr"], paper["optimizer"], paper["logit_mask"]) == (5e-5, "adam", "batch")

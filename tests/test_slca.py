@@ -217,7 +217,7 @@ def test_on_a_20_task_cub_sized_stream_every_task_end_evaluation_is_aligned(monk
     """20 clear tasks of 2 classes and about 47 samples (CUB's 470 at a tenth): the default
     trigger fires at every task boundary, so each task-end evaluation from the second task on
     aligns with the sessions as upstream's tasks (its t-th evaluation: session t)."""
-    assert SLCAOnline.default_consolidation == "new_classes"
+    assert SLCAOnline.consolidation.trigger == "new_classes"
     classes = 40
     adapter = TinySLCA(args={**ARGS, "nb_classes": classes})
     calls: list[int] = []

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from conftest import TinyAdapter, TinyNet, unit_config
 
+from pilot_online.engine.adapter import Consolidation
 from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.teacher import Teacher, teacher_bytes
 from pilot_online.harness.estimate import method_flops, run_flops
@@ -24,8 +25,7 @@ class Distilling(TinyAdapter):
     """Distils the teacher's logits over the known classes (squared error, weight 1); its
     boundary step doubles the head's bias, so a snapshot taken after it would show that."""
 
-    keeps_teacher = True
-    default_consolidation = "every_n_samples"
+    consolidation = Consolidation(trigger="every_n_samples", teacher=True)
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)

@@ -22,6 +22,7 @@ from pilot_online.core.triggers import (
     Plateau,
     make_trigger,
 )
+from pilot_online.engine.adapter import Consolidation
 from pilot_online.engine.config import ConfigError, resolve_config
 from pilot_online.engine.mixins import build_loop
 
@@ -157,7 +158,7 @@ def test_a_trigger_the_method_would_ignore_is_refused():
 class Consolidating(TinyAdapter):
     """Records each consolidation; restarts the classifier's weight (its optimiser state goes)."""
 
-    default_consolidation = "every_n_samples"
+    consolidation = Consolidation(trigger="every_n_samples")
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)

@@ -22,7 +22,7 @@ from pilot_online.core.triggers import make_trigger
 from pilot_online.engine.config import resolve_config
 from pilot_online.harness.protocol import method_short_name
 
-TRIGGERED = [n for n in list_methods() if get_method(n).default_consolidation != "never"]
+TRIGGERED = [n for n in list_methods() if get_method(n).consolidation.trigger != "never"]
 NUM_CLASSES, PER_TASK, PER_CLASS = 200, 10, 30  # CUB-200: 20 tasks of 10 classes
 
 

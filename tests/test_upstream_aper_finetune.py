@@ -135,7 +135,7 @@ def assert_no_first_session_phase(found: dict[str, Any]) -> None:
     are 0 at the first step: the adapters' up-projections start at zero.)"""
     assert not found["later_task_tunes"]
     assert type(found["adapter"]).consolidate is MethodAdapter.consolidate
-    assert found["adapter"].default_consolidation == "never"
+    assert found["adapter"].consolidation.trigger == "never"
     gradients = found["adapted_gradients"]
     assert gradients and all(g is not None for g in gradients)
     assert any(g.abs().sum() > 0 for g in gradients)

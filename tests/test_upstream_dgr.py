@@ -461,7 +461,7 @@ def test_difference_online_herding(dgr: Built) -> None:
     keys = DGROnline.config_keys
     assert keys["er_memory_size"].default == config["memory_size"] == 2000
     assert config["fixed_memory"] is False and keys["er_memory_per_class"].default is None
-    assert keys["er_memory"].default == "herding" and DGROnline.memory_based
+    assert keys["er_memory"].default == "herding" and DGROnline.replay is not None
 
     count, quota = 12, 4
     vectors = np.random.default_rng(0).normal(size=(count, 5))

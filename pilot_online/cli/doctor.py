@@ -405,7 +405,7 @@ def _method_state_bytes(cfg: dict[str, Any]) -> int:
         classes = dataset_size(cfg).classes
     except (KeyError, ValueError):  # no registered method, or a dataset of unknown size
         return 0
-    teacher = teacher_bytes(classes) if adapter.keeps_teacher else 0
+    teacher = teacher_bytes(classes) if adapter.consolidation.teacher else 0
     return card.memory_bytes({**cfg, "nb_classes": classes}) + teacher
 
 

@@ -25,13 +25,13 @@ def memory_of(adapter: Any) -> str:
     """``herding 2000`` (the declared memory, its size and per-class cap), ``-`` without one;
     ``+ teacher`` for a method that distils from the engine teacher."""
     memory = "-"
-    if adapter.memory_based:
+    if adapter.replay is not None:
         keys = adapter.config_keys
         kind = keys["er_memory"].default if "er_memory" in keys else "reservoir"
         size = keys["er_memory_size"].default if "er_memory_size" in keys else "?"
         cap = keys["er_memory_per_class"].default if "er_memory_per_class" in keys else None
         memory = f"{kind} {size}" + (f" ({cap}/class)" if cap else "")
-    return memory + (" + teacher" if adapter.keeps_teacher else "")
+    return memory + (" + teacher" if adapter.consolidation.teacher else "")
 
 
 def paper_name_of(card: MethodCard) -> str:
@@ -58,7 +58,7 @@ def method_rows(pattern: str = "") -> list[dict[str, Any]]:
                 "name": name,
                 "paper_name": paper_name_of(card),
                 "rows": [ROW_NAMES.get(v, v) for v in card.variants],
-                "default_trigger": adapter.default_consolidation,
+                "default_trigger": adapter.consolidation.trigger,
                 "memory": memory_of(adapter),
                 "keys": keys,
                 "module": adapter.__module__,

@@ -7,7 +7,7 @@ step whether the method's :meth:`~pilot_online.engine.adapter.MethodAdapter.cons
 A trigger reads only what the stream shows: how many samples passed, their labels (observed
 information), and the training loss. Task ids and segment ends never reach it.
 
-The choices (config key ``consolidation``; the method's ``default_consolidation`` when null):
+The choices (config key ``consolidation``; the method's ``Consolidation.trigger`` when null):
 
 * ``never``: the method does without.
 * ``every_n_samples``: after every ``consolidation_every_n_samples`` stream samples.

@@ -50,8 +50,8 @@ class TrainingBatch:
     ``known`` is upstream's ``_known_classes`` online: the classes seen before the last
     consolidation firing (none before the first). ``teacher`` is the engine teacher's output on
     ``inputs`` (a frozen snapshot of the network taken at the last firing, run in eval mode
-    without gradients) for a method with ``keeps_teacher``, once a firing has taken one; else
-    None, as upstream's first task has no old network."""
+    without gradients) for a method whose :class:`Consolidation` keeps a teacher, once a firing
+    has taken one; else None, as upstream's first task has no old network."""
 
     inputs: torch.Tensor
     labels: torch.Tensor
@@ -102,6 +102,55 @@ class QueryPass:
     forward: Callable[[torch.Tensor, torch.Tensor, bool], StepOutput]
 
 
+@dataclass(frozen=True)
+class Replay:
+    """A method's declaration that it keeps training samples: the engine's replay memory
+    (``engine/mixins.py``: ``ReplayMixin``; ``core/memory.py``), on by default for it, with the
+    defaults its ``config_keys`` set through ``engine.config.replay_keys``."""
+
+    #: The ``StepOutput.extras`` entry (of the training forward) a herding memory ranks stream
+    #: samples by, for a method whose firings move its classifier's features into a space no
+    #: row-wise map reaches (FOSTER: the student's features, of one width at every firing); no
+    #: firing maps them. None: ``out.features``, mapped by
+    #: :meth:`MethodAdapter.map_prototypes` at a firing.
+    herding_features: str | None = None
+
+
+@dataclass(frozen=True)
+class Consolidation:
+    """When a method's task-boundary step (:meth:`MethodAdapter.consolidate`) runs, and what the
+    engine keeps for it. A method that acts at upstream's task boundaries overrides
+    ``consolidate`` and declares its trigger here."""
+
+    #: The consolidation trigger (``core/triggers.py``: never, every_n_samples, new_classes,
+    #: plateau) used when the config's ``consolidation`` is null.
+    trigger: str = "never"
+    #: Why the method is not itself without firings, or "" (``never`` is allowed):
+    #: ``consolidation: "never"`` is then refused with this reason (iCaRL: "takes no teacher, so
+    #: iCaRL would never distil").
+    required: str = ""
+    #: Whether the method distils from its own past: the loop then keeps a frozen snapshot of
+    #: the network (``engine/teacher.py``: a deep copy, frozen, in eval mode, run through
+    #: :meth:`MethodAdapter.forward` with ``train=False``), taken at each firing before
+    #: ``consolidate`` runs (upstream's ``_old_network = self._network.copy().freeze()`` at a
+    #: task end), on the loop's device, in every checkpoint, in ``doctor``'s memory and the FLOP
+    #: model's passes; its outputs on each training batch reach
+    #: :meth:`MethodAdapter.loss_terms` (``batch.teacher``).
+    teacher: bool = False
+
+
+#: Adapter members that were declarations once, with where each went: ``register_method``
+#: refuses a class that still sets one, as it would otherwise be silently ignored.
+RETIRED_MEMBERS: Mapping[str, str] = {
+    "memory_based": "declare replay = Replay()",
+    "herding_features": "declare replay = Replay(herding_features=...)",
+    "default_consolidation": "declare consolidation = Consolidation(trigger=...)",
+    "needs_consolidation": "declare consolidation = Consolidation(required=...)",
+    "keeps_teacher": "declare consolidation = Consolidation(teacher=True)",
+    "train_forward_predicts": "delete it: A_online always scores with an eval-mode pass",
+}
+
+
 @dataclass
 class MethodAdapter:
     """Base class of the per-method adapters. Subclasses override the three methods marked below;
@@ -114,14 +163,9 @@ class MethodAdapter:
     #: ``PLAIN_VIT``). ``check-config`` refuses any other name and suggests only these; the
     #: first is the method's default (scripts/make_exps.py writes it into the configs).
     backbone_types: ClassVar[tuple[str, ...]] = ()
-    #: Whether the method keeps training samples (experience replay). A memory-free method
-    #: refuses replay unless the config says ``allow_memory: true``.
-    memory_based: ClassVar[bool] = False
-    #: The ``StepOutput.extras`` entry (of the training forward) a herding memory ranks stream
-    #: samples by, for a method whose firings move its classifier's features into a space no
-    #: row-wise map reaches (FOSTER: the student's features, of one width at every firing); no
-    #: firing maps them. None: ``out.features``, mapped by :meth:`map_prototypes` at a firing.
-    herding_features: ClassVar[str | None] = None
+    #: The replay memory the engine keeps for the method (:class:`Replay`), or None: a
+    #: memory-free method refuses replay unless the config says ``allow_memory: true``.
+    replay: ClassVar[Replay | None] = None
     #: Keys the method once had, each with what to do instead: a config that still sets one is
     #: refused by name with that fix (``resolve_config``), not as an unknown key.
     removed_keys: ClassVar[Mapping[str, str]] = {}
@@ -130,27 +174,9 @@ class MethodAdapter:
     #: Whether the method learns by gradient steps. False (SimpleCIL's class means): the loop
     #: runs no backward pass and no optimiser step; the method learns in :meth:`observe`.
     trains: ClassVar[bool] = True
-    #: The consolidation trigger (``core/triggers.py``: never, every_n_samples, new_classes,
-    #: plateau) the method uses when the config's ``consolidation`` is null. A method that
-    #: upstream acts at task boundaries overrides :meth:`consolidate` and names its default here.
-    default_consolidation: ClassVar[str] = "never"
-    #: Why the method is not itself without firings, or "" (the default: ``never`` is allowed):
-    #: ``consolidation: "never"`` is then refused with this reason (iCaRL: "takes no teacher, so
-    #: iCaRL would never distil").
-    needs_consolidation: ClassVar[str] = ""
-    #: Whether the training forward's logits on the stream batch are what evaluation would
-    #: predict at that moment (``forward(train=True)`` in train mode equals ``forward(train=False)``
-    #: in eval mode, per sample, with no evaluation view): then A_online costs nothing; otherwise
-    #: (the default: dropout, prompt votes, views) the loop runs an eval-mode pass before the step.
-    train_forward_predicts: ClassVar[bool] = False
-    #: Whether the method distils from its own past: the loop then keeps a frozen snapshot of
-    #: the network (``engine/teacher.py``: a deep copy, frozen, in eval mode, run through
-    #: :meth:`forward` with ``train=False``), taken at each consolidation firing before
-    #: :meth:`consolidate` runs (upstream's ``_old_network = self._network.copy().freeze()`` at a
-    #: task end), on the loop's device, in every checkpoint, in ``doctor``'s memory and the FLOP
-    #: model's passes; its outputs on each training batch reach :meth:`loss_terms`
-    #: (``batch.teacher``).
-    keeps_teacher: ClassVar[bool] = False
+    #: When the method's task-boundary step runs and what the engine keeps for it
+    #: (:class:`Consolidation`): by default no trigger and no teacher.
+    consolidation: ClassVar[Consolidation] = Consolidation()
     args: dict = field(default_factory=dict)
 
     # -- required: every port writes these three ---------------------------------------------------

@@ -248,9 +248,8 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
     "online_accuracy": ConfigKey(
         None,
         "score each stream batch before training on it (A_online, docs/protocol.md): an extra "
-        "eval-mode pass per batch, under the evaluation view, unless the method's training "
-        "forward predicts (train_forward_predicts); null: on in real-time mode (its metric), "
-        "else off for its cost",
+        "eval-mode pass per batch, under the evaluation view; null: on in real-time mode (its "
+        "metric), else off for its cost",
         check=optional(boolean),
     ),
     "online_iter": ConfigKey(
@@ -263,7 +262,7 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
     "consolidation": ConfigKey(
         None,
         "when a method's task-boundary step runs, from the stream alone (core/triggers.py); "
-        "null: the method's default_consolidation",
+        "null: the method's default (its Consolidation's trigger)",
         choices=(None, *TRIGGERS),
     ),
     "consolidation_every_n_samples": ConfigKey(
@@ -629,11 +628,11 @@ def _check_consolidation(cfg: dict[str, Any], adapter: Any) -> None:
     from .adapter import MethodAdapter
 
     if cfg["consolidation"] is None:
-        cfg["consolidation"] = adapter.default_consolidation
-    if cfg["consolidation"] == "never" and adapter.needs_consolidation:
+        cfg["consolidation"] = adapter.consolidation.trigger
+    if cfg["consolidation"] == "never" and adapter.consolidation.required:
         raise ConfigError(
-            f'consolidation "never" {adapter.needs_consolidation}: use a trigger (its default '
-            f"{adapter.default_consolidation}), or er_online for replay alone"
+            f'consolidation "never" {adapter.consolidation.required}: use a trigger (its default '
+            f"{adapter.consolidation.trigger}), or er_online for replay alone"
         )
     if cfg["consolidation"] != "never" and adapter.consolidate is MethodAdapter.consolidate:
         raise ConfigError(
@@ -646,13 +645,13 @@ def _check_replay(cfg: dict[str, Any], raw: Mapping[str, Any], adapter: Any) -> 
     """Experience replay is on iff ``er_memory_size > 0``; only memory-based rows keep samples."""
     replay = cfg["er_memory_size"] > 0
     name = cfg["model_name"]
-    if adapter.memory_based and not replay:
+    if adapter.replay is not None and not replay:
         size = {**ONLINE_KEYS, **adapter.config_keys}["er_memory_size"].default
         raise ConfigError(
-            f"{name} keeps a replay memory (memory_based): er_memory_size must be > 0 (its "
+            f"{name} keeps a replay memory (replay = Replay()): er_memory_size must be > 0 (its "
             f"default is {size}); remove the key to use the default"
         )
-    if replay and not adapter.memory_based and not cfg["allow_memory"]:
+    if replay and adapter.replay is None and not cfg["allow_memory"]:
         raise ConfigError(
             f"er_memory_size={cfg['er_memory_size']} turns on experience replay, but {name} is "
             "memory-free: it may not keep training samples. Use a memory-based row "
@@ -681,7 +680,7 @@ def replay_keys(
     per_class: int | None = None,
     why: str = "",
 ) -> dict[str, ConfigKey]:
-    """The replay defaults a memory-based method declares (``memory_based = True`` and these in
+    """The replay defaults a memory-based method declares (``replay = Replay()`` and these in
     its ``config_keys``): its memory's size and kind, and the per-class quota, as upstream's
     config sets ``memory_size``, ``fixed_memory`` and ``memory_per_class``. ``why``: where the
     values come from, shown in the key reference. The checks are the online keys' own."""

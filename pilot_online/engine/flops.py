@@ -123,11 +123,12 @@ def _method_default(method: str, key: str, fallback: Any) -> Any:
 
 
 def keeps_teacher(method: str) -> bool:
-    """Whether the method runs the engine teacher on each training batch (``keeps_teacher``)."""
+    """Whether the method runs the engine teacher on each training batch
+    (``Consolidation(teacher=True)``)."""
     try:
         from .registry import get_method
 
-        return bool(get_method(method).keeps_teacher)
+        return bool(get_method(method).consolidation.teacher)
     except (ImportError, ValueError):
         return False
 
@@ -242,8 +243,7 @@ def run_flops(cfg: Mapping[str, Any], table: Mapping[str, Any] | None = None) ->
     trained = realtime_trained_fraction(cfg, table)
     train *= int(cfg.get("online_iter", 1) or 1) * trained
     if scores_online(cfg):
-        passed = 1.0 - trained if _adapter_flag(method, "train_forward_predicts") else 1.0
-        evaluation += passed * sum(
+        evaluation += sum(
             size.train * share * c["test_flops_per_image"] for share, c in zip(shares, per_task)
         )
     train, evaluation = train * scale, evaluation * scale
@@ -255,16 +255,6 @@ def run_flops(cfg: Mapping[str, Any], table: Mapping[str, Any] | None = None) ->
 #: Below this share of the trained forward, a counted backward stops at the head (a linear
 #: probe, SimpleCIL): Ghunaim et al.'s 2 x forward would price a backward that never runs.
 HEAD_ONLY_BACKWARD = 0.1
-
-
-def _adapter_flag(method: str, name: str) -> bool:
-    """A registered method's class flag (``train_forward_predicts``), False if unknown."""
-    try:
-        from .registry import get_method
-
-        return bool(getattr(get_method(method), name))
-    except (ImportError, ValueError, AttributeError):
-        return False
 
 
 def pass_counted(counts: Mapping[str, Any]) -> dict[str, Any]:

@@ -234,7 +234,8 @@ class OnlineLoop:
         self.max_nonfinite_steps = int(config.get("max_nonfinite_steps", 10))
         self.seen = torch.zeros(num_classes, dtype=torch.bool, device=self.device)
         # Classes seen before the last firing (upstream's _known_classes), and the engine teacher
-        # (``engine/teacher.py``) of a method with ``keeps_teacher``, both set at each firing.
+        # (``engine/teacher.py``) of a method whose Consolidation keeps one: both set at each
+        # firing.
         self.known = torch.zeros(num_classes, dtype=torch.bool, device=self.device)
         self.teacher: Teacher | None = None
         self.optimizer_steps = 0
@@ -400,8 +401,8 @@ class OnlineLoop:
         the prompt vote of L2P/DualPrompt the replayed samples vote too, and MVP counts their key
         use); the loss is the mean over both. Counters, accuracy and ``after_step`` cover the
         stream batch only. ``online_correct`` is scored before anything of the step changes the
-        model (A_online): from the training forward where the adapter says it predicts
-        (``train_forward_predicts``) and no firing came first, else by :meth:`predict_online`.
+        model (A_online), by :meth:`predict_online`: an eval-mode pass under the evaluation view,
+        which the training forward is not (dropout, prompt votes, views).
 
         ``online_iter`` = k (upstream Si-Blurry's ``online_step``: k ``online_train`` calls on
         the same batch) makes k optimiser steps on the batch, each a whole step (forward, loss,
@@ -411,15 +412,10 @@ class OnlineLoop:
         the first step, observed after the last finite one, with its (pre-update) outputs. The
         step's ``loss`` and ``terms`` are the means over its finite steps, ``correct`` the
         first step's (the prediction before any update on the batch)."""
-        scored = self.online_accuracy
-        free = self.adapter.train_forward_predicts
         online_correct, online_seconds = None, 0.0
-        if scored and not free:
+        if self.online_accuracy:
             online_correct, online_seconds = self._score_online(inputs, labels)
         fires = self.trigger.update(labels)
-        if scored and fires and online_correct is None:  # the firing changes the model first
-            online_correct, online_seconds = self._score_online(inputs, labels)
-        seen_before = self.seen.clone() if scored and online_correct is None else None
         self._view = None  # derived from the state this step changes
         firing = len(self.trigger.firings) - 1 if fires else None
         if firing is not None:
@@ -446,8 +442,6 @@ class OnlineLoop:
             )
             if iteration == 0:
                 correct = (logits[:stream_size].detach().argmax(1) == labels).sum()
-                if seen_before is not None:  # the training forward's raw logits, as evaluated
-                    online_correct = online_hits(out.logits[:stream_size], labels, seen_before)
                 self.samples_seen += stream_size
                 online = {
                     "online_correct": online_correct,
@@ -605,7 +599,9 @@ class OnlineLoop:
         consolidates, and what it restarted loses its optimiser and FGH state."""
         logger.info("consolidation %d at stream sample %d", firing, self.samples_seen)
         self.known = self.seen.clone()
-        if self.adapter.keeps_teacher:  # the task-end state, before the method's boundary step
+        if (
+            self.adapter.consolidation.teacher
+        ):  # the task-end state, before the method's boundary step
             self.teacher = None  # the old snapshot's memory is free before the copy is made
             self.teacher = Teacher.take(self.network, self.known, firing)
         self._sync_parameters(self.adapter.consolidate(self.network, firing))

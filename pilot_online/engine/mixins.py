@@ -259,6 +259,13 @@ class ReplayMixin:
     def memory_needs_features(self: OnlineLoop) -> bool:
         return bool(getattr(self.memory, "needs_features", False))
 
+    @property
+    def herding_features(self: OnlineLoop) -> str | None:
+        """The extras entry herding ranks by (the method's ``Replay``), else None: the features.
+        A memory-free method given replay (``allow_memory``) declares none."""
+        declared = self.adapter.replay
+        return None if declared is None else declared.herding_features
+
     def _draw_next(self: OnlineLoop, step: int) -> None:
         """With a keyed loader: the next step's draw, made now and prefetched (key ``step``)."""
         load = self.sample_loader
@@ -271,7 +278,7 @@ class ReplayMixin:
         if self._offered is not None:  # herding ranks the stream batch by its features
             indices, host_labels = self._offered
             self._offered = None
-            key = self.adapter.herding_features
+            key = self.herding_features
             features = out.features if key is None else out.extras[key][: len(labels)]
             self.memory.add(indices, host_labels, features.detach().float().cpu().numpy())
             self._draw_next(self.samples_seen)
@@ -286,7 +293,7 @@ class ReplayMixin:
         replaced_head = any(new is layer.weight for *_, new in change.replaced)
         if not self.memory_needs_features or not replaced_head:
             return
-        if self.adapter.herding_features is not None:  # the method's own space: never mapped
+        if self.herding_features is not None:  # the method's own space: never mapped
             return
 
         def mapping(rows: np.ndarray) -> np.ndarray:

@@ -2,10 +2,11 @@
 
 Upstream's distilling methods (iCaRL, COIL, DGR) copy and freeze their network at each task end
 (``self._old_network = self._network.copy().freeze()``) and, through the next task, add a loss
-between the network's logits and the old network's on the same inputs. Online, a method sets
-``keeps_teacher`` and the loop keeps that snapshot here: taken at each firing before the method's
-``consolidate`` runs (the task-end state), on the loop's device, run on every training batch
-without gradients, and in every checkpoint, so that no method handles copies, devices or resumes.
+between the network's logits and the old network's on the same inputs. Online, a method declares
+``Consolidation(teacher=True)`` and the loop keeps that snapshot here: taken at each firing
+before the method's ``consolidate`` runs (the task-end state), on the loop's device, run on every
+training batch without gradients, and in every checkpoint, so that no method handles copies,
+devices or resumes.
 
 Checkpoints store only the snapshot's tensors that differ from the network's own when the
 checkpoint is written: the frozen weights (most of a prompt method's ViT) equal the network's,

@@ -10,8 +10,8 @@ A run's FLOPs (:func:`run_flops`):
 
 - **training**: every training image once (online: one pass over the stream), at the step's
   FLOPs; experience replay adds ``er_batch_size / batch_size`` more images per stream image; a
-  method with the engine teacher (``keeps_teacher``) adds the teacher's forward (a test
-  forward) on every training image, counted from the first step (an upper bound: the teacher
+  method with the engine teacher (``Consolidation(teacher=True)``) adds the teacher's forward
+  (a test forward) on every training image, counted from the first step (an upper bound: the teacher
   exists from the first firing on); oLoRA adds its ``hard_buffer_size`` buffered batches
   (forward and backward with ``hard_loss``, else forward only), both counted as if full from
   the first step (an upper bound). P and FGH add
@@ -67,7 +67,6 @@ from ..engine.flops import (  # noqa: F401
     MEASURED_IMG_SIZE,
     PATCH,
     DatasetSize,
-    _adapter_flag,
     _method_default,
     _tokens,
     dataset_size,

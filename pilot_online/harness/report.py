@@ -105,7 +105,7 @@ def method_label(model_name: str | None) -> str | None:
 
 def _memory_based(model_name: str | None) -> bool:
     adapter = _registered(model_name, "get_method")
-    return bool(adapter and adapter.memory_based)
+    return bool(adapter and adapter.replay is not None)
 
 
 def variant_label(config: dict[str, Any]) -> str:

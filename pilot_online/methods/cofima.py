@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..core.checks import boolean, real
-from ..engine.adapter import ConfigKey
+from ..engine.adapter import ConfigKey, Consolidation
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, VIT_B16_WIDTH
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.checkpoint import tensors_to
@@ -130,7 +130,7 @@ class CoFiMAOnline(SLCAOnline):
     #: Upstream merges once per task: a firing per ``consolidation_new_classes`` new classes is
     #: the stream's sign of one; a merge every N samples would average several times per task,
     #: each pulling the weights back towards the last firing's.
-    default_consolidation: ClassVar[str] = "new_classes"
+    consolidation: ClassVar[Consolidation] = Consolidation(trigger="new_classes")
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         **SLCAOnline.config_keys,
         "wt_lambda": ConfigKey(

@@ -15,12 +15,12 @@ batches) weighted ``reg_term * (epoch / epochs) ** 2``.
 
 Online, one pass is upstream's first epoch: every step after a firing trains on that loss and the
 retrospective branch never runs (its weight is 0 at epoch 0). The teacher is the engine's
-(``keeps_teacher``), replay is declared (herding, 2000). The next classes cannot be read ahead at
-a firing: a class's mean exists from the step that first brings it, so after that step the
-transport runs over every class arrived since the firing (:meth:`COILOnline.observe`), sets the
-arrivals' rows and replaces the new branch's rows of all of them. Class means are running means
-of the stream's L2-normalised features (:class:`CoTransportState`). The Sinkhorn solver is
-``core/transport.py``'s, equal to POT's ``ot.sinkhorn``.
+(``Consolidation(teacher=True)``), replay is declared (herding, 2000). The next classes cannot be
+read ahead at a firing: a class's mean exists from the step that first brings it, so after that
+step the transport runs over every class arrived since the firing (:meth:`COILOnline.observe`),
+sets the arrivals' rows and replaces the new branch's rows of all of them. Class means are
+running means of the stream's L2-normalised features (:class:`CoTransportState`). The Sinkhorn
+solver is ``core/transport.py``'s, equal to POT's ``ot.sinkhorn``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,14 @@ from ..core.cosine_head import CosineHead, attach_cosine_head
 from ..core.masks import classes_present
 from ..core.prototypes import PrototypeBank
 from ..core.transport import prospective_rows
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, TrainingBatch
+from ..engine.adapter import (
+    ConfigKey,
+    Consolidation,
+    MethodAdapter,
+    Replay,
+    StepOutput,
+    TrainingBatch,
+)
 from ..engine.backbone_names import PLAIN_VIT, plain_vit_overrides
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.config import replay_keys
@@ -169,8 +176,7 @@ class COILOnline(MethodAdapter):
 
     base_model_name: ClassVar[str] = "coil"  # PILOT's transforms for its COIL learner
     backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
-    memory_based: ClassVar[bool] = True
-    keeps_teacher: ClassVar[bool] = True
+    replay: ClassVar[Replay | None] = Replay()
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         **replay_keys(
             COIL_MEMORY_SIZE,
@@ -197,9 +203,10 @@ class COILOnline(MethodAdapter):
     #: Upstream acts at task ends: a firing at each task boundary of a clear stream whose tasks
     #: hold ``consolidation_new_classes`` classes takes the teacher and the old classes' means
     #: and rows where ``after_task`` does.
-    default_consolidation: ClassVar[str] = "new_classes"
-    needs_consolidation: ClassVar[str] = (
-        "takes no teacher and no transport, so COIL would be replay with a cosine head"
+    consolidation: ClassVar[Consolidation] = Consolidation(
+        trigger="new_classes",
+        required="takes no teacher and no transport, so COIL would be replay with a cosine head",
+        teacher=True,
     )
 
     def backbone_kwargs(self, args: dict) -> dict[str, Any]:

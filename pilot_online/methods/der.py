@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.masks import mask_logits, training_mask
-from ..engine.adapter import MethodAdapter, StepOutput, TrainingBatch
+from ..engine.adapter import Consolidation, MethodAdapter, Replay, StepOutput, TrainingBatch
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, plain_vit_overrides
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.config import replay_keys
@@ -183,7 +183,7 @@ class DEROnline(MethodAdapter):
 
     base_model_name: ClassVar[str] = "der"
     backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
-    memory_based: ClassVar[bool] = True
+    replay: ClassVar[Replay | None] = Replay()
     config_keys: ClassVar[dict[str, Any]] = {
         **replay_keys(
             MEMORY_SIZE,
@@ -193,16 +193,16 @@ class DEROnline(MethodAdapter):
     }
     #: Upstream grows at each task start: a firing at each task boundary of a clear stream whose
     #: tasks hold ``consolidation_new_classes`` classes.
-    default_consolidation: ClassVar[str] = "new_classes"
-    needs_consolidation: ClassVar[str] = (
-        "never adds a branch, so the method would be one network with replay"
+    consolidation: ClassVar[Consolidation] = Consolidation(
+        trigger="new_classes",
+        required="never adds a branch, so the method would be one network with replay",
     )
 
     @classmethod
     def expected_branches(cls, args: Mapping[str, Any]) -> int:
         """Branches at the end of a run (for :func:`branch_state_bytes` and the FLOP model)."""
         classes = int(args["nb_classes"])
-        trigger = args.get("consolidation") or cls.default_consolidation
+        trigger = args.get("consolidation") or cls.consolidation.trigger
         if trigger == "new_classes":
             return max(1, math.ceil(classes / int(args.get("consolidation_new_classes", 10))))
         first, increment = int(args.get("init_cls", 10)), int(args.get("increment", 10))

@@ -11,7 +11,8 @@ What the online port keeps:
   (stream plus replayed samples) since the last consolidation.
 * **Distillation** (upstream ``_KD_loss``, from the second task on): ``lambda * known / new``
   times the KD loss at temperature ``T`` between the logits of the classes known at the last
-  firing and those of the engine teacher (the network at that firing, ``keeps_teacher``);
+  firing and those of the engine teacher (the network at that firing,
+  ``Consolidation(teacher=True)``);
   ``new`` counts the classes first seen since the firing (upstream: the task's classes).
 * **Gradient reweighting**: after backward, the head's gradient (the cross-entropy's, and L_P's
   with + P; the distillation's reaches the backbone only) has its row norms added to a running
@@ -20,7 +21,7 @@ What the online port keeps:
   gradient is added, scaled by :func:`kd_ratio` (upstream replaces the head's gradient rows with
   ``w * g_ce + ratio_kd * g_kd``). It runs in :meth:`DGROnline.transform_gradients`, before FGH,
   which pairs and scales the result.
-* **Memory**: declared replay (``memory_based``, ``replay_keys``): upstream's herding memory of
+* **Memory**: declared replay (``replay = Replay()``, ``replay_keys``): upstream's herding memory of
   ``memory_size`` 2,000, a quota of 2000 // classes seen, re-picked online.
 
 The default trigger, ``new_classes``, fires at each task boundary of a clear stream whose tasks
@@ -38,7 +39,7 @@ from torch import nn
 
 from ..core.checks import real
 from ..core.masks import mask_logits
-from ..engine.adapter import ConfigKey, StepOutput, TrainingBatch
+from ..engine.adapter import ConfigKey, Consolidation, Replay, StepOutput, TrainingBatch
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.config import replay_keys
 from ..engine.differences import (
@@ -174,8 +175,8 @@ class DGROnline(FinetuneOnline):
     herding replay."""
 
     base_model_name: ClassVar[str] = "dgr"  # PILOT's transforms for its DGR learner
-    memory_based: ClassVar[bool] = True
-    keeps_teacher: ClassVar[bool] = True
+    replay: ClassVar[Replay | None] = Replay()
+    consolidation: ClassVar[Consolidation] = Consolidation(trigger="new_classes", teacher=True)
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         **replay_keys(
             DGR_MEMORY_SIZE,
@@ -201,7 +202,6 @@ class DGROnline(FinetuneOnline):
     }
     #: In a clear stream with consolidation_new_classes = a task's classes (10, as CIFAR-100's
     #: 10 tasks), it fires at each task boundary: upstream's per-task statistics and teacher.
-    default_consolidation: ClassVar[str] = "new_classes"
     # Per-class statistics (on the head's device, made at the first use; build_network starts
     # them afresh): G and the label counts since the last consolidation (float64), the classes
     # trained on so far and those seen before the last consolidation (bool).

@@ -39,7 +39,7 @@ from torch import nn
 
 from ..core.checks import boolean, real
 from ..core.prototypes import PrototypeBank
-from ..engine.adapter import ConfigKey, StepOutput
+from ..engine.adapter import ConfigKey, Consolidation, StepOutput
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, VIT_B16_WIDTH
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.checkpoint import tensors_to
@@ -196,7 +196,7 @@ class DUCTOnline(FinetuneOnline):
 
     base_model_name: ClassVar[str] = "duct"
     backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
-    default_consolidation: ClassVar[str] = "new_classes"
+    consolidation: ClassVar[Consolidation] = Consolidation(trigger="new_classes")
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "bcb_lr_scale": ConfigKey(
             0.01,

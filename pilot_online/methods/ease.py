@@ -45,7 +45,7 @@ from torch import nn
 from ..core.checks import integer, real
 from ..core.cosine_head import CosineHead, attach_cosine_head
 from ..core.prototypes import PrototypeBank
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.adapter import ConfigKey, Consolidation, MethodAdapter, StepOutput
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
 
@@ -154,7 +154,7 @@ class EaseOnline(MethodAdapter):
         "vit_base_patch16_224_ease",
         "vit_base_patch16_224_in21k_ease",
     )
-    default_consolidation: ClassVar[str] = "new_classes"
+    consolidation: ClassVar[Consolidation] = Consolidation(trigger="new_classes")
     removed_keys: ClassVar[dict[str, str]] = {
         "adapter_num": "EASE adds one adapter subspace per consolidation firing, without a cap "
         "(upstream: one per task)"

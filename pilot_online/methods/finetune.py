@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..core.checks import integer
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.adapter import ConfigKey, MethodAdapter, Replay, StepOutput
 from ..engine.backbone_names import PLAIN_VIT, plain_vit_overrides
 from ..engine.card import MethodCard
 from ..engine.differences import BATCH_LOGIT_MASK, ONE_LINEAR_HEAD
@@ -86,5 +86,5 @@ ER_CARD = dataclasses.replace(
 class EROnline(FinetuneOnline):
     """Fine-tuning plus experience replay (the loop's ``ReplayMixin``, on by default here)."""
 
-    memory_based: ClassVar[bool] = True
+    replay: ClassVar[Replay | None] = Replay()
     config_keys: ClassVar[dict[str, ConfigKey]] = REPLAY_KEYS

@@ -24,7 +24,8 @@ Online (docs/methods.md, "FOSTER", says why):
 - The per-class counts behind both weightings are distinct samples since the last firing: the
   memory's per-class quota for a class known then, plus its stream samples since.
 - Memory: declared herding replay (upstream's ``fixed_memory``, ``memory_per_class`` 20), ranked
-  by the student's features (``herding_features``), the network each next segment starts from.
+  by the student's features (``Replay.herding_features``), the network each next segment starts
+  from.
 - Online prototypes: after a firing the branches are the student, so P's class means become the
   running means of the student's lineage features (kept every step), twice side by side.
 """
@@ -43,7 +44,14 @@ from torch import nn
 from ..core.checks import real
 from ..core.masks import classes_present, mask_logits, training_mask
 from ..core.prototypes import PrototypeBank
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, TrainingBatch
+from ..engine.adapter import (
+    ConfigKey,
+    Consolidation,
+    MethodAdapter,
+    Replay,
+    StepOutput,
+    TrainingBatch,
+)
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, plain_vit_overrides
 from ..engine.card import MethodCard
 from ..engine.card import UpstreamDifference as Difference
@@ -53,7 +61,7 @@ from ..engine.teacher import distillation_loss
 
 #: Upstream's ``exps/foster.json``: ``memory_size`` 2000, ``fixed_memory`` true, 20 per class.
 FOSTER_MEMORY_SIZE, FOSTER_PER_CLASS = 2000, 20
-#: The ``StepOutput.extras`` entry herding ranks stream samples by (``herding_features``).
+#: The ``StepOutput.extras`` entry herding ranks stream samples by (``Replay.herding_features``).
 HERDING_FEATURES = "lineage_features"
 
 
@@ -173,12 +181,13 @@ class FosterOnline(MethodAdapter):
 
     base_model_name: ClassVar[str] = "foster"  # PILOT's transforms for its FOSTER learner
     backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
-    memory_based: ClassVar[bool] = True
     #: Herding ranks by the lineage's features (the first backbone, then the student): one
     #: width and a continuous space across firings, where the boosted features change both.
-    herding_features: ClassVar[str] = HERDING_FEATURES
-    default_consolidation: ClassVar[str] = "new_classes"
-    needs_consolidation: ClassVar[str] = "never boosts, so FOSTER would be fine-tuning with replay"
+    replay: ClassVar[Replay | None] = Replay(herding_features=HERDING_FEATURES)
+    consolidation: ClassVar[Consolidation] = Consolidation(
+        trigger="new_classes",
+        required="never boosts, so FOSTER would be fine-tuning with replay",
+    )
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         **replay_keys(
             FOSTER_MEMORY_SIZE,

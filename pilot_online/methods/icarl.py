@@ -8,11 +8,12 @@ a frozen copy of the network taken at the previous task's end (``after_task``). 
 it rebuilds a herding memory of ``memory_size`` 2000 (``build_rehearsal_memory``).
 
 The online port is three declarations on the engine: the network is PILOT's ``IncrementalNet``
-with one linear head over every class (``online_head``); replay is declared (``memory_based`` and
-``replay_keys``: a herding memory of 2000, upstream's ``memory_size`` with ``fixed_memory:
-false``); the teacher is the engine's (``keeps_teacher``: a frozen snapshot at each consolidation
-firing). What the adapter itself computes is the distillation term, in :meth:`loss_terms`, over
-the classes known at the last firing (a mask: in a Si-Blurry stream they are no prefix).
+with one linear head over every class (``online_head``); replay is declared (``replay =
+Replay()`` and ``replay_keys``: a herding memory of 2000, upstream's ``memory_size`` with
+``fixed_memory: false``); the teacher is the engine's (``Consolidation(teacher=True)``: a frozen
+snapshot at each consolidation firing). What the adapter itself computes is the distillation
+term, in :meth:`loss_terms`, over the classes known at the last firing (a mask: in a Si-Blurry
+stream they are no prefix).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from ..core.checks import real
-from ..engine.adapter import ConfigKey, StepOutput, TrainingBatch
+from ..engine.adapter import ConfigKey, Consolidation, Replay, StepOutput, TrainingBatch
 from ..engine.backbone_names import PLAIN_VIT
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.config import replay_keys
@@ -74,8 +75,7 @@ class ICaRLOnline(FinetuneOnline):
 
     base_model_name: ClassVar[str] = "icarl"  # PILOT's transforms for its iCaRL learner
     backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
-    memory_based: ClassVar[bool] = True
-    keeps_teacher: ClassVar[bool] = True
+    replay: ClassVar[Replay | None] = Replay()
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         **replay_keys(
             ICARL_MEMORY_SIZE,
@@ -90,8 +90,11 @@ class ICaRLOnline(FinetuneOnline):
     }
     #: Upstream acts at task ends: a firing at each task boundary of a clear stream whose tasks
     #: hold ``consolidation_new_classes`` classes takes the teacher where ``after_task`` does.
-    default_consolidation: ClassVar[str] = "new_classes"
-    needs_consolidation: ClassVar[str] = "takes no teacher, so iCaRL would never distil"
+    consolidation: ClassVar[Consolidation] = Consolidation(
+        trigger="new_classes",
+        required="takes no teacher, so iCaRL would never distil",
+        teacher=True,
+    )
 
     def build_network(self, args: dict) -> nn.Module:
         # PILOT's IncrementalNet (its forward expects SimpleLinear's dict: the inherited forward

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.checks import boolean, integer, real
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.adapter import ConfigKey, Consolidation, MethodAdapter, StepOutput
 from ..engine.backbone_names import pilot_backbones, plain_vit_overrides
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
@@ -102,7 +102,7 @@ CARD = MethodCard(
 class LAEOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "lae"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("lae")
-    default_consolidation: ClassVar[str] = "new_classes"
+    consolidation: ClassVar[Consolidation] = Consolidation(trigger="new_classes")
     #: Stream samples left in the current freeze window (``build_network`` starts one).
     frozen_left: ClassVar[int] = 0
     #: Stream samples since the last firing (the stream's start): the open segment's length.

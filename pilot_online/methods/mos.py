@@ -61,7 +61,7 @@ from ..core.checks import boolean, integer, real
 from ..core.class_stats import ClassGaussians, align_classifier
 from ..core.prototypes import PrototypeBank
 from ..core.rng import key_seed
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
+from ..engine.adapter import ConfigKey, Consolidation, MethodAdapter, StepOutput
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
 
@@ -208,7 +208,7 @@ class MOSOnline(MethodAdapter):
         "vit_base_patch16_224_mos",
         "vit_base_patch16_224_in21k_mos",
     )
-    default_consolidation: ClassVar[str] = "new_classes"
+    consolidation: ClassVar[Consolidation] = Consolidation(trigger="new_classes")
     removed_keys: ClassVar[dict[str, str]] = {
         "mos_max_adapters": "MOS adds one adapter set per consolidation firing, without a cap "
         "(upstream: one per task)"

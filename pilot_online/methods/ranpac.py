@@ -50,7 +50,7 @@ from torch import nn
 
 from ..core.checks import boolean, integer
 from ..core.cosine_head import attach_cosine_head
-from ..engine.adapter import ConfigKey, StepOutput
+from ..engine.adapter import ConfigKey, Consolidation, StepOutput
 from ..engine.backbone_names import PLAIN_VIT, pilot_backbones
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.differences import FIRST_SESSION_DIFFERENCES
@@ -106,7 +106,7 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
         *pilot_backbones("aper_vpt"),
         *PLAIN_VIT,
     )
-    default_consolidation: ClassVar[str] = "new_classes"
+    consolidation: ClassVar[Consolidation] = Consolidation(trigger="new_classes")
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "tune_first_session": ConfigKey(
             True,

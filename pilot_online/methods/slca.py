@@ -46,7 +46,7 @@ from torch import nn
 from ..core.checks import integer, real
 from ..core.class_stats import ClassGaussians, align_classifier
 from ..core.rng import key_seed
-from ..engine.adapter import ConfigKey, StepOutput
+from ..engine.adapter import ConfigKey, Consolidation, StepOutput
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
 from .finetune import FinetuneOnline
@@ -108,7 +108,7 @@ class SLCAOnline(FinetuneOnline):
     #: ``consolidation_new_classes`` new classes is the stream's sign of a task boundary, on
     #: CUB-sized tasks as on CIFAR's. CA itself runs at each evaluation (the view), whatever the
     #: trigger.
-    default_consolidation: ClassVar[str] = "new_classes"
+    consolidation: ClassVar[Consolidation] = Consolidation(trigger="new_classes")
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "bcb_lrscale": ConfigKey(
             0.01, "backbone LR = bcb_lrscale x init_lr (upstream 0.01; 0 freezes it)", check=real(0)
