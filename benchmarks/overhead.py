@@ -160,7 +160,7 @@ def upstream_step(method: str, adapter, network, config, device) -> Callable[[An
     coda_train = device.type == "cuda"
 
     def step(inputs, labels) -> None:
-        adapter.train_mode(network)
+        adapter.set_mode(network, train=True)
         if method == "coda":
             if coda_train:
                 logits, prompt_loss = network(inputs, train=True)

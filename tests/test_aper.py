@@ -172,7 +172,7 @@ def test_features_concatenate_the_two_branches_and_one_step_moves_only_what_trai
     _, (adapter, network, config) = case
     torch.manual_seed(0)
     x = torch.randn(4, 3, 32, 32)
-    adapter.eval_mode(network)
+    adapter.set_mode(network, train=False)
     with torch.no_grad():
         out = adapter.forward(network, x, train=False)
         assert torch.allclose(out.features[:, :768], network.backbones[0](x))

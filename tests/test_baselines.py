@@ -319,7 +319,7 @@ def test_linear_probe_trains_only_fc_and_keeps_the_backbone_deterministic(adapte
     loop = build_loop(adapter, network, {"optimizer": "sgd", "init_lr": 0.1}, C)
     assert [n for n, _ in loop.named_parameters] == ["fc.weight", "fc.bias"]
     x = torch.randn(4, D_IN)
-    adapter.train_mode(network)
+    adapter.set_mode(network, train=True)
     # The frozen backbone runs as a fixed extractor (eval: no dropout), the fc trains.
     assert not network.backbone.training and network.fc.training
     out = adapter.forward(network, x, train=True)

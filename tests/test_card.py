@@ -80,23 +80,28 @@ def test_card_fields_on_the_adapter_class_are_refused(scratch_registry):
     assert "labelled_online" not in registry.list_methods()
 
 
-def test_retired_declarations_on_the_adapter_class_are_refused(scratch_registry):
-    """``keeps_teacher = True`` on a port written against the old contract would give a method
-    that never distils, silently: the registry refuses it and names the declaration that
-    replaced it."""
-
-    class Old(FinetuneOnline):
-        keeps_teacher = True
-        default_consolidation = "new_classes"
-
+def test_retired_members_on_an_adapter_class_are_refused_when_it_is_defined():
+    """``keeps_teacher = True`` or a ``train_mode`` hook on a port written against the old
+    contract would give a method that never distils or never freezes its query ViT, silently:
+    the class is refused where it is defined, registered or not, naming what replaced each."""
     with pytest.raises(
         TypeError,
-        match=r"sets default_consolidation, keeps_teacher, which the contract no longer reads: "
-        r"default_consolidation: declare consolidation = Consolidation\(trigger=\.\.\.\); "
-        r"keeps_teacher: declare consolidation = Consolidation\(teacher=True\)",
+        match=r"Old defines default_consolidation, keeps_teacher, which the method contract no "
+        r"longer reads: default_consolidation: declare consolidation = "
+        r"Consolidation\(trigger=\.\.\.\); keeps_teacher: declare consolidation = "
+        r"Consolidation\(teacher=True\)",
     ):
-        registry.register_method("old_online")(Old)
-    assert "old_online" not in registry.list_methods()
+
+        class Old(FinetuneOnline):
+            keeps_teacher = True
+            default_consolidation = "new_classes"
+
+    with pytest.raises(TypeError, match=r"defines train_mode.*override set_mode\(network, train\)"):
+
+        class OldHook(FinetuneOnline):
+            def train_mode(self, network):
+                network.train()
+
     assert not set(RETIRED_MEMBERS) & set(dir(MethodAdapter))
 
 

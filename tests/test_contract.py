@@ -169,7 +169,7 @@ def test_builds_with_an_online_head(built, sample_images):
     assert isinstance(head, torch.nn.Linear) and head.out_features == NUM_CLASSES
     trainable = dict(adapter.trainable_parameters(network))
     assert bool(trainable) == adapter.trains
-    adapter.eval_mode(network)
+    adapter.set_mode(network, train=False)
     with torch.no_grad():
         out = adapter.forward(network, ArrayDataSource._to_tensor(sample_images[:3]), train=False)
     assert out.logits.shape == (3, NUM_CLASSES)
@@ -206,7 +206,7 @@ def test_train_mode_logits_do_not_depend_on_batching(built, sample_images):
     _, network, config = built
     assert config["drop"] == 0 and config["drop_path"] == 0, "dropout would differ per call"
     adapter = get_method(config["model_name"])(args={**config, "batchwise_prompt": False})
-    adapter.train_mode(network)
+    adapter.set_mode(network, train=True)
     x = ArrayDataSource._to_tensor(sample_images)
     order = torch.from_numpy(np.random.default_rng(2).permutation(NUM_TEST_IMAGES))
     # A training forward may update method state by design (MVP counts key use): every call
@@ -292,7 +292,7 @@ def test_p_fgh_steps_and_a_checkpoint_round_trip(built, tmp_path):
     for key in theirs:
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-7, msg=key)
     x = STEP_IMAGES[:3]
-    adapter.eval_mode(network), fresh_adapter.eval_mode(fresh.network)
+    adapter.set_mode(network, train=False), fresh_adapter.set_mode(fresh.network, train=False)
     with torch.no_grad():
         expected = adapter.forward(network, x, train=False).logits
         logits = fresh_adapter.forward(fresh.network, x, train=False).logits

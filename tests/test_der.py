@@ -137,11 +137,11 @@ def grown():
     loop = make_loop()
     adapter, network = loop.adapter, loop.network
     recorded = {}
-    train_mode = adapter.train_mode
+    set_mode = adapter.set_mode
 
-    def record(net):
-        train_mode(net)
-        if len(loop.trigger.firings) == 1 and "means" not in recorded:
+    def record(net, train):
+        set_mode(net, train)
+        if train and len(loop.trigger.firings) == 1 and "means" not in recorded:
             recorded["means"] = loop.prototypes.means.clone()
             recorded["features"] = {c: v.copy() for c, v in loop.memory.features.items()}
             recorded["memory_means"] = {c: v.copy() for c, v in loop.memory.means.items()}
@@ -151,7 +151,7 @@ def grown():
             recorded["fc_state"] = loop.optimizer.state.get(net.fc.weight)
             recorded["alpha"] = loop.fgh.coefficients()
 
-    adapter.train_mode = record
+    adapter.set_mode = record
     stats = [step(loop, 0), step(loop, 1)]
     before = {
         "means": loop.prototypes.means.clone(),
@@ -163,7 +163,7 @@ def grown():
         "alpha": loop.fgh.coefficients(),
     }
     stats += [step(loop, 2), step(loop, 3)]
-    adapter.train_mode = train_mode
+    adapter.set_mode = set_mode
     return loop, before, recorded, stats
 
 
@@ -227,7 +227,7 @@ def test_the_new_branch_repeats_the_old_features_at_the_firing():
     network = loop.network
     loop.adapter.consolidate(network, 0)
     for train in (False, True):
-        (loop.adapter.train_mode if train else loop.adapter.eval_mode)(network)
+        loop.adapter.set_mode(network, train)
         if train:
             network.backbones[1].eval()  # dropout off: compare the weights' function
         with torch.no_grad():

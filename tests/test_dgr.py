@@ -40,9 +40,6 @@ class TinyDGR(DGROnline):
         features = torch.relu(network.body(x))
         return StepOutput(network.fc(features), features)
 
-    def train_mode(self, network: nn.Module) -> None:
-        network.train()
-
 
 def _softmax(z: np.ndarray) -> np.ndarray:
     z = z - z.max(axis=1, keepdims=True)

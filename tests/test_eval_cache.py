@@ -114,7 +114,7 @@ def test_cached_evaluation_is_bit_identical(pilot_on_path, name, images, device)
     upstream_forward = UPSTREAM_FORWARD.get(type(network).__name__)
     if upstream_forward is not None:  # the split forward is PILOT's own forward, bit for bit
         x = ArrayDataSource._to_tensor(images)
-        adapter.eval_mode(network)
+        adapter.set_mode(network, train=False)
         with torch.no_grad():
             upstream = upstream_forward(network, x)
             assert torch.equal(adapter.forward(network, x, train=False).logits, upstream)
@@ -139,7 +139,7 @@ def test_cached_evaluation_is_bit_identical(pilot_on_path, name, images, device)
     assert torch.equal(cached[0][0], plain[0][0])
     labels = np.zeros(NUM_TEST, dtype=np.int64)
     source = ArrayDataSource(images[:1], labels[:1], images, labels, eval_batch_size=4)
-    adapter.eval_mode(network)
+    adapter.set_mode(network, train=False)
     with torch.no_grad():
         batches = source.eval_batches(everything)
         query_pass = adapter.query_pass(network)

@@ -262,7 +262,7 @@ def test_the_student_learns_from_bkd_alone_and_the_old_branch_from_nothing(built
     x, y = torch.randn(5, 3, 32, 32), torch.tensor([0, 1, 4, 5, 4])
     from pilot_online.engine.adapter import TrainingBatch
 
-    adapter.train_mode(grown)
+    adapter.set_mode(grown, train=True)
     out = adapter.forward(grown, x, train=True)
     ce = adapter.classification_loss(grown, out, y, None)
     batch = TrainingBatch(x, y, 5, grown.seen_classes, grown.known_classes)

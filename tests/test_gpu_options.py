@@ -139,7 +139,7 @@ def test_sdpa_matches_hand_written_attention(pilot_on_path, name, monkeypatch):
     assert_every_attention_swapped(fused)
     images = np.random.default_rng(0).integers(0, 256, size=(10, 32, 32, 3), dtype=np.uint8)
     x = ArrayDataSource._to_tensor(images)
-    adapter.eval_mode(network), adapter.eval_mode(fused)
+    adapter.set_mode(network, train=False), adapter.set_mode(fused, train=False)
     spy = SDPASpy()
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     with torch.no_grad():

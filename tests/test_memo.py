@@ -105,18 +105,18 @@ def run(**overrides):
         "first": snapshot(network.AdaptiveExtractors[0]),
         "means": loop.prototypes.means.clone(),
     }
-    modes, train_mode = {}, loop.adapter.train_mode
+    modes, set_mode = {}, loop.adapter.set_mode
 
-    def record(net):
-        train_mode(net)
-        if loop.trigger.firings and not modes:
+    def record(net, train):
+        set_mode(net, train)
+        if train and loop.trigger.firings and not modes:
             modes["base"] = net.TaskAgnosticExtractor.training
             modes["extractors"] = [e.training for e in net.AdaptiveExtractors]
             modes["means"] = loop.prototypes.means.clone()
 
-    loop.adapter.train_mode = record
+    loop.adapter.set_mode = record
     stats = [step(loop, 2), step(loop, 3)]
-    loop.adapter.train_mode = train_mode
+    loop.adapter.set_mode = set_mode
     return loop, before, modes, stats
 
 

@@ -208,7 +208,7 @@ def test_consolidation_is_upstreams_task_end_step(mos):
     2 samples, one statistics forward each) towards set 0, the mean of the sets before set 1."""
     adapter, network, _ = mos
     sets = network.backbone.adapter_list
-    adapter.train_mode(network)
+    adapter.set_mode(network, train=True)
     assert sets[0].training and len(sets) == 1
     labels = torch.tensor([0, 1, 2, 3] * 2)
     out = adapter.forward(network, IMAGES[:8], train=True)
@@ -225,7 +225,7 @@ def test_consolidation_is_upstreams_task_end_step(mos):
     for a, b in zip(head, network.backbone.head.parameters()):
         assert torch.equal(a, b)
     assert network.orth_classes.tolist() == [True] * 4 + [False] * 2
-    adapter.train_mode(network)
+    adapter.set_mode(network, train=True)
     assert sets[1].training and not sets[0].training  # dropout in the active set only
 
     with torch.no_grad():
@@ -254,7 +254,7 @@ def test_retrieval_after_consolidation_does_not_depend_on_batching(mos):
     alone (the first 4) and in one batch, and equal the hand-written retrieval."""
     adapter, network, config = mos
     assert len(network.backbone.adapter_list) == 3, "runs after the consolidation test"
-    adapter.eval_mode(network)
+    adapter.set_mode(network, train=False)
     with torch.no_grad():
         whole = adapter.forward(network, IMAGES, train=False).logits
         alone = [adapter.forward(network, x[None], train=False).logits for x in IMAGES[:4]]
@@ -280,7 +280,7 @@ def test_evaluation_view_is_the_next_firings_alignment_and_the_pull_limit(mos):
     adapter, network, _ = mos
     assert len(network.backbone.adapter_list) == 3, "runs after the consolidation test"
     before = {n: t.detach().clone() for n, t in network.state_dict().items()}
-    adapter.eval_mode(network)
+    adapter.set_mode(network, train=False)
     with torch.no_grad():
         view = adapter.evaluation_view(network)
     for name, tensor in network.state_dict().items():

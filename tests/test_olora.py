@@ -246,11 +246,11 @@ def test_olora_plateau_merges_without_changing_outputs_and_is_reported():
     original = adapter._consolidate
 
     def consolidate(network):
-        adapter.eval_mode(network)
+        adapter.set_mode(network, train=False)
         with torch.no_grad():
             before = network(probe)[0]
         original(network)
-        adapter.eval_mode(network)
+        adapter.set_mode(network, train=False)
         with torch.no_grad():
             after = network(probe)[0]
         merges.append((before - after).abs().max().item())
@@ -436,7 +436,7 @@ def test_olora_window_and_ranking_read_the_unmasked_ce_upstream(window):
     adapter, loop = build(olora_config(olora_window_loss=window))
     g = torch.Generator().manual_seed(3)
     x, y = torch.rand(4, 3, 32, 32, generator=g), torch.tensor([0, 1, 1, 0])
-    adapter.train_mode(loop.network)
+    adapter.set_mode(loop.network, train=True)
     with torch.no_grad():
         logits = loop.network(x)[0]
     unmasked = F.cross_entropy(logits, y).item()

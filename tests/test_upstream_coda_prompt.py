@@ -81,7 +81,7 @@ def test_difference_penalty_in_adapter(coda: Built) -> None:
     x, y = images([0, 1])
     with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
         init_train_gradients(Learner, coda, x, y, task_classes=2)
-    adapter.train_mode(network)
+    adapter.set_mode(network, train=True)
     with torch.no_grad():
         query_pass = adapter.query_pass(network)
         query = query_pass.features(x)

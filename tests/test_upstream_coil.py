@@ -243,7 +243,7 @@ def test_difference_batch_logit_mask(coil: Built) -> None:
         loader, optimiser = one_batch(x, y), GradientsOnly(learner._network.parameters())
         learner._update_representation(loader, loader, optimiser, NoSchedule())
         head_gradients.append(learner._network.fc.weight.grad)
-    adapter.train_mode(network)
+    adapter.set_mode(network, train=True)
     with torch.no_grad():
         features = network.backbone(x)
     out = StepOutput(network.fc(features), features)
@@ -273,7 +273,7 @@ def test_difference_one_cosine_head_over_every_class(coil: Built) -> None:
     assert torch.equal(learner._network.fc.weight[OLD:], torch.zeros(OLD, head.in_features))
     learner._network.load_state_dict(upstream_state(network.state_dict(), NUM_CLASSES))
     x, _ = images([0, 1, 2], seed=2)
-    adapter.eval_mode(network), learner._network.eval()
+    adapter.set_mode(network, train=False), learner._network.eval()
     with torch.no_grad():
         ours = adapter.forward(network, x, train=False).logits
         theirs = learner._network(x)["logits"]
@@ -455,7 +455,7 @@ def test_difference_logits_only_evaluation(coil: Built) -> None:
     learner._class_means = means / np.linalg.norm(means, axis=1, keepdims=True)
     cnn, nme = learner.eval_task()
     assert nme is not None and nme["top1"] != cnn["top1"]
-    adapter.eval_mode(network)
+    adapter.set_mode(network, train=False)
     with torch.no_grad():
         ours = adapter.forward(network, x, train=False).logits.argmax(1)
     theirs, _ = learner._eval_cnn(learner.test_loader)

@@ -280,11 +280,11 @@ def test_a_firing_step_is_upstreams_update_fc_and_update_representation(der_firi
 
 
 def assert_same_train_modes(port: Port, run: dict[str, Any]) -> None:
-    """Upstream's ``train()`` / ``set_network()`` and our ``train_mode`` leave every module of
+    """Upstream's ``train()`` / ``set_network()`` and our ``set_mode`` leave every module of
     the grown network in the same mode (frozen branches in eval mode)."""
     learner, grown, adapter = run["learner"], run["grown"], run["adapter"]
     port.upstream_train(learner)
-    adapter.train_mode(grown)
+    adapter.set_mode(grown, train=True)
     theirs = {n: m.training for n, m in learner._network.named_modules()}
     ours = {n: m.training for n, m in grown.named_modules()}
     assert {n: theirs[n] for n in ours} == ours
@@ -307,7 +307,7 @@ def assert_same_eval_forward(adapter: Any, grown: nn.Module, upstream: nn.Module
         strict=False,
     )
     x, _ = images([0, 1, 2], seed=5)
-    upstream.eval(), adapter.eval_mode(grown)
+    upstream.eval(), adapter.set_mode(grown, train=False)
     with torch.no_grad():
         theirs = upstream(x)
         ours = adapter.forward(grown, x, train=False)
@@ -374,7 +374,7 @@ def our_loss_terms(run: dict[str, Any], x, y) -> dict[str, Any]:
     """Our firing step's loss terms on ``(x, y)`` (the grown network, classes 0-3 known, the
     batch mask)."""
     adapter, grown = run["adapter"], run["grown"]
-    adapter.train_mode(grown)
+    adapter.set_mode(grown, train=True)
     with torch.no_grad():
         out = adapter.forward(grown, x, train=True)
     known = torch.arange(TOTAL) < FIRST

@@ -87,7 +87,7 @@ class GradSumsFrom:
 def our_step(adapter: Any, network: nn.Module, x: torch.Tensor, y: torch.Tensor) -> StepOutput:
     """Our adapter's part of one loop step before any firing, without the optimiser: the loss
     under the batch mask, backward, DGR's reweighting."""
-    adapter.train_mode(network)
+    adapter.set_mode(network, train=True)
     network.zero_grad(set_to_none=True)
     out = adapter.forward(network, x, train=True)
     mask = training_mask("batch", y, torch.zeros(NUM_CLASSES, dtype=torch.bool), NUM_CLASSES)
@@ -350,7 +350,7 @@ def test_difference_kd_ratio_without_gradient(dgr: Built) -> None:
     stats = adapter._statistics(network)
     stats["seen"][0] = True
     adapter.consolidate(network, 0)  # class 0 known, G and the counts restarted
-    adapter.train_mode(network)
+    adapter.set_mode(network, train=True)
     network.zero_grad(set_to_none=True)
     out = adapter.forward(network, x, train=True)
     seen = torch.arange(NUM_CLASSES) < total

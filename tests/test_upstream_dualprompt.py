@@ -61,7 +61,7 @@ def test_difference_no_batch_vote_at_evaluation(dualprompt: Built) -> None:
     """As L2P's: upstream evaluates with the vote on; ours is upstream's with it off."""
     adapter, network, _ = dualprompt
     x, _ = images([0, 1, 2, 3, 4, 5], seed=2)
-    adapter.eval_mode(network)
+    adapter.set_mode(network, train=False)
     upstream = upstream_copy(dualprompt, hooked=True)
     pool = upstream.backbone.e_prompt
     with torch.no_grad():
@@ -80,7 +80,7 @@ def test_difference_per_sample_prefix_layout(dualprompt: Built) -> None:
     not."""
     adapter, network, _ = dualprompt
     x, _ = images([0, 1, 2, 3], seed=3)
-    adapter.eval_mode(network)
+    adapter.set_mode(network, train=False)
     upstream = upstream_copy(dualprompt, hooked=False)
     with torch.no_grad():
         ours = adapter.forward(network, x, train=False).logits
@@ -99,7 +99,7 @@ def test_difference_no_task_prompt_slots(dualprompt: Built) -> None:
     assert DualPromptOnline.config_keys["use_prompt_mask"].forced
     assert DualPromptOnline.config_keys["shared_prompt_pool"].forced
     x, _ = images([0, 1, 2, 3], seed=4)
-    adapter.train_mode(network)
+    adapter.set_mode(network, train=True)
     with torch.no_grad():
         query = adapter.query_pass(network).features(x)
         ours = network.backbone(x, task_id=-1, cls_features=query, train=True)["prompt_idx"]

@@ -227,7 +227,7 @@ def test_difference_running_class_means(pilot_on_path) -> None:
     vit = tiny_vit(dropout=0.5)
     adapter, network = ours_on(vit)
     x, labels = images(6), torch.tensor([0, 0, 0, 1, 1, 1])
-    adapter.train_mode(network)
+    adapter.set_mode(network, train=True)
     torch.manual_seed(3)
     out = adapter.forward(network, x, train=True)
     adapter.observe(network, out, labels)

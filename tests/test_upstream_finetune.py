@@ -187,7 +187,7 @@ def test_difference_batch_logit_mask(finetune) -> None:
         optimiser = GradientsOnly(learner._network.parameters())
         learner._update_representation(loader, loader, optimiser, NoSchedule())
         head_gradients.append(learner._network.fc.weight.grad)
-    adapter.train_mode(network)
+    adapter.set_mode(network, train=True)
     with torch.no_grad():
         features = network.backbone(x)
     out = StepOutput(network.fc(features), features)

@@ -334,7 +334,7 @@ def test_difference_online_herding_on_student_features(built: Built) -> None:
     learner = boosted_learner(built, grown, NUM_CLASSES, torch.ones(NUM_CLASSES))
     vectors, _ = learner._extract_vectors(one_batch(x, y))
     adapter = built[0]
-    adapter.eval_mode(grown)
+    adapter.set_mode(grown, train=False)
     with torch.no_grad():
         ours = adapter.forward(grown, x, train=True).extras[HERDING_FEATURES]
         branches = torch.cat([b(x) for b in grown.backbones], 1)

@@ -257,7 +257,7 @@ def test_difference_batch_logit_mask(icarl: Built) -> None:
         loader, optimiser = one_batch(x, y), GradientsOnly(learner._network.parameters())
         learner._init_train(loader, loader, optimiser, NoSchedule())
         head_gradients.append(learner._network.fc.weight.grad)
-    adapter.train_mode(network)
+    adapter.set_mode(network, train=True)
     with torch.no_grad():
         features = network.backbone(x)
     out = StepOutput(network.fc(features), features)
@@ -326,7 +326,7 @@ def test_difference_logits_only_evaluation(icarl: Built) -> None:
     learner._class_means = means / np.linalg.norm(means, axis=1, keepdims=True)
     cnn, nme = learner.eval_task()
     assert nme is not None and nme["top1"] != cnn["top1"]
-    adapter.eval_mode(network)
+    adapter.set_mode(network, train=False)
     with torch.no_grad():
         ours = adapter.forward(network, x, train=False).logits.argmax(1)
     theirs, _ = learner._eval_cnn(learner.test_loader)

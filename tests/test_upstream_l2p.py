@@ -123,7 +123,7 @@ def test_difference_no_batch_vote_at_evaluation(l2p: Built) -> None:
     each sample's prompts alone: our logits are upstream's network's with the vote off."""
     adapter, network, config = l2p
     x, _ = images([0, 1, 2, 3, 4, 5], seed=2)
-    adapter.eval_mode(network)
+    adapter.set_mode(network, train=False)
     with torch.no_grad():
         ours = adapter.forward(network, x, train=False).logits
         from models.l2p import Learner

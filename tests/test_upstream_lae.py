@@ -202,7 +202,7 @@ def lae(pilot_on_path):
         for p in network.pets_emas.parameters():
             p.normal_(0, 0.5)
         network.fc.weight.normal_(0, 0.5)
-    adapter.eval_mode(network)
+    adapter.set_mode(network, train=False)
     return adapter, network
 
 

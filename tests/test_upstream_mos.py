@@ -157,7 +157,7 @@ def test_training_step_is_upstreams(pilot_on_path):
     optimizer.step()
     vit.adapter_merge()
 
-    adapter.train_mode(ours)
+    adapter.set_mode(ours, train=True)
     torch.manual_seed(7)
     out = adapter.forward(ours, IMAGES, train=True)
     (F.cross_entropy(out.logits, LABELS) + out.aux_loss).backward()
@@ -198,7 +198,7 @@ def test_merge_strength_is_upstreams_without_a_gradient(pilot_on_path):
     vit, adapter, ours, values = state()
     vit(IMAGES, adapter_id=STORED, train=True)
     vit.adapter_merge()
-    adapter.train_mode(ours)
+    adapter.set_mode(ours, train=True)
     with torch.no_grad():
         adapter.forward(ours, IMAGES, train=True)
     adapter.after_step(ours, IMAGES, LABELS, {})
@@ -248,7 +248,7 @@ def upstream_statistics(vit: nn.Module, task: int, batch_size: int, classes=(4, 
 
 def our_statistics(adapter: MOSOnline, ours: nn.Module) -> None:
     """Our statistics of IMAGES, one stream batch of 8, as the loop folds them in."""
-    adapter.train_mode(ours)
+    adapter.set_mode(ours, train=True)
     with torch.no_grad():
         out = adapter.forward(ours, IMAGES, train=True)
     adapter.observe(ours, out, LABELS)
@@ -361,7 +361,7 @@ def test_difference_running_class_statistics(pilot_on_path):
     final set 0."""
     vit, adapter, ours, _ = state(stored=0)
     halves = (slice(0, 4), slice(4, 8))
-    adapter.train_mode(ours)
+    adapter.set_mode(ours, train=True)
     seen = []
     for half in halves:
         with torch.no_grad():
@@ -415,7 +415,7 @@ def test_difference_evaluation_at_pull_limit(pilot_on_path):
     trained = {n: p.detach().clone() for n, p in ours.named_parameters()}
     named = dict(ours.named_parameters())
     vit.eval()
-    adapter.eval_mode(ours)
+    adapter.set_mode(ours, train=False)
     with torch.no_grad():
         saved = {name: named[name].data for name in view}
         for name, value in view.items():

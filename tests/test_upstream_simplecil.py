@@ -60,7 +60,7 @@ def trained_loop(built: Built, batches: list) -> None:
 
 
 def our_logits(adapter: Any, network: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    adapter.eval_mode(network)
+    adapter.set_mode(network, train=False)
     with torch.no_grad():
         return adapter.forward(network, x, train=False).logits[:, : len(TASK)]
 

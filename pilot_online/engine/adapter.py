@@ -139,8 +139,8 @@ class Consolidation:
     teacher: bool = False
 
 
-#: Adapter members that were declarations once, with where each went: ``register_method``
-#: refuses a class that still sets one, as it would otherwise be silently ignored.
+#: Adapter members that the contract once had, with where each went: a subclass that still
+#: defines one is refused when it is defined, as it would otherwise be silently ignored.
 RETIRED_MEMBERS: Mapping[str, str] = {
     "memory_based": "declare replay = Replay()",
     "herding_features": "declare replay = Replay(herding_features=...)",
@@ -148,6 +148,8 @@ RETIRED_MEMBERS: Mapping[str, str] = {
     "needs_consolidation": "declare consolidation = Consolidation(required=...)",
     "keeps_teacher": "declare consolidation = Consolidation(teacher=True)",
     "train_forward_predicts": "delete it: A_online always scores with an eval-mode pass",
+    "train_mode": "override set_mode(network, train) and handle train=True",
+    "eval_mode": "override set_mode(network, train) and handle train=False",
 }
 
 
@@ -156,6 +158,7 @@ class MethodAdapter:
     """Base class of the per-method adapters. Subclasses override the three methods marked below;
     what the tooling knows about a method is on its card (``engine/card.py``), not here."""
 
+    # -- declared fields ---------------------------------------------------------------------------
     #: The upstream PILOT model name whose network we reuse (its factories check this name).
     base_model_name: ClassVar[str] = ""
     #: The exact ``backbone_type`` names the method accepts: those PILOT's ``get_backbone`` builds
@@ -178,6 +181,15 @@ class MethodAdapter:
     #: (:class:`Consolidation`): by default no trigger and no teacher.
     consolidation: ClassVar[Consolidation] = Consolidation()
     args: dict = field(default_factory=dict)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        retired = [member for member in RETIRED_MEMBERS if member in vars(cls)]
+        if retired:
+            raise TypeError(
+                f"{cls.__name__} defines {', '.join(retired)}, which the method contract no "
+                f"longer reads: {'; '.join(f'{m}: {RETIRED_MEMBERS[m]}' for m in retired)}"
+            )
 
     # -- required: every port writes these three ---------------------------------------------------
     def build_network(self, args: dict) -> nn.Module:
@@ -214,9 +226,12 @@ class MethodAdapter:
         return 1.0
 
     # -- step: every training step, in this order (docs/porting.md, When each hook runs) -----------
-    def train_mode(self, network: nn.Module) -> None:
-        """Put the network in training mode (methods with frozen query backbones override)."""
-        network.train()
+    def set_mode(self, network: nn.Module, train: bool) -> None:
+        """Put the network in training (``train``) or evaluation mode, as ``Module.train(mode)``
+        does: the loop calls it before every training step and every evaluation pass. A method
+        whose frozen parts must not train (a query ViT, old branches, a fixed extractor) keeps
+        them in eval mode here."""
+        network.train(train)
 
     def classification_loss(
         self,
@@ -306,10 +321,6 @@ class MethodAdapter:
         )
 
     # -- evaluation: what evaluation predicts with -------------------------------------------------
-    def eval_mode(self, network: nn.Module) -> None:
-        """Put the network in evaluation mode."""
-        network.eval()
-
     def evaluation_view(self, network: nn.Module) -> Mapping[str, torch.Tensor]:
         """What evaluation predicts with, derived from the training state as it is now: tensors by
         the name of a network parameter or buffer (``named_parameters``/``named_buffers``), of

@@ -478,7 +478,7 @@ class OnlineLoop:
         if replay is not None:
             inputs = torch.cat([inputs, replay[0].to(self.device, non_blocking=True)])
             batch_labels = torch.cat([labels, replay[1].to(self.device, non_blocking=True).long()])
-        self.adapter.train_mode(self.network)
+        self.adapter.set_mode(self.network, train=True)
         self.optimizer.zero_grad(set_to_none=True)
 
         with self.autocast():  # a no-op unless amp is set
@@ -570,7 +570,7 @@ class OnlineLoop:
         state = capture_rng_state(self.device)
         try:
             with self.evaluation_view(), self.autocast():
-                self.adapter.eval_mode(self.network)
+                self.adapter.set_mode(self.network, train=False)
                 logits = self.adapter.forward(self.network, inputs, train=False).logits
         finally:
             restore_rng_state(state, self.device)
@@ -747,7 +747,7 @@ class OnlineLoop:
         mode under a forked RNG, once per training state (cached until the next step, firing or
         restore), so evaluating never changes what training does next."""
         if self._view is None:
-            self.adapter.eval_mode(self.network)
+            self.adapter.set_mode(self.network, train=False)
             state = capture_rng_state(self.device)
             try:
                 with torch.no_grad():
@@ -794,7 +794,7 @@ class OnlineLoop:
         topk: int,
         sample_ids: np.ndarray | None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        self.adapter.eval_mode(self.network)
+        self.adapter.set_mode(self.network, train=False)
         allowed = allowed.to(self.device)
         topk = max(1, min(topk, int(allowed.sum())))
         query_pass = None if sample_ids is None else self.adapter.query_pass(self.network)

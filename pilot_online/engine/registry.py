@@ -28,7 +28,7 @@ from dataclasses import fields, replace
 from importlib import metadata
 from typing import Callable, TypeVar
 
-from .adapter import RETIRED_MEMBERS, MethodAdapter
+from .adapter import MethodAdapter
 from .card import MethodCard
 
 #: The entry point group third-party methods register under.
@@ -73,12 +73,6 @@ def register_method(name: str, card: MethodCard | None = None) -> Callable[[Adap
                 f"{cls.__name__} ({name!r}) sets {', '.join(misplaced)} on the adapter class, "
                 f"where nothing reads it: these are card fields, pass them as "
                 f"register_method({name!r}, card=MethodCard({misplaced[0]}=...))"
-            )
-        retired = [member for member in RETIRED_MEMBERS if hasattr(cls, member)]
-        if retired:  # an old declaration nothing reads any more
-            raise TypeError(
-                f"{cls.__name__} ({name!r}) sets {', '.join(retired)}, which the contract no "
-                f"longer reads: {'; '.join(f'{m}: {RETIRED_MEMBERS[m]}' for m in retired)}"
             )
         if card.upstream_model is None:  # the network's own PILOT model
             resolved = replace(card, upstream_model=cls.base_model_name)

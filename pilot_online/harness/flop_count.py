@@ -69,7 +69,7 @@ def count_network(
     seen = torch.ones(classes, dtype=torch.bool)
     known = torch.arange(classes) < classes // 2  # the first half: old classes
 
-    adapter.train_mode(network)
+    adapter.set_mode(network, train=True)
 
     def forward() -> torch.Tensor:
         out = adapter.forward(network, inputs, train=True)
@@ -88,7 +88,7 @@ def count_network(
         backward_flops, _ = counted(loss.backward)
     network.zero_grad(set_to_none=True)
 
-    adapter.eval_mode(network)
+    adapter.set_mode(network, train=False)
     with torch.no_grad():
         test_flops, _ = counted(lambda: adapter.forward(network, inputs, train=False))
         query_flops = 0

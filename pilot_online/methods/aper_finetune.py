@@ -96,6 +96,6 @@ class AperFinetuneOnline(FinetuneOnline):
         features = torch.cat([query, network.backbones[1](x)], dim=1)
         return StepOutput(network.fc(features), features)
 
-    def train_mode(self, network: nn.Module) -> None:
-        network.train()
-        network.backbones[0].eval()
+    def set_mode(self, network: nn.Module, train: bool) -> None:
+        network.train(train)
+        network.backbones[0].eval()  # the frozen branch, in training too

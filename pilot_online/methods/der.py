@@ -247,11 +247,12 @@ class DEROnline(MethodAdapter):
     def classifier(self, network: nn.Module) -> nn.Linear:
         return network.fc
 
-    def train_mode(self, network: nn.Module) -> None:
+    def set_mode(self, network: nn.Module, train: bool) -> None:
         """Upstream's ``train()``: the newest branch trains, the frozen ones run in eval mode."""
-        network.train()
-        for branch in self.branches(network)[:-1]:
-            branch.eval()
+        network.train(train)
+        if train:
+            for branch in self.branches(network)[:-1]:
+                branch.eval()
 
     def loss_terms(
         self, network: nn.Module, out: StepOutput, batch: TrainingBatch

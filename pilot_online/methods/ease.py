@@ -268,10 +268,11 @@ class EaseOnline(MethodAdapter):
     def classifier(self, network: nn.Module) -> CosineHead:
         return network.fc
 
-    def train_mode(self, network: nn.Module) -> None:
-        network.train()
-        for adapters in network.subspaces[:-1]:
-            adapters.eval()  # frozen ones: features without dropout
+    def set_mode(self, network: nn.Module, train: bool) -> None:
+        network.train(train)
+        if train:
+            for adapters in network.subspaces[:-1]:
+                adapters.eval()  # frozen ones: features without dropout
 
     # -- learning without gradients: the class means ------------------------------------------
     @torch.no_grad()

@@ -288,9 +288,9 @@ class FosterOnline(MethodAdapter):
     def classifier(self, network: nn.Module) -> nn.Linear:
         return network.fc
 
-    def train_mode(self, network: nn.Module) -> None:
-        network.train()
-        if self.boosting(network):
+    def set_mode(self, network: nn.Module, train: bool) -> None:
+        network.train(train)
+        if train and self.boosting(network):
             network.backbones[0].eval()  # upstream's train(): the old branch in eval mode
 
     # -- the losses -----------------------------------------------------------------------------

@@ -129,13 +129,13 @@ class L2POnline(MethodAdapter):
         """The module that selects prompts (its ``batchwise_prompt`` flag is toggled for eval)."""
         return network.backbone.prompt
 
-    def train_mode(self, network: nn.Module) -> None:
-        network.backbone.train()
-        network.original_backbone.eval()
-        self.prompt_pool(network).batchwise_prompt = self.args["batchwise_prompt"]
-
-    def eval_mode(self, network: nn.Module) -> None:
-        network.eval()
-        self.prompt_pool(network).batchwise_prompt = (
-            self.args["batchwise_prompt"] and self.args["batchwise_prompt_eval"]
-        )
+    def set_mode(self, network: nn.Module, train: bool) -> None:
+        if train:
+            network.backbone.train()
+            network.original_backbone.eval()
+            self.prompt_pool(network).batchwise_prompt = self.args["batchwise_prompt"]
+        else:
+            network.eval()
+            self.prompt_pool(network).batchwise_prompt = (
+                self.args["batchwise_prompt"] and self.args["batchwise_prompt_eval"]
+            )

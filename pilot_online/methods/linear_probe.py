@@ -40,9 +40,9 @@ class LinearProbeOnline(FinetuneOnline):
             features = network.backbone(x)
         return StepOutput(network.fc(features), features)
 
-    def train_mode(self, network: nn.Module) -> None:
-        network.eval()
-        network.fc.train()
+    def set_mode(self, network: nn.Module, train: bool) -> None:
+        network.eval()  # a frozen extractor: only the head trains
+        network.fc.train(train)
 
 
 ER_CARD = dataclasses.replace(CARD, paper_name="ER + Linear probe")

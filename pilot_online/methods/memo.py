@@ -146,11 +146,11 @@ class MEMOOnline(DEROnline):
         if not self.args.get("train_adaptive", False):
             super().freeze_old(network)
 
-    def train_mode(self, network: nn.Module) -> None:
+    def set_mode(self, network: nn.Module, train: bool) -> None:
         """Upstream's ``set_network``: after the first firing the generalized blocks and the
         older specialized ones run in eval mode unless they still train."""
-        network.train()
-        if len(network.AdaptiveExtractors) < 2:
+        network.train(train)
+        if not train or len(network.AdaptiveExtractors) < 2:
             return  # upstream's first task: _init_train trains everything
         if not self.args.get("train_base", False):
             network.TaskAgnosticExtractor.eval()

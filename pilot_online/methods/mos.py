@@ -405,11 +405,12 @@ class MOSOnline(MethodAdapter):
         rows = torch.arange(len(x), device=x.device)
         return StepOutput(final, stacked[slot, rows])
 
-    def train_mode(self, network: nn.Module) -> None:
-        """Dropout in the active set only (upstream's ``backbone.train()`` runs no other set
-        in training, and its ViT has no dropout)."""
+    def set_mode(self, network: nn.Module, train: bool) -> None:
+        """In training, dropout in the active set only (upstream's ``backbone.train()`` runs no
+        other set in training, and its ViT has no dropout)."""
         network.eval()
-        network.backbone.adapter_list[-1].train()
+        if train:
+            network.backbone.adapter_list[-1].train()
 
     # -- what MOS learns beyond gradients ------------------------------------------------------
     @torch.no_grad()

@@ -334,9 +334,6 @@ class MVPOnline(MethodAdapter):
     def classifier(self, network: nn.Module) -> nn.Linear:
         return network.backbone.head
 
-    def train_mode(self, network: nn.Module) -> None:
-        network.train()
+    def set_mode(self, network: nn.Module, train: bool) -> None:
+        network.train(train)
         network.backbone.eval()  # frozen ViT: no dropout or stochastic depth (as upstream)
-
-    def eval_mode(self, network: nn.Module) -> None:
-        network.eval()

@@ -333,14 +333,14 @@ class OLoRAOnline(MethodAdapter):
         if self.args["olora_importance_batches"] == "upstream":
             entries = entries[:1]  # upstream's parameter iterators run dry after the first batch
         if entries:
-            self.eval_mode(network)
+            self.set_mode(network, train=False)
             for entry in entries:
                 loss = importance_loss(
                     network(entry.inputs)[0], self.args["olora_importance_labels"]
                 )
                 grads = torch.autograd.grad(loss, self._lora)
                 torch._foreach_addcmul_(squared, grads, grads)
-            self.train_mode(network)
+            self.set_mode(network, train=True)
         self.regularizer.update(squared)
         for adapter in network.adapters:
             adapter.merge_()

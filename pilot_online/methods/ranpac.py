@@ -198,8 +198,9 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
             features = network.backbone(x)
             return StepOutput(self.head_logits(network, features), features)
 
-    def train_mode(self, network: nn.Module) -> None:
-        network.train(not self.first_session_done)  # frozen afterwards: a fixed extractor
+    def set_mode(self, network: nn.Module, train: bool) -> None:
+        # After the first session the network is a fixed extractor: eval mode in training too.
+        network.train(train and not self.first_session_done)
 
     # -- learning --------------------------------------------------------------------------------
     @torch.no_grad()

@@ -81,10 +81,6 @@ class SimpleCILOnline(LinearProbeOnline):
         """Head rows = the L2-normalised class means (zero rows for classes not seen yet)."""
         network.fc.weight.copy_(F.normalize(network.class_means.means, dim=1))
 
-    def train_mode(self, network: nn.Module) -> None:
-        network.eval()  # a fixed feature extractor
+    def set_mode(self, network: nn.Module, train: bool) -> None:
+        network.eval()  # a fixed feature extractor, in training too
         self.refresh_head(network)  # e.g. after a checkpoint restored the means
-
-    def eval_mode(self, network: nn.Module) -> None:
-        network.eval()
-        self.refresh_head(network)
