@@ -28,6 +28,7 @@ from torch import nn
 
 from ..core.masks import mask_logits
 from ..core.rng import run_seed
+from .options import ConfigKey  # a port declares its config_keys with it, from here
 
 
 @dataclass
@@ -61,29 +62,6 @@ class TrainingBatch:
     #: Bool ``[C]``: classes seen before the last consolidation firing (the teacher's classes).
     known: torch.Tensor
     teacher: StepOutput | None = None
-
-
-@dataclass(frozen=True)
-class ConfigKey:
-    """A config key: its default, whether online training forces it, and its valid values.
-
-    ``choices`` comes from the module that owns the option (e.g. ``core.streams.STREAMS``), so
-    the list exists once; ``resolve_config`` refuses any other value, listing the choices.
-    ``check`` validates the value where the key is defined: ``check(key, value)`` raises a
-    TypeError or ValueError naming the key, what it must be and what it got (``core.checks``
-    builds the common ones: ``integer(minimum=1)``, ``boolean``, ``optional(...)``).
-    """
-
-    default: Any
-    doc: str
-    forced: bool = False  # online training needs exactly this value (a different one is an error)
-    choices: tuple | None = None
-    check: Callable[[str, Any], Any] | None = None
-
-    def of(self, config: Mapping[str, Any], name: str) -> Any:
-        """The key's value in ``config`` (resolved configs hold every key), else its default:
-        the one place a component reads a key it owns without restating its default."""
-        return config.get(name, self.default)
 
 
 @dataclass(frozen=True)

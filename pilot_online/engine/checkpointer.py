@@ -17,12 +17,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..core.checks import described, integer, optional, spec_of
 from ..core.files import human_bytes
-from .adapter import ConfigKey
 from .checkpoint import (
     CheckpointError,
     checkpoint_path_for,
@@ -31,6 +31,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .events import RunListener, StepEvent
+from .options import ConfigKey, Options, option
 
 logger = logging.getLogger(__name__)
 
@@ -60,15 +61,22 @@ def _checkpoint_every(name: str, value: Any) -> Any:
 # Its cases are those of an optional positive integer ("auto" is the default, always valid).
 described(_EVERY, _checkpoint_every, spec_of(optional(integer(1))))
 
-#: The checkpointer's config keys (``engine/config.py`` gathers every component's).
-KEYS: dict[str, ConfigKey] = {
-    "checkpoint_every": ConfigKey(
-        "auto",
-        '"auto": checkpoint at each task end and every 10 minutes of training; N: every N '
-        "stream batches and at each task end; null: off. A rerun resumes from the checkpoint",
-        check=_checkpoint_every,
-    ),
-}
+
+@dataclass(frozen=True)
+class CheckpointOptions(Options):
+    """The checkpointer's config keys (``engine/config.py`` gathers every component's)."""
+
+    checkpoint_every: str | int | None = option(
+        ConfigKey(
+            "auto",
+            '"auto": checkpoint at each task end and every 10 minutes of training; N: every N '
+            "stream batches and at each task end; null: off. A rerun resumes from the checkpoint",
+            check=_checkpoint_every,
+        )
+    )
+
+
+KEYS = CheckpointOptions.keys()
 
 
 class RunInterrupted(SystemExit):
@@ -185,7 +193,7 @@ class Checkpointer(RunListener):
         # holds this object.
         self._state, self._position = weakref.WeakMethod(state), weakref.WeakMethod(position)
         self._on_stop = weakref.WeakMethod(on_stop)
-        self.every = KEYS["checkpoint_every"].of(config, "checkpoint_every") or None
+        self.every = CheckpointOptions.of(config).checkpoint_every or None
         self.path = self._location(path)
         self.signals = StopSignals(self._say_it_will_stop, self._stop_at_once)
         self.last_saved = time.monotonic()

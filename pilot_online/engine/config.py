@@ -41,12 +41,13 @@ from .adapter import ConfigKey
 from .backbone_names import VIT_B16_BLOCKS
 from .checkpointer import KEYS as CHECKPOINT_KEYS
 from .console import KEYS as CONSOLE_KEYS
-from .eval_cache import CACHE_MODES
+from .eval_cache import QueryCacheOptions
 from .evaluation import KEYS as EVALUATION_KEYS
 from .flops import check_flop_counts
 from .live_log import KEYS as LIVE_LOG_KEYS
 from .loop import AMP_MODES, MATMUL_PRECISIONS, OPTIMIZERS
-from .pixel_cache import PIXEL_CACHE_MODES
+from .mixins import REPLAY_KEYS
+from .pixel_cache import PixelCacheOptions
 from .scoring import KEYS as SCORING_KEYS
 from .scoring import timing_config
 
@@ -307,17 +308,8 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
         check=optional(integer(minimum=0)),
     ),
     "eval_batch_size": ConfigKey(256, "batch size for evaluation", check=integer(1)),
-    "eval_query_cache": ConfigKey(
-        "auto",
-        "cache the frozen query pass per test image (L2P, DualPrompt, CODA, MVP); bit-identical",
-        choices=CACHE_MODES,
-    ),
-    "eval_pixel_cache": ConfigKey(
-        "auto",
-        "keep each test image, decoded and transformed once per run, as uint8 (deterministic "
-        "test transforms only); auto: on the GPU if it fits, else pinned host memory; identical",
-        choices=PIXEL_CACHE_MODES,
-    ),
+    **QueryCacheOptions.keys(),
+    **PixelCacheOptions.keys(),
     "amp": ConfigKey(
         None,
         'null (fp32) or "bf16": bfloat16 autocast in training and evaluation',
@@ -353,34 +345,9 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
         "main tables' column the run fills: lr (its init_lr) or best (Best HP, sweep --hp-from)",
         choices=HP_COLUMNS,
     ),
-    "er_memory_size": ConfigKey(
-        0,
-        "experience-replay reservoir size; > 0 turns replay on (memory-based rows only)",
-        check=integer(0),
-    ),
-    "er_batch_size": ConfigKey(
-        100, "memory samples replayed beside each stream batch", check=integer(1)
-    ),
-    "er_memory": ConfigKey(
-        MEMORIES[0],
-        "which memory replay keeps (core/memory.py): reservoir (the paper's ER, uniform over "
-        "the stream), class_balanced (upstream's per-class quota, each share a uniform sample "
-        "of its class) or herding (the same quota, each share chosen by online herding)",
-        choices=MEMORIES,
-    ),
-    "er_memory_per_class": ConfigKey(
-        None,
-        "class-balanced memories: null, a quota of er_memory_size // classes seen (upstream's "
-        "fixed_memory false), or at most this many per class (fixed_memory true, "
-        "memory_per_class)",
-        check=optional(integer(1)),
-    ),
-    "allow_memory": ConfigKey(
-        False,
-        "let a memory-free row keep samples (experience replay on with er_memory_size)",
-        check=boolean,
-    ),
-    # The run's listeners declare their own keys, each beside the code that reads it.
+    # Components declare their own keys, each beside the code that reads it: replay's, and
+    # the run's listeners'.
+    **REPLAY_KEYS,
     **SCORING_KEYS,
     **EVALUATION_KEYS,
     **CONSOLE_KEYS,
@@ -690,15 +657,15 @@ def replay_keys(
         "er_memory_size": ConfigKey(
             int(memory_size),
             f"replay memory size{source}",
-            check=ONLINE_KEYS["er_memory_size"].check,
+            check=REPLAY_KEYS["er_memory_size"].check,
         ),
         "er_memory": ConfigKey(
-            memory, ONLINE_KEYS["er_memory"].doc, choices=ONLINE_KEYS["er_memory"].choices
+            memory, REPLAY_KEYS["er_memory"].doc, choices=REPLAY_KEYS["er_memory"].choices
         ),
         "er_memory_per_class": ConfigKey(
             per_class,
-            ONLINE_KEYS["er_memory_per_class"].doc,
-            check=ONLINE_KEYS["er_memory_per_class"].check,
+            REPLAY_KEYS["er_memory_per_class"].doc,
+            check=REPLAY_KEYS["er_memory_per_class"].check,
         ),
     }
 

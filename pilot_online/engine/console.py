@@ -9,25 +9,32 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..core.checks import integer
 from ..core.progress import progress_line
-from .adapter import ConfigKey
 from .events import RunClock, RunListener, StepEvent
+from .options import ConfigKey, Options, option
 from .scoring import OnlineScoring
 
 logger = logging.getLogger(__name__)
 
 
-#: The console's config keys (``engine/config.py`` gathers every component's).
-KEYS: dict[str, ConfigKey] = {
-    "log_interval": ConfigKey(
-        10, "steps between progress-bar updates (each one syncs the device)", check=integer(1)
-    ),
-}
+@dataclass(frozen=True)
+class ConsoleOptions(Options):
+    """The console's config keys (``engine/config.py`` gathers every component's)."""
+
+    log_interval: int = option(
+        ConfigKey(
+            10, "steps between progress-bar updates (each one syncs the device)", check=integer(1)
+        )
+    )
+
+
+KEYS = ConsoleOptions.keys()
 
 
 class ProgressBar(RunListener):
@@ -43,7 +50,7 @@ class ProgressBar(RunListener):
         shown: bool = True,
     ) -> None:
         self.num_tasks, self.task_batches, self.scoring = num_tasks, task_batches, scoring
-        self.interval = int(KEYS["log_interval"].of(config, "log_interval"))
+        self.interval = int(ConsoleOptions.of(config).log_interval)
         self.device = device
         self.shown = shown
         self.bar: Any = None

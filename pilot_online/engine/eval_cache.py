@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
+
+from .options import ConfigKey, Options, option
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +35,20 @@ logger = logging.getLogger(__name__)
 CACHE_MODES = ("auto", "device", "cpu", "off")
 #: ``auto``: the share of the device's free memory the cache may take.
 DEVICE_FRACTION = 0.25
+
+
+@dataclass(frozen=True)
+class QueryCacheOptions(Options):
+    """The query cache's config key (``engine/config.py`` gathers every component's)."""
+
+    eval_query_cache: str = option(
+        ConfigKey(
+            "auto",
+            "cache the frozen query pass per test image (L2P, DualPrompt, CODA, MVP); "
+            "bit-identical",
+            choices=CACHE_MODES,
+        )
+    )
 
 
 def cache_placement(mode: str, nbytes: int, device: torch.device, key: str) -> torch.device:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,18 +20,25 @@ import torch
 from ..core import metrics
 from ..core.checks import integer, optional
 from ..core.streams import Stream
-from .adapter import ConfigKey
 from .events import RunClock, RunListener, StepEvent
 from .loop import OnlineLoop
+from .options import ConfigKey, Options, option
 
-#: The evaluations' config keys (``engine/config.py`` gathers every component's).
-KEYS: dict[str, ConfigKey] = {
-    "eval_period": ConfigKey(
-        None,
-        "also evaluate every N stream samples (A_auc); null = off",
-        check=optional(integer(1)),
-    ),
-}
+
+@dataclass(frozen=True)
+class EvaluationOptions(Options):
+    """The evaluations' config keys (``engine/config.py`` gathers every component's)."""
+
+    eval_period: int | None = option(
+        ConfigKey(
+            None,
+            "also evaluate every N stream samples (A_auc); null = off",
+            check=optional(integer(1)),
+        )
+    )
+
+
+KEYS = EvaluationOptions.keys()
 
 
 class Evaluator(RunListener):
@@ -60,7 +68,7 @@ class Evaluator(RunListener):
         self.periodic: list[dict[str, float]] = []
         # PILOT's evaluation report of each completed task: what a rerun hands back.
         self.task_reports: list[dict[str, Any]] = []
-        self.period = KEYS["eval_period"].of(config, "eval_period")
+        self.period = EvaluationOptions.of(config).eval_period
         self.next_periodic = self.period if self.period else None
 
     # -- periodic ----------------------------------------------------------------------------------

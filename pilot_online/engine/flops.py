@@ -229,13 +229,16 @@ def run_flops(cfg: Mapping[str, Any], table: Mapping[str, Any] | None = None) ->
     if period:  # periodic evaluations over the average seen share, spread over the tasks
         extra = size.test * (size.train // int(period)) * sum(fractions) / len(fractions)
         passes = [p + extra / len(fractions) for p in passes]
+    from .eval_cache import QueryCacheOptions  # its module imports torch; this one does not
+
+    cached_query = QueryCacheOptions.of(cfg).eval_query_cache != "off"
     evaluation = 0.0
     for images, c in zip(passes, per_task):
         test, query = c["test_flops_per_image"], c.get("query_flops_per_image", 0.0)
-        cached = query > 0 and cfg.get("eval_query_cache", "auto") != "off"
+        cached = query > 0 and cached_query
         evaluation += images * (test - query if cached else test)
     last = per_task[-1]
-    if last.get("query_flops_per_image", 0.0) > 0 and cfg.get("eval_query_cache", "auto") != "off":
+    if last.get("query_flops_per_image", 0.0) > 0 and cached_query:
         # The cached query pass: once per test image ever evaluated (all seen by the last task).
         evaluation += size.test * fractions[-1] * last["query_flops_per_image"]
     # The protocol keys (issue 29): k steps per batch, the batches real-time mode trains, and

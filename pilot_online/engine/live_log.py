@@ -43,9 +43,9 @@ import torch
 from ..core.checks import optional, string
 from ..core.fgh_stats import alpha_statistics
 from ..core.metrics import task_gradient_norms
-from .adapter import ConfigKey
-from .console import KEYS as CONSOLE_KEYS
+from .console import ConsoleOptions
 from .events import RunListener, StepEvent
+from .options import ConfigKey, Options, option
 
 if TYPE_CHECKING:
     from .loop import OnlineLoop, StepStats
@@ -70,20 +70,28 @@ def _logger(name: str, value: Any) -> Any:
     return value
 
 
-#: The live log's config keys (``engine/config.py`` gathers every component's).
-KEYS: dict[str, ConfigKey] = {
-    "logger": ConfigKey(
-        None,
-        "live logging: null (off) or tensorboard (scalars every log_interval)",
-        choices=LOGGERS,
-        check=_logger,
-    ),
-    "logger_dir": ConfigKey(
-        None,
-        "TensorBoard folder (default: beside the results file)",
-        check=optional(string("a folder path")),
-    ),
-}
+@dataclasses.dataclass(frozen=True)
+class LiveLogOptions(Options):
+    """The live log's config keys (``engine/config.py`` gathers every component's)."""
+
+    logger: str | None = option(
+        ConfigKey(
+            None,
+            "live logging: null (off) or tensorboard (scalars every log_interval)",
+            choices=LOGGERS,
+            check=_logger,
+        )
+    )
+    logger_dir: str | None = option(
+        ConfigKey(
+            None,
+            "TensorBoard folder (default: beside the results file)",
+            check=optional(string("a folder path")),
+        )
+    )
+
+
+KEYS = LiveLogOptions.keys()
 
 
 def default_log_dir(results_path: Path | None, logger_dir: str | None) -> Path:
@@ -262,13 +270,14 @@ def make_live_logger(
     config: Any, loop: OnlineLoop, task_classes: list[list[int]], results_path: Path | None
 ) -> TensorBoardLogger | None:
     """The logger ``config["logger"]`` asks for, or None (no import, nothing created)."""
-    name = KEYS["logger"].of(config, "logger")
+    options = LiveLogOptions.of(config)
+    name = options.logger
     if name is None:
         return None
     if name != "tensorboard":
         raise ValueError(f"unknown logger {name!r}; valid: null, 'tensorboard'")
-    log_dir = default_log_dir(results_path, KEYS["logger_dir"].of(config, "logger_dir"))
-    interval = int(CONSOLE_KEYS["log_interval"].of(config, "log_interval"))
+    log_dir = default_log_dir(results_path, options.logger_dir)
+    interval = int(ConsoleOptions.of(config).log_interval)
     return TensorBoardLogger(log_dir, loop, task_classes, interval)
 
 

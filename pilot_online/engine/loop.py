@@ -31,7 +31,7 @@ from ..core.realtime import scores_online
 from ..core.rng import capture_rng_state, restore_rng_state
 from ..core.triggers import make_trigger
 from .adapter import MethodAdapter, StepOutput, TrainingBatch
-from .eval_cache import QueryCache
+from .eval_cache import QueryCache, QueryCacheOptions
 from .teacher import Teacher
 
 logger = logging.getLogger(__name__)
@@ -248,7 +248,7 @@ class OnlineLoop:
         self.sample_loader: SampleLoader | None = None
         # Frozen query features by test-sample index (``engine/eval_cache.py``); methods without a
         # query pass (``adapter.query_pass`` None) never use it.
-        self.query_cache = QueryCache(config.get("eval_query_cache", "auto"), self.device)
+        self.query_cache = QueryCache(QueryCacheOptions.of(config).eval_query_cache, self.device)
         self.amp = config.get("amp")
         check_amp(self.amp, self.device)
         self.matmul_precision = check_choice(

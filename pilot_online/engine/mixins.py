@@ -8,19 +8,22 @@ without a loop.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from ..core.checks import boolean, integer, optional
 from ..core.fgh import FineGrainedHypergradients
 from ..core.fgh_options import validate_options
 from ..core.fgh_stats import AlphaStream
-from ..core.memory import ClassBalancedMemory, ReservoirMemory, make_memory
+from ..core.memory import MEMORIES, ClassBalancedMemory, ReservoirMemory, make_memory
 from ..core.prototypes import PrototypeBank
 from ..core.rng import run_seed
 from .loop import OnlineLoop, ParameterChange
+from .options import ConfigKey, Options, option
 
 if TYPE_CHECKING:
     from .adapter import MethodAdapter, StepOutput
@@ -163,6 +166,52 @@ def _host_numbers(value: Any) -> Any:
     return value
 
 
+@dataclass(frozen=True)
+class ReplayOptions(Options):
+    """Experience replay's config keys (``engine/config.py`` gathers every component's; a
+    memory-based method declares its own defaults with ``engine.config.replay_keys``)."""
+
+    er_memory_size: int = option(
+        ConfigKey(
+            0,
+            "experience-replay reservoir size; > 0 turns replay on (memory-based rows only)",
+            check=integer(0),
+        )
+    )
+    er_batch_size: int = option(
+        ConfigKey(100, "memory samples replayed beside each stream batch", check=integer(1))
+    )
+    er_memory: str = option(
+        ConfigKey(
+            MEMORIES[0],
+            "which memory replay keeps (core/memory.py): reservoir (the paper's ER, uniform over "
+            "the stream), class_balanced (upstream's per-class quota, each share a uniform sample "
+            "of its class) or herding (the same quota, each share chosen by online herding)",
+            choices=MEMORIES,
+        )
+    )
+    er_memory_per_class: int | None = option(
+        ConfigKey(
+            None,
+            "class-balanced memories: null, a quota of er_memory_size // classes seen (upstream's "
+            "fixed_memory false), or at most this many per class (fixed_memory true, "
+            "memory_per_class)",
+            check=optional(integer(1)),
+        )
+    )
+    allow_memory: bool = option(
+        ConfigKey(
+            False,
+            "let a memory-free row keep samples (experience replay on with er_memory_size)",
+            check=boolean,
+        )
+    )
+
+
+#: Replay's keys, by name (``engine/config.py`` puts them in the online key table).
+REPLAY_KEYS = ReplayOptions.keys()
+
+
 class ReplayMixin:
     """Online-loop mixin: experience replay from a memory of the stream (``er_memory``:
     ``core/memory.py``'s reservoir, class-balanced or herding memory).
@@ -184,14 +233,15 @@ class ReplayMixin:
 
     def setup(self: OnlineLoop) -> None:
         super().setup()
+        self.replay_options = options = ReplayOptions.of(self.config)
         self.memory = make_memory(
-            self.config.get("er_memory", "reservoir"),
-            int(self.config["er_memory_size"]),
+            options.er_memory,
+            int(options.er_memory_size),
             self.num_classes,
-            self.config.get("er_memory_per_class"),
+            options.er_memory_per_class,
             seed=run_seed(self.config.get("seed", 0)),
         )
-        self.replay_size = int(self.config.get("er_batch_size", 100))
+        self.replay_size = int(options.er_batch_size)
         # The next step's draw, made as soon as this step's batch is stored (the memory's
         # generator runs in the same order as drawing at the next step would), so that a keyed
         # loader's worker loads it while this step computes.
@@ -317,7 +367,7 @@ class ReplayMixin:
     def report(self: OnlineLoop) -> dict[str, Any]:
         report = super().report()
         report["experience_replay"] = {
-            "memory": self.config.get("er_memory", "reservoir"),
+            "memory": self.replay_options.er_memory,
             "capacity": self.memory.capacity,
             "size": self.memory.size,
             "batch_size": self.replay_size,

@@ -27,16 +27,34 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .eval_cache import CACHE_MODES, cache_placement
+from .options import ConfigKey, Options, option
 
 logger = logging.getLogger(__name__)
 
 #: ``eval_pixel_cache`` values: the query cache's, as it follows the same placement rule.
 PIXEL_CACHE_MODES = CACHE_MODES
+
+
+@dataclass(frozen=True)
+class PixelCacheOptions(Options):
+    """The pixel cache's config key (``engine/config.py`` gathers every component's)."""
+
+    eval_pixel_cache: str = option(
+        ConfigKey(
+            "auto",
+            "keep each test image, decoded and transformed once per run, as uint8 (deterministic "
+            "test transforms only); auto: on the GPU if it fits, else pinned host memory; "
+            "identical",
+            choices=PIXEL_CACHE_MODES,
+        )
+    )
+
 
 #: A ``Normalize``'s (mean, std), per channel.
 Normalization = tuple[Sequence[float], Sequence[float]]

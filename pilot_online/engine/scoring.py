@@ -15,6 +15,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,9 +24,9 @@ import torch
 from ..core.checks import closest, described
 from ..core.realtime import DEFAULT_REFERENCE, RealtimeSchedule, check_realtime, realtime_on
 from ..core.rng import capture_rng_state, restore_rng_state
-from .adapter import ConfigKey
 from .events import RunClock, RunListener, StepEvent, reset_peak_memory
 from .loop import OnlineLoop, _synchronize
+from .options import ConfigKey, Options, option
 
 logger = logging.getLogger(__name__)
 
@@ -55,24 +56,34 @@ def _registered_method(name: str, value: Any) -> str:
 
 described("a registered method", _registered_method)
 
-#: Real-time mode's config keys (``engine/config.py`` gathers every component's; A_online's
-#: ``online_accuracy`` belongs to the loop, which scores).
-KEYS: dict[str, ConfigKey] = {
-    "realtime": ConfigKey(
-        None,
-        "real-time mode (Ghunaim et al. 2023, docs/protocol.md): the stream does not wait; a "
-        "step costing C reference steps trains on one batch in every C, the others are only "
-        "scored. C from the FLOP model (flops: backward = 2x forward; flops_counted), measured "
-        "step times (measured), or given (a number: a fixed compute budget); null: off",
-        check=check_realtime,
-    ),
-    "realtime_reference": ConfigKey(
-        DEFAULT_REFERENCE,
-        "real-time mode: the method whose step costs C = 1 (its base variant, its own replay "
-        "defaults, one step per batch)",
-        check=_registered_method,
-    ),
-}
+
+@dataclass(frozen=True)
+class RealtimeOptions(Options):
+    """Real-time mode's config keys (``engine/config.py`` gathers every component's; A_online's
+    ``online_accuracy`` belongs to the loop, which scores)."""
+
+    realtime: str | float | None = option(
+        ConfigKey(
+            None,
+            "real-time mode (Ghunaim et al. 2023, docs/protocol.md): the stream does not wait; a "
+            "step costing C reference steps trains on one batch in every C, the others are only "
+            "scored. C from the FLOP model (flops: backward = 2x forward; flops_counted), "
+            "measured step times (measured), or given (a number: a fixed compute budget); "
+            "null: off",
+            check=check_realtime,
+        )
+    )
+    realtime_reference: str = option(
+        ConfigKey(
+            DEFAULT_REFERENCE,
+            "real-time mode: the method whose step costs C = 1 (its base variant, its own replay "
+            "defaults, one step per batch)",
+            check=_registered_method,
+        )
+    )
+
+
+KEYS = RealtimeOptions.keys()
 
 
 class OnlineScoring(RunListener):
@@ -162,8 +173,8 @@ def resolve_realtime(
 ) -> RealtimeSchedule:
     """The run's C (``realtime``): from the FLOP model, measured here, or given. Once per run: a
     resumed run takes its C from the checkpoint."""
-    mode = KEYS["realtime"].of(config, "realtime")
-    reference = KEYS["realtime_reference"].of(config, "realtime_reference") or DEFAULT_REFERENCE
+    options = RealtimeOptions.of(config)
+    mode, reference = options.realtime, options.realtime_reference or DEFAULT_REFERENCE
     if mode in ("flops", "flops_counted"):
         from .flops import realtime_flop_cost
 

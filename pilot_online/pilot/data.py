@@ -37,7 +37,7 @@ from ..core.datasets import (
     plugin_datasets,
 )
 from ..core.rng import seed_generators, seeded
-from ..engine.pixel_cache import DeviceEnd, Normalization, PixelCache
+from ..engine.pixel_cache import DeviceEnd, Normalization, PixelCache, PixelCacheOptions
 from .errors import DatasetUnavailableError, install_excepthook
 
 logger = logging.getLogger(__name__)
@@ -723,7 +723,7 @@ class PilotDataSource:
         self.num_workers = auto_workers() if workers is None else int(workers)
         self.eval_batch_size = int(config["eval_batch_size"])
         self._pin_memory = config.get("pin_memory")
-        self._pixel_mode = config.get("eval_pixel_cache", "auto")
+        self._pixel_mode = PixelCacheOptions.of(config).eval_pixel_cache
         self.seed = int(seed)
         self.device = torch.device("cpu")
         self._loaders: list[_Loader] = []
