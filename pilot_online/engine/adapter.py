@@ -12,6 +12,12 @@ the classifier layer, so the loop, masking, optimiser, evaluation and logging ex
         def forward(self, network, x, train): ...
         def classifier(self, network): ...
 
+What the engine keeps for a method, the method declares rather than codes: a replay memory
+(:class:`Replay`), when its task-boundary step runs and whether a teacher is kept for it
+(:class:`Consolidation`), its config keys (:class:`ConfigKey`). Beyond the three required
+methods, the optional hooks are grouped by phase in the class body (build, step, boundary,
+evaluation, state), as ``docs/porting.md``'s table lists them (``tests/test_contract_shape.py``).
+
 Adapters import PILOT lazily (inside ``build_network``), so registering one needs no PILOT.
 """
 
