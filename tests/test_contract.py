@@ -45,6 +45,7 @@ from conftest import (
     raw_smoke_config,
     requires_pilot,
     smoke_config,
+    vit_depth_for_tests,
 )
 from test_batch_invariance import NUM_CLASSES, NUM_TEST_IMAGES, evaluate
 from test_pilot_integration import check_online_run
@@ -150,8 +151,10 @@ Built = tuple  # (adapter, network, config)
 @pytest.fixture(scope="module", params=METHODS)
 def built(request, pilot_on_path) -> Built:
     """The method's adapter, network and resolved smoke config (tests run grouped by method,
-    so one network is alive at a time)."""
-    config = smoke_config(request.param, num_classes=NUM_CLASSES)
+    so one network is alive at a time), with the tests' ViT depth (as the runs through
+    ``main.py``): the contract is about the method's plumbing, which 5 blocks exercise as 12 do."""
+    depth = vit_depth_for_tests(raw_smoke_config(request.param))
+    config = smoke_config(request.param, num_classes=NUM_CLASSES, vit_depth=depth)
     adapter = get_method(request.param)(args=config)
     return adapter, build_network(adapter, config), config
 
