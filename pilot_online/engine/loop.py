@@ -386,9 +386,10 @@ class OnlineLoop:
         self, inputs: torch.Tensor, labels: torch.Tensor, indices: np.ndarray | None = None
     ) -> StepStats:
         """One online step on one stream batch (``indices``: its dataset indices, for replay),
-        under the run's ``matmul_precision`` (put back afterwards: see :func:`matmul_precision`).
+        under the run's ``matmul_precision`` and, on the CPU, torch's deterministic algorithms
+        (both put back afterwards: see :func:`matmul_precision`, :func:`deterministic_on_cpu`).
         """
-        with matmul_precision(self.matmul_precision):
+        with matmul_precision(self.matmul_precision), deterministic_on_cpu(self.device):
             return self._train_step(inputs, labels, indices)
 
     def _train_step(
@@ -864,6 +865,36 @@ def matmul_precision(mode: str) -> Iterator[None]:
     finally:
         torch.set_float32_matmul_precision(before[0])
         torch.backends.cudnn.allow_tf32 = before[1]
+
+
+@contextlib.contextmanager
+def deterministic_on_cpu(device: torch.device) -> Iterator[None]:
+    """``torch.use_deterministic_algorithms`` for the block on a CPU device (elsewhere nothing;
+    put back after it, as it is process-wide). Why: a gather with repeated indices
+    (``prompts[idx]`` in PILOT's L2P prompt pool, every sample choosing the same prompts)
+    backpropagates through ``index_put_`` with accumulation, which on the CPU adds rows with
+    parallel atomics once the tensor has 32768 elements: the last bits of the gradient then
+    differ between two runs with one seed. Deterministic mode adds them in a fixed order. Ops
+    without a deterministic CPU kernel warn instead of failing (``warn_only``), and new tensors
+    are not filled with NaN (``fill_uninitialized_memory``), which deterministic mode would do
+    at a cost and to no end here."""
+    if device.type != "cpu":
+        yield
+        return
+    import torch.utils.deterministic as deterministic
+
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        deterministic.fill_uninitialized_memory,
+    )
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        deterministic.fill_uninitialized_memory = before[2]
 
 
 def _synchronize(device: torch.device) -> None:
