@@ -27,6 +27,11 @@ def test_paired_interval_worked_by_hand():
     assert wide.mean == pytest.approx(1.0)
     assert scale_model.verdict(wide).startswith("inconclusive (these seeds detect effects beyond")
     assert "fewer than two" in scale_model.verdict(scale_model.paired({0: 1.0}, {0: 0.0}))
+    # Differences 5 and 5.2: mean 5.1, sd 0.1 * sqrt(2), t(0.975, 1) = 12.7062: [3.83, 6.37]
+    # excludes 0, but two seeds are under the floor of three.
+    two = scale_model.paired({0: 55.0, 1: 57.2}, {0: 50.0, 1: 52.0})
+    assert two.half_width == pytest.approx(12.7062 * 0.1, rel=1e-4)
+    assert scale_model.verdict(two) == "pending, 2 of 3 seeds (so far: holds)"
     # Only seeds both sides have are paired.
     assert scale_model.paired({0: 1.0, 1: 2.0}, {1: 0.0, 2: 5.0}).n == 1
 

@@ -185,6 +185,12 @@ def paired(a: dict[int, float], b: dict[int, float]) -> Paired:
     return Paired(float(diffs.mean()), float(half), len(diffs))
 
 
+#: Seeds a verdict rests on: issue 34's floor of three per cell. A difference over fewer (the
+#: grid's cells finish seed by seed, across sittings) is reported as pending, with its verdict so
+#: far.
+MIN_SEEDS = 3
+
+
 def verdict(difference: Paired, claimed: str = ">") -> str:
     """Whether ``a - b`` is on the claimed side (``>``: positive) beyond the seeds' spread."""
     if difference.n < 2:
@@ -192,10 +198,16 @@ def verdict(difference: Paired, claimed: str = ">") -> str:
     sign = 1 if claimed == ">" else -1
     low, high = sorted((sign * difference.low, sign * difference.high))
     if low > 0:
-        return "holds"
-    if high < 0:
-        return "does not hold"
-    return f"inconclusive (these seeds detect effects beyond ±{difference.half_width:.2f} points)"
+        found = "holds"
+    elif high < 0:
+        found = "does not hold"
+    else:
+        found = (
+            f"inconclusive (these seeds detect effects beyond ±{difference.half_width:.2f} points)"
+        )
+    if difference.n < MIN_SEEDS:
+        return f"pending, {difference.n} of {MIN_SEEDS} seeds (so far: {found})"
+    return found
 
 
 # -- results -------------------------------------------------------------------------------------
