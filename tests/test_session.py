@@ -592,6 +592,25 @@ def test_completed_results_refuses_partial_other_version_and_reportless_files(tm
     assert completed_results(tmp_path / "absent.results.json", config) is None
 
 
+def test_the_shipped_backbone_is_the_same_config_from_another_checkout(tmp_path):
+    """A results file records the shipped backbone's resolved path, which is the checkout's that
+    ran it: the same file under another checkout (a frozen copy for a long grid) is the same
+    config, and its seeds are not trained again; another file is another config."""
+    from pilot_online.core.scale_backbone import CONFIG_NAME, WEIGHTS
+    from pilot_online.engine.checkpoint import completed_results
+
+    run_seeds(tmp_path, [0])
+    path = tmp_path / "p_0_tiny.results.json"
+    stored = json.loads(path.read_text())
+    elsewhere = f"/elsewhere/checkout/{CONFIG_NAME}"
+    path.write_text(
+        json.dumps({**stored, "config": {**stored["config"], "pretrained_path": elsewhere}})
+    )
+    config = seed_config(seed=0)
+    assert completed_results(path, {**config, "pretrained_path": str(WEIGHTS)}) is not None
+    assert completed_results(path, {**config, "pretrained_path": "/my/vit.safetensors"}) is None
+
+
 def test_the_results_keep_every_tasks_report(device) -> None:
     session = make_session(three_task_stream(), device=device)
     reports = [session.complete_task(t) for t in range(3) if session.train_task(t) is None]

@@ -62,6 +62,13 @@ def config_keys() -> dict[str, Any]:
     }
 
 
+def shipped_name(path: str) -> str:
+    """:data:`CONFIG_NAME` for the shipped file in any checkout, else ``path``: a results file
+    records the resolved path of the checkout that ran it, which another checkout of the same
+    version (a frozen copy for a long grid, a fresh clone) must still recognise."""
+    return CONFIG_NAME if Path(path).as_posix().endswith(CONFIG_NAME) else path
+
+
 def resolve_weights(path: str) -> str:
     """``path`` as given, or the shipped file when it names it by :data:`CONFIG_NAME`."""
     return str(WEIGHTS) if path == CONFIG_NAME else path

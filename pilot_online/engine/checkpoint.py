@@ -40,6 +40,7 @@ import torch
 
 from ..core.files import write_atomic_with
 from ..core.results import RESULTS_SUFFIX, load_results, to_jsonable
+from ..core.scale_backbone import shipped_name
 from ..version import __version__
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,8 @@ def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
     kept = {key: value for key, value in config.items() if key not in IGNORED_KEYS}
     if "device" in kept:
         kept["device"] = _device_kinds(kept["device"])
+    if isinstance(kept.get("pretrained_path"), str):  # the shipped file, wherever it lies
+        kept["pretrained_path"] = shipped_name(kept["pretrained_path"])
     return json.loads(json.dumps(to_jsonable(kept), sort_keys=True, default=str))
 
 
@@ -196,7 +199,9 @@ def load_checkpoint(path: Path, config: dict[str, Any]) -> dict[str, Any]:
             f"checkpoint {path} has layout {payload['format']}, this version reads "
             f"{CHECKPOINT_FORMAT}: {fix}"
         )
-    differences = config_differences(payload["config"], comparable_config(config))
+    differences = config_differences(
+        comparable_config(payload["config"]), comparable_config(config)
+    )
     if differences:
         raise CheckpointError(
             f"checkpoint {path} was written for another config; "
