@@ -76,9 +76,6 @@ class CheckpointOptions(Options):
     )
 
 
-KEYS = CheckpointOptions.keys()
-
-
 class RunInterrupted(SystemExit):
     """SIGINT or SIGTERM stopped the run at a point where its state is whole (after a step, or
     after a task's evaluation), once that point was checkpointed. A ``SystemExit`` with code 128

@@ -37,19 +37,18 @@ from ..core.realtime import check_realtime_config
 from ..core.scale_backbone import resolve_weights
 from ..core.streams import BLURRED_SELECTIONS, STREAMS
 from ..core.triggers import TRIGGERS
-from .adapter import ConfigKey
 from .backbone_names import VIT_B16_BLOCKS
-from .checkpointer import KEYS as CHECKPOINT_KEYS
-from .console import KEYS as CONSOLE_KEYS
+from .checkpointer import CheckpointOptions
+from .console import ConsoleOptions
 from .eval_cache import QueryCacheOptions
-from .evaluation import KEYS as EVALUATION_KEYS
+from .evaluation import EvaluationOptions
 from .flops import check_flop_counts
-from .live_log import KEYS as LIVE_LOG_KEYS
+from .live_log import LiveLogOptions
 from .loop import AMP_MODES, MATMUL_PRECISIONS, OPTIMIZERS
-from .mixins import REPLAY_KEYS
+from .mixins import ReplayOptions
+from .options import ConfigKey
 from .pixel_cache import PixelCacheOptions
-from .scoring import KEYS as SCORING_KEYS
-from .scoring import timing_config
+from .scoring import RealtimeOptions, timing_config
 
 #: Suffixes ``pretrained_path`` accepts: the timm 0.6 npz, a torch state dict, a safetensors file.
 NPZ_SUFFIXES = (".npz",)
@@ -347,12 +346,12 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
     ),
     # Components declare their own keys, each beside the code that reads it: replay's, and
     # the run's listeners'.
-    **REPLAY_KEYS,
-    **SCORING_KEYS,
-    **EVALUATION_KEYS,
-    **CONSOLE_KEYS,
-    **LIVE_LOG_KEYS,
-    **CHECKPOINT_KEYS,
+    **ReplayOptions.keys(),
+    **RealtimeOptions.keys(),
+    **EvaluationOptions.keys(),
+    **ConsoleOptions.keys(),
+    **LiveLogOptions.keys(),
+    **CheckpointOptions.keys(),
 }
 
 #: The forms of FGH the paper states (docs/fgh.md; ``benchmarks/fgh_proxy.py`` measures them).
@@ -657,15 +656,15 @@ def replay_keys(
         "er_memory_size": ConfigKey(
             int(memory_size),
             f"replay memory size{source}",
-            check=REPLAY_KEYS["er_memory_size"].check,
+            check=ONLINE_KEYS["er_memory_size"].check,
         ),
         "er_memory": ConfigKey(
-            memory, REPLAY_KEYS["er_memory"].doc, choices=REPLAY_KEYS["er_memory"].choices
+            memory, ONLINE_KEYS["er_memory"].doc, choices=ONLINE_KEYS["er_memory"].choices
         ),
         "er_memory_per_class": ConfigKey(
             per_class,
-            REPLAY_KEYS["er_memory_per_class"].doc,
-            check=REPLAY_KEYS["er_memory_per_class"].check,
+            ONLINE_KEYS["er_memory_per_class"].doc,
+            check=ONLINE_KEYS["er_memory_per_class"].check,
         ),
     }
 

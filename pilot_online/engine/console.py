@@ -34,9 +34,6 @@ class ConsoleOptions(Options):
     )
 
 
-KEYS = ConsoleOptions.keys()
-
-
 class ProgressBar(RunListener):
     """The task's bar (``progress``: shown or not) and the run's progress lines."""
 

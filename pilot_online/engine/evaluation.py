@@ -38,9 +38,6 @@ class EvaluationOptions(Options):
     )
 
 
-KEYS = EvaluationOptions.keys()
-
-
 class Evaluator(RunListener):
     """Evaluates the loop on the test samples of the classes exposed so far, and keeps what
     every evaluation measured."""

@@ -91,9 +91,6 @@ class LiveLogOptions(Options):
     )
 
 
-KEYS = LiveLogOptions.keys()
-
-
 def default_log_dir(results_path: Path | None, logger_dir: str | None) -> Path:
     """One folder per run: ``<logger_dir>/<results stem>``, or ``<results stem>.tensorboard``
     beside the results file (``runs/tensorboard/<time>`` when the run writes no results)."""

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.utils import deterministic as torch_deterministic
 
 from ..core.checks import check_choice
 from ..core.grad_norms import class_grad_norms
@@ -600,9 +601,8 @@ class OnlineLoop:
         consolidates, and what it restarted loses its optimiser and FGH state."""
         logger.info("consolidation %d at stream sample %d", firing, self.samples_seen)
         self.known = self.seen.clone()
-        if (
-            self.adapter.consolidation.teacher
-        ):  # the task-end state, before the method's boundary step
+        # The teacher takes the task-end state, before the method's boundary step.
+        if self.adapter.consolidation.teacher:
             self.teacher = None  # the old snapshot's memory is free before the copy is made
             self.teacher = Teacher.take(self.network, self.known, firing)
         self._sync_parameters(self.adapter.consolidate(self.network, firing))
@@ -881,20 +881,18 @@ def deterministic_on_cpu(device: torch.device) -> Iterator[None]:
     if device.type != "cpu":
         yield
         return
-    import torch.utils.deterministic as deterministic
-
     before = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
-        deterministic.fill_uninitialized_memory,
+        torch_deterministic.fill_uninitialized_memory,
     )
     torch.use_deterministic_algorithms(True, warn_only=True)
-    deterministic.fill_uninitialized_memory = False
+    torch_deterministic.fill_uninitialized_memory = False
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-        deterministic.fill_uninitialized_memory = before[2]
+        torch_deterministic.fill_uninitialized_memory = before[2]
 
 
 def _synchronize(device: torch.device) -> None:

@@ -208,10 +208,6 @@ class ReplayOptions(Options):
     )
 
 
-#: Replay's keys, by name (``engine/config.py`` puts them in the online key table).
-REPLAY_KEYS = ReplayOptions.keys()
-
-
 class ReplayMixin:
     """Online-loop mixin: experience replay from a memory of the stream (``er_memory``:
     ``core/memory.py``'s reservoir, class-balanced or herding memory).
@@ -388,7 +384,7 @@ def build_loop(
     (base, + P, + FGH, + P + FGH) are four compositions of the same loop, and experience replay
     (``er_memory_size > 0``) composes with any of them."""
     mixins: list[type] = []
-    if int(config.get("er_memory_size") or 0) > 0:
+    if ReplayOptions.of(config).er_memory_size > 0:
         mixins.append(ReplayMixin)
     if config.get("online_prototypes"):
         mixins.append(PrototypeMixin)

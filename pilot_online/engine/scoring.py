@@ -83,9 +83,6 @@ class RealtimeOptions(Options):
     )
 
 
-KEYS = RealtimeOptions.keys()
-
-
 class OnlineScoring(RunListener):
     """The run's A_online counts and, in real-time mode, its schedule of trained batches."""
 
