@@ -16,6 +16,7 @@ documented reason the port computes the penalty in the adapter (``penalty_in_ada
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +33,7 @@ from test_upstream_l2p import (
     assert_loss_is_upstreams_init_train,
     init_train_gradients,
 )
+from torch import nn
 
 pytestmark = requires_pilot
 
@@ -62,6 +64,43 @@ def test_loss_is_upstreams_init_train(coda: Built) -> None:
 
     with cuda_like_prompt_loss():
         assert_loss_is_upstreams_init_train(Learner, coda)
+
+
+def perturbed_components(built: Built, scale: float = 0.05) -> Built:
+    """A copy of ``built`` whose keys, attention vectors and prompts are moved off orthonormal.
+
+    Upstream initialises each component set by Gram-Schmidt, where the penalty's gradient is
+    about 1e-12 against the cross-entropy's 1e-3: a penalty that never reached the gradient would
+    pass. Moved off, it is hundreds of times the comparison's tolerance."""
+    adapter, network, config = built
+    moved = copy.deepcopy(network)
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for layer in moved.prompt.e_layers:
+            for kind in ("k", "a", "p"):
+                component: nn.Parameter = getattr(moved.prompt, f"e_{kind}_{layer}")
+                component.add_(scale * torch.randn(component.shape, generator=generator))
+    return adapter, moved, config
+
+
+def test_loss_is_upstreams_init_train_off_orthonormal(coda: Built) -> None:
+    """Upstream's ``_init_train`` on components moved off orthonormal: the penalty's gradient is
+    now far above the comparison's tolerance, and ours must still be upstream's."""
+    from models.coda_prompt import Learner
+
+    from pilot_online.methods.coda_prompt import orthogonality_penalty
+
+    moved = perturbed_components(coda)
+    key = moved[1].prompt.e_k_0
+    (penalty_gradient,) = torch.autograd.grad(PROMPT_PARAM[2] * orthogonality_penalty(key), key)
+    with cuda_like_prompt_loss():
+        learner, _ = init_train_gradients(Learner, moved, *images([0, 1, 2, 3]), 4)
+    upstream_key_gradient = dict(learner._network.named_parameters())["prompt.e_k_0"].grad
+    # The comparison's tolerance is 1e-5 of the largest entry: the penalty's share (about 6e-3
+    # here) must stand far above it.
+    assert penalty_gradient.abs().max() > 1e-3 * upstream_key_gradient.abs().max()
+    with cuda_like_prompt_loss():
+        assert_loss_is_upstreams_init_train(Learner, moved)
 
 
 def test_difference_batch_logit_mask(coda: Built) -> None:
