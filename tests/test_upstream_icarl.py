@@ -222,22 +222,38 @@ def test_herding_order_is_upstreams_construct_exemplar(pilot_on_path: Path) -> N
     assert herding_order(unit, unit.mean(0), 7).tolist() == upstream_exemplars(learner, 0)
 
 
-def test_the_herding_memory_is_upstreams_build_rehearsal_memory(pilot_on_path: Path) -> None:
-    """Two tasks of two classes, each task's samples in one batch: the engine's herding memory
-    holds what upstream's task ends build, in its order: 6 per class after the first
+def test_the_herding_memory_is_upstreams_build_rehearsal_memory(icarl: Built) -> None:
+    """The port's own configured memory (its ``er_memory`` default, a capacity of 12), fed by its
+    loop as a training step does (the stream batch offered before the forward pass, stored after
+    the step with the step's features): two tasks of two classes, each task's samples in one
+    batch. It holds what upstream's task ends build, in its order: 6 per class after the first
     (``_construct_exemplar``), then 3 (``_reduce_exemplar`` keeps the first 3 of the old
     classes; the new ones herded)."""
+    adapter, network, config, _ = icarl
+    assert (
+        "er_memory" not in config or config["er_memory"] == adapter.config_keys["er_memory"].default
+    ), "the test must see the port's own memory"
+    loop = build_loop(
+        adapter, copy.deepcopy(network), {**config, "er_memory_size": 12}, NUM_CLASSES
+    )
+    # float32, as the loop hands the memory a network's features.
     vectors, labels = class_vectors([10, 9, 8, 10], seed=3)
+    vectors = vectors.astype(np.float32)
+    loop.attach_samples(
+        lambda rows: (torch.zeros(len(rows), 3, 32, 32), torch.tensor(labels[rows]))
+    )
     data = ClassRows(labels)
     learner = herding_learner(vectors, memory_size=12)
-    ours = ClassBalancedMemory(12, num_classes=4, selection="herding")
     for task in ((0, 1), (2, 3)):
         rows = np.flatnonzero(np.isin(labels, task))
-        ours.add(rows, labels[rows], vectors[rows])
+        batch_labels = torch.tensor(labels[rows])
+        loop.replay_batch(rows, batch_labels)
+        features = torch.from_numpy(vectors[rows])
+        loop.after_step(StepOutput(torch.zeros(len(rows), NUM_CLASSES), features), batch_labels)
         upstream_task_end(learner, data, classes=max(task) + 1)
         for c in range(max(task) + 1):
-            assert ours.stored[c].tolist() == upstream_exemplars(learner, c), (task, c)
-    assert ours.class_histogram(4).tolist() == [3, 3, 3, 3]
+            assert loop.memory.stored[c].tolist() == upstream_exemplars(learner, c), (task, c)
+    assert loop.memory.class_histogram(4).tolist() == [3, 3, 3, 3]
 
 
 # -- the declared differences -----------------------------------------------------------------
