@@ -135,6 +135,34 @@ def test_statistics_and_head_equal_upstreams_replace_fc(pilot_on_path) -> None:
     torch.testing.assert_close(logits, expected.detach(), rtol=1e-4, atol=1e-5)
 
 
+def test_the_firing_solves_upstreams_replace_fc_with_its_own_ridge(pilot_on_path) -> None:
+    """The head a firing writes (and the ridge it keeps) is upstream's ``replace_fc`` on the
+    first task, ridge search included: no ridge is handed in. The task's samples are given to
+    upstream with our held-out ones last (``held_last``), where its ridge split is ours; ``G`` and
+    ``Q`` are sums, the same in any order."""
+    adapter, network, loop = attached(
+        RanPACOnline, nn.Identity(), tune_first_session=False, consolidation_new_classes=2
+    )
+    x1, y1 = task_data((0, 1), 10, 21)
+    x2, y2 = task_data((2, 3), 10, 22)
+    stream(loop, x1, y1)
+    loop.train_step(x2[:4], y2[:4])  # new classes: the firing, on the first task's statistics
+    assert loop.trigger.firings == [10]
+    upstream = upstream_ranpac(network)
+    upstream.replace_fc(loader(*held_last(x1, y1)), Extractor(nn.Identity()), None)
+    features = F.relu(held_last(x1, y1)[0] @ upstream.W_rand)
+    ridge = float(
+        upstream.optimise_ridge_parameter(
+            features, F.one_hot(held_last(x1, y1)[1], CLASSES).float()
+        )
+    )
+    assert ridge != 1.0  # not the grid's middle, what a firing without held-out samples takes
+    assert adapter.ridge == ridge
+    torch.testing.assert_close(
+        network.analytic_weight, upstream._network.fc.weight.data, rtol=1e-4, atol=1e-5
+    )
+
+
 def test_evaluation_before_the_first_firing_is_upstreams_analytic_head(pilot_on_path) -> None:
     """In the first session, before any firing, evaluation predicts with the analytic head of the
     samples so far: upstream's ``replace_fc`` and ``CosineLinear`` after its first task (the
