@@ -11,6 +11,7 @@ random weights, built once)."""
 from __future__ import annotations
 
 import copy
+import json
 import types
 
 import pytest
@@ -160,20 +161,26 @@ def pet_trained_steps(network: nn.Module, steps) -> list[bool]:
 
 
 def test_difference_freeze_window_per_segment(pilot_on_path):
-    """Upstream (``num_freeze_epochs`` 3 of ``tuned_epoch`` 5, a task of 4 batches): the PET
-    trains in the last 8 of 20 steps, 40%. Ours, three clear tasks of 5 batches with a firing at
-    each boundary: frozen for ``lae_first_freeze_samples`` (20) at the start, then for 0.6 of the
+    """Upstream, with ``exps/lae.json``'s ``num_freeze_epochs`` (3) of ``tuned_epoch`` (5) on a
+    task of 4 batches: the PET trains in the last 8 of 20 steps, 40%. Ours, at the port's default
+    ``lae_freeze_fraction``, three clear tasks of 5 batches with a firing at each boundary:
+    frozen for ``lae_first_freeze_samples`` (20) at the start, then for the default share of the
     closed segment: the PET trains in the last 40% of every later task."""
+    upstream_json = json.loads((pilot_on_path / "exps" / "lae.json").read_text())
+    epochs, freeze = upstream_json["tuned_epoch"], upstream_json["num_freeze_epochs"]
+    assert (epochs, freeze) == (5, 3)
     data = batches(4, 6)
-    _adapter, loop, theirs = twins(
+    adapter, loop, theirs = twins(
         decay=0.9,
         steps_per_sample=1 / 6,
         freeze=20,
         consolidation="new_classes",
         consolidation_new_classes=2,
     )
+    # The port's default (what exps/lae_online_*.json are generated with), not a typed 0.6.
+    adapter.args["lae_freeze_fraction"] = LAEOnline.config_keys["lae_freeze_fraction"].default
     upstream = pet_trained_steps(
-        theirs, lambda: run_upstream(theirs, data, epochs=5, freeze=3, decay=0.9, lr=0.01)
+        theirs, lambda: run_upstream(theirs, data, epochs=epochs, freeze=freeze, decay=0.9, lr=0.01)
     )
     assert upstream == [False] * 12 + [True] * 8
     tasks = [torch.tensor([0, 1] * 5), torch.tensor([2, 3] * 5), torch.tensor([4, 0] * 5)]
