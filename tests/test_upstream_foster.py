@@ -7,7 +7,10 @@ per_cls_weights) + CE(fe_logits) + lambda_okd * _KD_loss``) and ``BKD``. Upstrea
 run here on the same state as ours: its ``FOSTERNet`` grown with its own ``update_fc`` around our
 backbone (PILOT's ``get_backbone`` patched to return copies of it), our weights loaded, one
 batch through ``_feature_boosting`` with an optimiser that only records gradients; our loop's
-step on the same batch must give the same gradient on every parameter upstream trains.
+step on the same batch must give the same gradient on every parameter upstream trains. The
+student's too: upstream's ``_train`` runs on one batch (boosting, then ``_feature_compression``,
+each with the ``per_cls_weights`` it computes and its ``args["T"]``), and our one step's gradients
+on the branch and heads are boosting's, on the student ``_feature_compression``'s BKD.
 
 The network is test_foster.py's: ``FOSTERNet`` around a one-block ViT of width 16.
 """
@@ -16,9 +19,11 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -37,6 +42,7 @@ from test_upstream_finetune import (
 )
 from torch import nn
 
+from pilot_online.engine.adapter import StepOutput, TrainingBatch
 from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.teacher import distillation_loss
 from pilot_online.methods.foster import (
@@ -58,6 +64,10 @@ UPSTREAM_KEYS = {
     "memory_per_class": 20,
     "fixed_memory": True,
 }
+#: Samples per new class: upstream's ``data_manager.getlen``, our stream counts since the firing
+#: (the known classes count memory_per_class 20, our memory's quota): far from uniform weights.
+NEW_COUNTS = {4: 500, 5: 60, 6: 30, 7: 5}
+TEMPERATURE = 3.0  # upstream's args["T"] and ours, off the default 2 that a constant could hold
 
 
 @pytest.fixture(scope="module")
@@ -106,20 +116,66 @@ def upstream_boosting_gradients(learner: Any, x: torch.Tensor, y: torch.Tensor) 
     return learner._network
 
 
-def our_boosting(built: Built, grown: nn.Module, x, y, oofc: str = "ft"):
-    """Our loop's step on a copy of ``grown`` (no replay, no further firing): the gradients it
-    applied to the boosted network (the student's left out), and the class weights it used."""
+def our_step(
+    built: Built, grown: nn.Module, x: torch.Tensor, y: torch.Tensor, **overrides: Any
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], nn.Module]:
+    """Our loop's step on a copy of ``grown`` (no replay, no further firing; ``overrides`` on the
+    config): every gradient it applied, the class weights it used by beta key, the network."""
     adapter, _, config = built
-    adapter.args = {**config, "oofc": oofc}
-    network = copy.deepcopy(grown)
-    loop_config = {**adapter.args, "er_memory_size": 0, "consolidation": "never"}
-    loop = build_loop(adapter, network, loop_config, NUM_CLASSES)
-    probe = copy.deepcopy(network)  # the weights the step computes, from the batch's classes
-    probe.seen_classes[y] = True
-    weights = adapter.class_weights(probe, float(config["beta1"]))
-    gradients = our_gradients(loop, x, y)
-    adapter.args = config
-    return {n: g for n, g in gradients.items() if not n.startswith("snet.")}, weights, network
+    adapter.args = {**config, **overrides}
+    try:
+        network = copy.deepcopy(grown)
+        loop_config = {**adapter.args, "er_memory_size": 0, "consolidation": "never"}
+        loop = build_loop(adapter, network, loop_config, NUM_CLASSES)
+        probe = copy.deepcopy(network)  # the weights the step computes, from the batch's classes
+        probe.seen_classes[y] = True
+        weights = {
+            beta: adapter.class_weights(probe, float(adapter.args[beta]))
+            for beta in ("beta1", "beta2")
+        }
+        gradients = our_gradients(loop, x, y)
+    finally:
+        adapter.args = config
+    return gradients, weights, network
+
+
+def our_boosting(built: Built, grown: nn.Module, x, y, oofc: str = "ft"):
+    """Our loop's step on a copy of ``grown``: the gradients it applied to the boosted network
+    (the student's left out), the boosting CE's class weights, the network."""
+    gradients, weights, network = our_step(built, grown, x, y, oofc=oofc)
+    boosted = {n: g for n, g in gradients.items() if not n.startswith("snet.")}
+    return boosted, weights["beta1"], network
+
+
+def upstream_train_phases(
+    learner: Any, student: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> list[torch.Tensor]:
+    """Upstream's ``_train`` of the second task on one batch, each phase's SGD (built by
+    ``_train`` and by ``_feature_compression``) a :class:`GradientsOnly`: boosting's gradients
+    stay on ``learner._network``, compression's on ``learner._snet``. The ``_snet`` that
+    ``_feature_compression`` sets up (the old branch, ``copy_fc(oldfc)``) takes ``student``'s
+    weights before its batch, a state its loop reaches after some batches. Returns the
+    ``per_cls_weights`` each phase saw (beta1, then beta2)."""
+    weights: list[torch.Tensor] = []
+
+    def optimiser(parameters: Any, **kwargs: Any) -> GradientsOnly:
+        weights.append(learner.per_cls_weights.clone())
+        if learner._snet is not None:  # _feature_compression's, after its set-up
+            learner._snet.backbones[0].load_state_dict(student.backbones[0].state_dict())
+            with torch.no_grad():
+                learner._snet.fc.weight.copy_(student.fc.weight)
+                learner._snet.fc.bias.copy_(student.fc.bias)
+        return GradientsOnly(parameters)
+
+    with ExitStack() as patches:
+        patches.enter_context(mock.patch("torch.optim.SGD", optimiser))
+        patches.enter_context(
+            mock.patch("torch.optim.lr_scheduler.CosineAnnealingLR", lambda **_: NoSchedule())
+        )
+        patches.enter_context(pilot_backbone(student.backbones[0], thaw=True))  # _snet's
+        learner._train(one_batch(x, y), one_batch(x, y))
+    assert len(weights) == 2 and learner._snet is not None
+    return weights
 
 
 def grown_with(built: Built, oofc: str = "ft", seen: list[int] | None = None) -> nn.Module:
@@ -189,9 +245,67 @@ def test_boosting_step_is_upstreams_feature_boosting(built: Built, oofc: str) ->
         assert (ours["fc.weight"][KNOWN:, :WIDTH] == 0).all()
 
 
-def test_bkd_is_upstreams(built: Built) -> None:
+@pytest.fixture(scope="module")
+def weighted_step(built: Built) -> dict[str, Any]:
+    """A batch of all 8 classes after the first firing, the new classes counted as
+    ``NEW_COUNTS``, T 3, the new branch and the student moved off the old branch (as some steps
+    into a segment): our loop's step, and upstream's ``_train`` on the same state and batch."""
+    grown = grown_with(built, seen=[4, 5, 6, 7])
+    grown.stream_counts[list(NEW_COUNTS)] = torch.tensor(list(NEW_COUNTS.values()))
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in [*grown.backbones[1].parameters(), *grown.snet.parameters()]:
+            p.add_(0.1 * torch.randn(p.shape, generator=generator))
+    x, y = images([0, 1, 2, 3, 4, 5, 6, 7, 7, 5, 2], seed=8)
+    ours, weights, _ = our_step(built, grown, x, y, T=TEMPERATURE)
+    learner = boosted_learner(built, grown, NUM_CLASSES, torch.ones(NUM_CLASSES), T=TEMPERATURE)
+    learner.data_manager = SimpleNamespace(getlen=NEW_COUNTS.__getitem__)  # samples_new_class
+    theirs = upstream_train_phases(learner, grown.snet, x, y)
+    return {"ours": ours, "weights": weights, "learner": learner, "theirs": theirs}
+
+
+def test_student_step_is_upstreams_bkd_compression(weighted_step: dict[str, Any]) -> None:
+    """Our step's student gradients are those of upstream's ``_feature_compression`` batch: its
+    ``BKD`` of the student's logits against the boosted network's (no gradient), under the
+    ``per_cls_weights`` its ``_train`` computes with beta2 from memory_per_class and ``getlen``,
+    at its ``args["T"]``. Our student loss is BKD alone over the classes seen (all 8 here,
+    upstream's head); concurrent compression is the declared difference in *when* it runs, not in
+    the loss: the teacher here is the boosted network as it stands at our step, the state
+    upstream's compression starts from once boosting is done. The weights are far from uniform, so
+    an unweighted BKD, another beta or a wrong T gives other gradients. Tolerance: the same
+    float32 modules and formula on the same inputs; only the BKD's summation order and the weights'
+    float64 rounding may differ (0 measured on the CPU), far inside 1e-5 of each parameter's
+    largest gradient entry; those mutants miss it by over 20%."""
+    weights, (_, compression) = weighted_step["weights"], weighted_step["theirs"]
+    torch.testing.assert_close(weights["beta2"], compression, rtol=1e-6, atol=0)
+    assert compression.max() > 3 * compression.min()
+    student = {
+        n.removeprefix("snet."): g
+        for n, g in weighted_step["ours"].items()
+        if n.startswith("snet.")
+    }
+    largest = assert_same_gradients(student, weighted_step["learner"]._snet)
+    assert largest < 1e-5
+
+
+def test_boosting_step_under_class_weights_is_upstreams_train(
+    weighted_step: dict[str, Any],
+) -> None:
+    """The same step's branch and head gradients are the boosting batch of upstream's ``_train``
+    under the beta1 ``per_cls_weights`` it computes from the same counts (``CE(logits /
+    per_cls_weights)``), and BKD leaves them alone (the boosted logits are its detached target)."""
+    weights, (boosting, _) = weighted_step["weights"], weighted_step["theirs"]
+    torch.testing.assert_close(weights["beta1"], boosting, rtol=1e-6, atol=0)
+    assert boosting.max() > 3 * boosting.min()
+    boosted = {n: g for n, g in weighted_step["ours"].items() if not n.startswith("snet.")}
+    assert assert_same_gradients(boosted, weighted_step["learner"]._network) < 1e-5
+
+
+def test_bkd_is_upstreams(built: Built, upstream_train: dict[str, Any]) -> None:
     """Upstream's ``BKD`` (with ``per_cls_weights``) and ``_KD_loss``, values and gradients, on
-    every class and on the first 6 (ours: the others masked)."""
+    every class and on the first 6 (ours: the others masked). Then the adapter's own ``bkd``
+    term, as its step calls it: upstream's ``BKD`` under the weights upstream's ``_train`` gives
+    compression (beta2, memory_per_class 20, 500 samples per new class) at its ``args["T"]``."""
     from models.foster import Learner, _KD_loss
 
     adapter, _, config = built
@@ -215,6 +329,32 @@ def test_bkd_is_upstreams(built: Built) -> None:
         assert (ours_in.grad[:, columns:] == 0).all()
         kd = distillation_loss(student, teacher, allowed, 2.0)
         torch.testing.assert_close(kd, _KD_loss(student[:, :columns], teacher[:, :columns], 2.0))
+
+    learner = upstream_learner(Learner, adapter, config, **UPSTREAM_KEYS, T=TEMPERATURE)
+    learner.per_cls_weights = upstream_train["calls"][1][1]  # _train's, for compression
+    network = copy.deepcopy(upstream_train["grown"])
+    network.seen_classes[:] = True
+    network.stream_counts[KNOWN:] = 500
+    ours_in = student.clone().requires_grad_()
+    theirs_in = student.clone().requires_grad_()
+    other = torch.randn(2, 5, NUM_CLASSES, generator=generator)
+    out = StepOutput(
+        teacher.clone(),
+        torch.zeros(5, 2 * WIDTH),
+        extras={"fe_logits": other[0], "old_logits": other[1], "student_logits": ours_in},
+    )
+    labels = torch.arange(5)
+    inputs = torch.zeros(5, 3, 32, 32)  # loss_terms reads the logits only
+    batch = TrainingBatch(inputs, labels, 5, network.seen_classes, network.known_classes)
+    adapter.args = {**config, "T": TEMPERATURE}
+    try:
+        ours = adapter.loss_terms(network, out, batch)["bkd"]
+    finally:
+        adapter.args = config
+    theirs = learner.BKD(theirs_in, teacher, learner.args["T"])
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    ours.backward(), theirs.backward()
+    torch.testing.assert_close(ours_in.grad, theirs_in.grad, rtol=1e-5, atol=1e-8)
 
 
 # -- the declared differences -------------------------------------------------------------------
