@@ -24,6 +24,7 @@ package, adds one adapter file, and runs this suite on the new method alone.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import os
@@ -258,7 +259,7 @@ def take_step(loop, step: int):
 
 
 def test_one_step_of_the_base_row(built):
-    adapter, network, config = built
+    adapter, network, config = copy.deepcopy(built)  # the tests after it start from ``built``
     loop = make_loop(adapter, network, config, "base")
     before = {k: v.clone() for k, v in network.state_dict().items()}
     stats = take_step(loop, 0)
@@ -273,7 +274,7 @@ def test_p_fgh_steps_and_a_checkpoint_round_trip(built, tmp_path):
     second step taken twice, by the loop that wrote the checkpoint and by a loop rebuilt from it
     on a freshly built network: the loss agrees bit for bit; parameters, buffers and logits to
     rounding (1e-5 relative)."""
-    adapter, network, config = built
+    adapter, network, config = copy.deepcopy(built)  # the tests after it start from ``built``
     variant = smoke_row(config)
     resolved = {**config, **VARIANTS[variant]}
     loop = make_loop(adapter, network, config, variant)
@@ -312,7 +313,7 @@ def test_p_fgh_steps_and_a_checkpoint_round_trip(built, tmp_path):
 # the segment end, so a method told about segment ends would consolidate once more in one cut.
 SEGMENT_LABELS = np.array([0, 1, 0, 1, 2, 3, 2, 0, 1, 2, 3, 0], dtype=np.int64)
 SEGMENT_IMAGES = np.random.default_rng(4).integers(0, 256, size=(12, 32, 32, 3), dtype=np.uint8)
-SEGMENT_CUTS = ([8, 4], [12])  # the second: train_one_segment
+SEGMENT_CUTS = ([8, 4], [12])  # the second: the one_segment fixture's
 
 
 def train_segmented(built: Built, sizes: list[int], eval_period: int | None = None):
@@ -320,8 +321,6 @@ def train_segmented(built: Built, sizes: list[int], eval_period: int | None = No
     (the session evaluates at every segment end, and a checkpoint would read the state there;
     with ``eval_period``, also every that many samples), with the consolidation trigger, if the
     method has one, firing at the same samples."""
-    import copy
-
     from pilot_online.core.streams import Stream
     from pilot_online.engine.session import OnlineSession
 
@@ -344,25 +343,18 @@ def train_segmented(built: Built, sizes: list[int], eval_period: int | None = No
     return loop
 
 
-#: ``train_segmented(built, [12])`` of the method under test: both tests below compare with it.
-_ONE_SEGMENT: dict[str, object] = {}
+@pytest.fixture(scope="module")
+def one_segment(built: Built):
+    """The 12-image stream as one segment, evaluated at its end: ``train_segmented(built,
+    [12])``, made once per method from that method's ``built`` (never from another test's)."""
+    return train_segmented(built, [12])
 
 
-def train_one_segment(built: Built):
-    """The 12-image stream as one segment, evaluated at its end, trained once per method (one
-    method's loop is held at a time)."""
-    name = type(built[0]).__name__
-    if name not in _ONE_SEGMENT:
-        _ONE_SEGMENT.clear()
-        _ONE_SEGMENT[name] = train_segmented(built, [12])
-    return _ONE_SEGMENT[name]
-
-
-def test_training_does_not_depend_on_segment_ends(built):
+def test_training_does_not_depend_on_segment_ends(built, one_segment):
     """No method reads a task id or a segment end: the same stream cut into segments of other
     lengths (evaluations and checkpoints at other steps) trains the same weights, with the
     consolidation trigger (if the method has one) firing at the same stream samples."""
-    a, b = train_segmented(built, SEGMENT_CUTS[0]), train_one_segment(built)
+    a, b = train_segmented(built, SEGMENT_CUTS[0]), one_segment
     assert a.optimizer_steps == b.optimizer_steps and a.samples_seen == b.samples_seen == 12
     assert a.trigger.firings == b.trigger.firings
     if a.adapter.consolidation.trigger != "never":
@@ -402,13 +394,13 @@ def assert_same_state(ours: object, theirs: object, where: str = "") -> None:
         assert ours == theirs, where
 
 
-def test_training_does_not_depend_on_evaluations(built):
+def test_training_does_not_depend_on_evaluations(built, one_segment):
     """Evaluation reads the training state and never writes it: the same stream evaluated after
     every batch (``eval_period`` 4, so every evaluation view is derived, used and dropped) and
     only at its end trains the same weights and the same method state (``extra_state``), with
     the same firings. A method that aligned, merged or drew random numbers for an evaluation in
     its training state fails here."""
-    plain, evaluated = train_one_segment(built), train_segmented(built, [12], eval_period=4)
+    plain, evaluated = one_segment, train_segmented(built, [12], eval_period=4)
     assert evaluated.trigger.firings == plain.trigger.firings
     assert_same_state(
         evaluated.network.state_dict(), plain.network.state_dict(), "network.state_dict()"
