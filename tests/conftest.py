@@ -13,6 +13,10 @@ tree and patch the copy, never the original: the session records every file unde
 Without ``PILOT_ROOT`` those tests are skipped with a reason that says how to enable them, unless
 ``PILOT_ONLINE_REQUIRE_PILOT=1`` (set by ``.ci/run``): then each such skip is a failure, so CI can
 never pass while silently skipping the PILOT tests.
+
+Upstream execution: a ``tests/test_upstream_<methods-file>.py`` module run whole with PILOT fails
+at its last teardown if none of its tests called a function of the ``models/<name>.py`` its ports
+claim (the section at the end of this file).
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ from torch import nn
 
 from pilot_online.engine.adapter import MethodAdapter, StepOutput
 from pilot_online.engine.registry import load_builtin_methods
+
+#: tests/upstream_watch.py: a test_upstream_<stem>.py module must run the PILOT code it claims.
+pytest_plugins = ["upstream_watch"]
 
 # Every built-in method registered now, before a test swaps the registry for a scratch copy (the
 # registry imports them on first use, which inside a scratch copy would register them there).
@@ -240,6 +247,19 @@ def pilot_main_run(pilot: Path, tmp_path_factory, request):
         return runs[key]
 
     return run
+
+
+def import_pot(why: str) -> Any:
+    """POT (``ot``), which upstream's COIL and DUCT import and our Sinkhorn is checked against.
+    A test that claims upstream's code or POT's numbers fails without it, never skips or
+    stands in its own Sinkhorn: POT is in the ``test`` extra that ``make test`` installs."""
+    try:
+        import ot
+    except ImportError:
+        pytest.fail(
+            f"{why}, but POT is not installed: pip install -e '.[test]' (or pip install pot)"
+        )
+    return ot
 
 
 def unit_config(adapter_cls: type[MethodAdapter], num_classes: int, **overrides: Any) -> dict:

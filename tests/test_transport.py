@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import import_pot
 
 from pilot_online.core.transport import prospective_rows, sinkhorn
 
@@ -48,7 +49,7 @@ def test_a_lone_target_takes_every_source_whole_mass():
     ],
 )
 def test_the_plan_is_pots(old, new, reg, unbalanced):
-    ot = pytest.importorskip("ot", reason="POT (the test extra) checks the Sinkhorn solver")
+    ot = import_pot("this test checks our Sinkhorn against POT's ot.sinkhorn")
     generator = torch.Generator().manual_seed(old * 10 + new)
     cost = 2 * torch.rand(old, new, generator=generator, dtype=F64)
     a, b = uniform(old), uniform(new, new / old if unbalanced else 1.0)
@@ -65,7 +66,7 @@ def test_the_plan_is_pots(old, new, reg, unbalanced):
 def test_a_numerical_breakdown_keeps_the_last_good_step_as_pot():
     """A column of costs far above ``reg``: ``exp(-cost / reg)`` underflows to 0, ``K^T u`` has a
     zero at the first step, and POT keeps its starting ``u``, ``v`` (and warns)."""
-    ot = pytest.importorskip("ot", reason="POT (the test extra) checks the Sinkhorn solver")
+    ot = import_pot("this test checks our Sinkhorn against POT's ot.sinkhorn")
     cost = torch.tensor([[0.1, 900.0], [0.2, 800.0]], dtype=F64)
     a, b = uniform(2), uniform(2)
     with pytest.warns(UserWarning, match="numerical errors"):

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import PILOT_ROOT, build_smoke_method, make_exps, requires_pilot
+from conftest import PILOT_ROOT, build_smoke_method, import_pot, make_exps, requires_pilot
 from test_upstream_finetune import (
     BASE_ROW,
     NUM_CLASSES,
@@ -64,7 +64,7 @@ Built = tuple[Any, nn.Module, dict[str, Any], type]
 
 @pytest.fixture(scope="module")
 def coil(pilot_on_path: Path) -> Iterator[Built]:
-    pytest.importorskip("ot", reason="upstream's models/coil.py imports POT (the test extra)")
+    import_pot("upstream's models/coil.py imports POT (ot.sinkhorn in solving_ot)")
     from models.coil import Learner
 
     adapter, network, config = build_smoke_method("coil_online", **BASE_ROW, **REPLAY)

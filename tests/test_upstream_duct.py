@@ -7,24 +7,21 @@ are compared: the task-vector merge (``_stage1_merge_backbone`` with ``_calculat
 and the head transport (``_stage2_transport_classifier``). Each declared difference
 (the card's ``upstream_differences``) has its ``test_difference_<key>``.
 
-Upstream imports POT (``ot``) at module level; POT is no dependency of ours. Without it, the
-``ot`` module upstream sees holds POT's ``sinkhorn_knopp`` iteration (``ot.bregman``: scaling
-vectors ``u, v`` from ones, ``v = b / K^T u``, ``u = 1 / (diag(1/a) K v)``, the marginal error
-checked every 10 iterations against 1e-9, at most 1000), written out below.
+Upstream imports POT (``ot``) at module level. POT is no runtime dependency of ours but is in the
+``test`` extra: these tests claim upstream's code, POT's Sinkhorn included, so they fail without
+it (``conftest.import_pot``) rather than stand in a Sinkhorn of their own.
 """
 
 from __future__ import annotations
 
-import sys
 import types
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from conftest import requires_pilot, unit_config
+from conftest import import_pot, requires_pilot, unit_config
 from torch import nn
 
 from pilot_online.engine.mixins import build_loop
@@ -36,41 +33,13 @@ NUM_CLASSES = 9
 TASK = 3  # upstream's task_cl_inc: classes per task
 
 
-def pot_sinkhorn(
-    a: torch.Tensor, b: torch.Tensor, cost: torch.Tensor, reg: float, **_: Any
-) -> torch.Tensor:
-    """POT's ``ot.sinkhorn`` (method ``sinkhorn_knopp``, default stopping), for torch inputs."""
-    kernel = torch.exp(cost / -reg)
-    u = torch.ones(len(a), dtype=cost.dtype) / len(a)
-    v = torch.ones(len(b), dtype=cost.dtype) / len(b)
-    scaled = (1 / a).reshape(-1, 1) * kernel
-    for iteration in range(1000):
-        v = b / (kernel.T @ u)
-        u = 1.0 / (scaled @ v)
-        if iteration % 10 == 0:
-            marginal = torch.einsum("i,ij,j->j", u, kernel, v)
-            if torch.linalg.norm(marginal - b) < 1e-9:
-                break
-    return u.reshape(-1, 1) * kernel * v.reshape(1, -1)
-
-
 @pytest.fixture(scope="module")
-def upstream(pilot_on_path) -> Iterator[types.ModuleType]:
-    """Upstream's ``models/duct.py``, with POT or, without it, POT's Sinkhorn as ``ot``."""
-    stub = None
-    try:
-        import ot  # noqa: F401
-    except ImportError:
-        stub = types.ModuleType("ot")
-        stub.sinkhorn = pot_sinkhorn
-        sys.modules["ot"] = stub
-    try:
-        import models.duct
+def upstream(pilot_on_path) -> types.ModuleType:
+    """Upstream's ``models/duct.py``, which imports POT."""
+    import_pot("upstream's models/duct.py imports POT (ot.sinkhorn in its head transport)")
+    import models.duct
 
-        yield models.duct
-    finally:
-        if stub is not None:
-            sys.modules.pop("ot", None)
+    return models.duct
 
 
 class Net(nn.Module):
@@ -212,12 +181,8 @@ def test_difference_log_domain_sinkhorn():
     cost = torch.cdist(class_means(1)[:3].double(), class_means(2)[:4].double())
     a = torch.full((3,), 1 / 3, dtype=torch.float64)
     b = torch.full((4,), 1 / 4, dtype=torch.float64)
-    try:
-        import ot
-
-        reference = ot.sinkhorn(a, b, cost, reg)
-    except ImportError:
-        reference = pot_sinkhorn(a, b, cost, reg)
+    ot = import_pot("upstream's DUCT transports with POT's ot.sinkhorn, the reference here")
+    reference = ot.sinkhorn(a, b, cost, reg)
     torch.testing.assert_close(sinkhorn(a, b, cost, reg), reference, rtol=0, atol=1e-9)
     far = cost * 100 + 16  # ViT-scale distances
     assert not torch.exp(far / -reg).any()  # POT's kernel: all zeros
