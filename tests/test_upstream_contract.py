@@ -12,8 +12,9 @@ For each registered method whose card names a PILOT model (its card's ``upstream
 - ``docs/upstream-differences.md`` holds exactly what ``scripts/make_docs.py`` generates from those
   declarations, so the page, the code and the tests cannot drift apart.
 
-A built-in method without a PILOT model (``upstream_model=""``: MVP, Online-LoRA, ...) has no such
-file; ``docs/porting.md`` ("Methods without a PILOT model") says what stands in for its upstream.
+A built-in method without a PILOT model (its card's ``upstream_file`` None: MVP, Online-LoRA, ...)
+has no such file; ``docs/porting.md`` ("Methods without a PILOT model") says what stands in for
+its upstream.
 """
 
 from __future__ import annotations
