@@ -50,6 +50,7 @@ def sample(tmp_path: Path) -> Path:
     folder = tmp_path / "sample"
     folder.mkdir()
     shutil.copy(CONFTEST, folder / "conftest.py")
+    shutil.copy(CONFTEST.with_name("upstream_watch.py"), folder)  # the plugin conftest loads
     (folder / "test_sample.py").write_text(SAMPLE_TESTS)
     return folder
 
