@@ -149,13 +149,10 @@ def test_the_firing_solves_upstreams_replace_fc_with_its_own_ridge(pilot_on_path
     loop.train_step(x2[:4], y2[:4])  # new classes: the firing, on the first task's statistics
     assert loop.trigger.firings == [10]
     upstream = upstream_ranpac(network)
-    upstream.replace_fc(loader(*held_last(x1, y1)), Extractor(nn.Identity()), None)
-    features = F.relu(held_last(x1, y1)[0] @ upstream.W_rand)
-    ridge = float(
-        upstream.optimise_ridge_parameter(
-            features, F.one_hot(held_last(x1, y1)[1], CLASSES).float()
-        )
-    )
+    xs, ys = held_last(x1, y1)
+    upstream.replace_fc(loader(xs, ys), Extractor(nn.Identity()), None)
+    features = F.relu(xs @ upstream.W_rand)
+    ridge = float(upstream.optimise_ridge_parameter(features, F.one_hot(ys, CLASSES).float()))
     assert ridge != 1.0  # not the grid's middle, what a firing without held-out samples takes
     assert adapter.ridge == ridge
     torch.testing.assert_close(
