@@ -117,7 +117,7 @@ def build(method: str, args: argparse.Namespace, device: torch.device):
     config = {**resolve_config(raw), "nb_classes": args.classes, "nb_tasks": 1}
     adapter = get_method(config["model_name"])(args=config)
     torch.manual_seed(0)
-    with run_overrides(adapter, config):
+    with run_overrides(config):
         network = adapter.build_network(config)
     return adapter, network.to(device), config
 

@@ -187,7 +187,7 @@ def build_network(adapter: MethodAdapter, config: dict[str, Any], build=None) ->
     from pilot_online.pilot.backbones import run_overrides
 
     torch.manual_seed(0)
-    with run_overrides(adapter, config):
+    with run_overrides(config):
         return (build or adapter.build_network)(config)
 
 

@@ -42,3 +42,44 @@ def test_unreachable_download_says_what_to_do(monkeypatch, tmp_path):
         monkeypatch.setenv(key, "http://127.0.0.1:9")  # closed loopback port: no network
     with pytest.raises(WeightsUnavailableError, match="pretrained_path"), timm_overrides():
         timm.create_model("vit_tiny_patch16_224", pretrained=True)
+
+
+@pytest.mark.parametrize(
+    "backbone_type, forced",
+    [
+        # get_backbone's plain, APER, LAE and MEMO branches: timm.create_model(name,
+        # pretrained=True, num_classes=0), no dropout arguments.
+        ("vit_base_patch16_224", {"pretrained": False, "drop_rate": 0.1, "drop_path_rate": 0.2}),
+        (
+            "pretrained_vit_b16_224_in21k_ssf",
+            {"pretrained": False, "drop_rate": 0.1, "drop_path_rate": 0.2},
+        ),
+        (
+            "pretrained_vit_b16_224_adapter",
+            {"pretrained": False, "drop_rate": 0.1, "drop_path_rate": 0.2},
+        ),
+        (
+            "vit_base_patch16_224_lae",
+            {"pretrained": False, "drop_rate": 0.1, "drop_path_rate": 0.2},
+        ),
+        (
+            "vit_base_patch16_224_memo",
+            {"pretrained": False, "drop_rate": 0.1, "drop_path_rate": 0.2},
+        ),
+        # EASE's and MoS's ViT classes copy weights from a pretrained=True model; dropout is theirs.
+        ("vit_base_patch16_224_ease", {"pretrained": False}),
+        ("vit_base_patch16_224_in21k_mos", {"pretrained": False}),
+        # The prompt branches pass args["pretrained"], args["drop"], args["drop_path"] themselves.
+        ("vit_base_patch16_224_l2p", {}),
+        ("vit_base_patch16_224_dualprompt", {}),
+        ("vit_base_patch16_224_coda_prompt", {}),
+    ],
+)
+def test_factory_overrides_replace_what_each_get_backbone_branch_hard_codes(backbone_type, forced):
+    from pilot_online.engine.backbone_names import factory_overrides
+
+    args = {"backbone_type": backbone_type, "pretrained": False, "drop": 0.1, "drop_path": 0.2}
+    assert factory_overrides(args) == forced
+    # The config's own backbone_kwargs go on top, and win.
+    on_top = {**args, "backbone_kwargs": {"img_size": 32, "pretrained": True}}
+    assert factory_overrides(on_top) == {**forced, "img_size": 32, "pretrained": True}

@@ -331,8 +331,12 @@ def test_linear_probe_trains_only_fc_and_keeps_the_backbone_deterministic(adapte
 
 
 def test_plain_vit_rows_force_pilot_hard_coded_backbone_options():
+    """PILOT's plain-ViT branch hard-codes ``pretrained=True`` and no dropout: the config's values
+    are forced, the config's own ``backbone_kwargs`` on top."""
+    from pilot_online.engine.backbone_names import factory_overrides
+
     args = {"pretrained": False, "drop": 0.1, "drop_path": 0.2, "backbone_kwargs": {"img_size": 32}}
-    assert FinetuneOnline(args=args).backbone_kwargs(args) == {
+    assert factory_overrides({**args, "backbone_type": FinetuneOnline.backbone_types[0]}) == {
         "pretrained": False,
         "drop_rate": 0.1,
         "drop_path_rate": 0.2,

@@ -130,7 +130,7 @@ def test_a_head_pilot_never_builds_is_refused_before_training():
 
 def test_hard_coded_pretrained_weights_name_the_adapter_fix(monkeypatch, tmp_path):
     """PILOT's plain-ViT factory asks for weights whatever the config says: offline, the error
-    says so and names ``backbone_kwargs``, not the ``"pretrained": false`` already set."""
+    says so and names where the engine's rule goes, not the ``"pretrained": false`` already set."""
     import timm
 
     from pilot_online.pilot.backbones import WeightsUnavailableError, timm_overrides
@@ -142,7 +142,7 @@ def test_hard_coded_pretrained_weights_name_the_adapter_fix(monkeypatch, tmp_pat
         timm.create_model("vit_tiny_patch16_224", pretrained=True)  # as PILOT hard-codes it
     message = str(caught.value)
     assert 'The config sets "pretrained": false' in message
-    assert "backbone_kwargs()" in message and 'set "pretrained": false' not in message
+    assert "factory_overrides()" in message and 'set "pretrained": false' not in message
 
 
 # -- on the method's network, built once per method --------------------------------------------

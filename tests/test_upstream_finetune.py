@@ -90,7 +90,7 @@ def upstream_learner(
     module = sys.modules[learner_class.__module__]
     pilot_args = {**adapter.pilot_args(config), "device": [torch.device("cpu")], **args}
     with ExitStack() as patches:
-        patches.enter_context(run_overrides(adapter, config))
+        patches.enter_context(run_overrides(config))
         if backbone is not None:
             patches.enter_context(pilot_backbone(backbone, thaw))
         for name, network in (networks or {}).items():

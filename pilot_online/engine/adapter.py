@@ -134,6 +134,8 @@ RETIRED_MEMBERS: Mapping[str, str] = {
     "train_forward_predicts": "delete it: A_online always scores with an eval-mode pass",
     "train_mode": "override set_mode(network, train) and handle train=True",
     "eval_mode": "override set_mode(network, train) and handle train=False",
+    "backbone_kwargs": "delete it: the engine forces the config's pretrained, drop and drop_path "
+    "on what PILOT's get_backbone branch hard-codes (engine/backbone_names.py: factory_overrides)",
 }
 
 
@@ -193,11 +195,6 @@ class MethodAdapter:
     def check_config(cls, cfg: Mapping[str, Any]) -> None:
         """Reject bad values of the method's own keys with a ValueError that says what to set
         (``resolve_config`` reports it as a ConfigError)."""
-
-    def backbone_kwargs(self, args: dict) -> dict[str, Any]:
-        """Keyword arguments forced on every ``timm.create_model`` call while the network is built
-        (``backbone_kwargs`` of the config; methods add what PILOT's factory hard-codes)."""
-        return dict(args.get("backbone_kwargs") or {})
 
     def trainable_parameters(self, network: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
         """Named parameters the optimiser and FGH see (everything with ``requires_grad``)."""

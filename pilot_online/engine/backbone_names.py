@@ -8,8 +8,8 @@ names, so a name with the right substring can still build nothing. For the APER 
 with ``UnboundLocalError``. The branches, read from upstream:
 
 - any model: ``vit_base_patch16_224`` / ``pretrained_vit_b16_224`` and their ``_in21k`` twins
-  build timm's plain ViT-B/16, with ``pretrained=True`` hard-coded (adapters force the config's
-  ``pretrained`` through ``backbone_kwargs``);
+  build timm's plain ViT-B/16, with ``pretrained=True`` hard-coded (:func:`factory_overrides`
+  forces the config's);
 - ``_ssf``, ``_vpt``, ``_adapter`` (models ``aper_ssf``/``aper_vpt``/``aper_adapter``, also
   ``ranpac`` and ``fecam``): only ``pretrained_vit_b16_224_<kind>`` and
   ``pretrained_vit_b16_224_in21k_<kind>``;
@@ -40,13 +40,40 @@ VIT_B16_BLOCKS = 12
 def plain_vit_overrides(args: Mapping[str, Any]) -> dict[str, Any]:
     """What PILOT's factories hard-code on their ``timm.create_model`` calls for plain ViTs
     (``pretrained=True``, no dropout) replaced by the config's ``pretrained``, ``drop`` and
-    ``drop_path``: an adapter's ``backbone_kwargs`` returns these (with the config's own
-    ``backbone_kwargs`` on top) so that ``"pretrained": false`` runs offline."""
+    ``drop_path``, so that ``"pretrained": false`` runs offline."""
     return {
         "pretrained": bool(args["pretrained"]),
         "drop_rate": float(args["drop"]),
         "drop_path_rate": float(args["drop_path"]),
     }
+
+
+#: ``get_backbone`` branches (a substring of ``backbone_type``) whose ViT class copies its
+#: weights from a ``timm.create_model(..., pretrained=True)`` it makes itself and sets its own
+#: dropout: only ``pretrained`` is the config's.
+PRETRAINED_ONLY_BRANCHES = ("_ease", "_mos")
+#: Branches that pass the config's ``pretrained``, ``drop`` and ``drop_path`` themselves (and
+#: build a second, query ViT with dropout off, which forcing the config's would change).
+CONFIG_PASSING_BRANCHES = ("_l2p", "_dualprompt", "_coda_prompt")
+
+
+def factory_overrides(args: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``timm.create_model`` keywords forced while a network is built for
+    ``args["backbone_type"]``: what its ``get_backbone`` branch hard-codes (``pretrained=True``,
+    no dropout) replaced by the config's, then the config's own ``backbone_kwargs`` on top.
+
+    Why here, from the name: what a factory hard-codes is a fact of PILOT's branch, not of the
+    method, so every method that builds through a branch (an outside one included) gets the same
+    fix. A method that calls ``timm.create_model`` itself passes the config's values already, so
+    forcing them again changes nothing."""
+    name = str(args.get("backbone_type", ""))
+    if any(branch in name for branch in CONFIG_PASSING_BRANCHES):
+        forced: dict[str, Any] = {}
+    elif any(branch in name for branch in PRETRAINED_ONLY_BRANCHES):
+        forced = {"pretrained": bool(args["pretrained"])}
+    else:
+        forced = plain_vit_overrides(args)
+    return {**forced, **(args.get("backbone_kwargs") or {})}
 
 
 #: timm's plain ViT-B/16, built by the first branch of ``get_backbone`` whatever the model.

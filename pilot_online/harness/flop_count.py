@@ -114,7 +114,7 @@ def count_method(method: str, classes: int = 200, batch: int = 1) -> dict[str, A
     generator = torch.Generator().manual_seed(0)
     inputs = torch.rand(batch, 3, COUNTED_IMG_SIZE, COUNTED_IMG_SIZE, generator=generator)
     torch.manual_seed(0)
-    with run_overrides(adapter, config):
+    with run_overrides(config):
         network = adapter.build_network(config)
         counts = count_network(adapter, network, inputs, classes)
         if not method_card(method).grows:

@@ -45,7 +45,7 @@ from ..engine.adapter import (
     StepOutput,
     TrainingBatch,
 )
-from ..engine.backbone_names import PLAIN_VIT, plain_vit_overrides
+from ..engine.backbone_names import PLAIN_VIT
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.config import replay_keys
 from ..engine.differences import (
@@ -208,10 +208,6 @@ class COILOnline(MethodAdapter):
         required="takes no teacher and no transport, so COIL would be replay with a cosine head",
         teacher=True,
     )
-
-    def backbone_kwargs(self, args: dict) -> dict[str, Any]:
-        # PILOT's plain-ViT factory hard-codes pretrained=True and no dropout: the config's win.
-        return {**plain_vit_overrides(args), **super().backbone_kwargs(args)}
 
     def build_network(self, args: dict) -> nn.Module:
         from utils.inc_net import SimpleCosineIncrementalNet  # PILOT, imported lazily

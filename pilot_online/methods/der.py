@@ -33,7 +33,7 @@ from torch import nn
 
 from ..core.masks import mask_logits, training_mask
 from ..engine.adapter import Consolidation, MethodAdapter, Replay, StepOutput, TrainingBatch
-from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, plain_vit_overrides
+from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.config import replay_keys
 from ..engine.differences import ONLINE_HERDING, REPLAY_LOGIT_MASK
@@ -209,10 +209,6 @@ class DEROnline(MethodAdapter):
         return 1 + max(0, math.ceil((classes - first) / increment))
 
     # -- the network -------------------------------------------------------------------------
-    def backbone_kwargs(self, args: dict) -> dict[str, Any]:
-        # PILOT's plain-ViT factory hard-codes pretrained=True and no dropout: the config's win.
-        return {**plain_vit_overrides(args), **super().backbone_kwargs(args)}
-
     def build_network(self, args: dict) -> nn.Module:
         from utils.inc_net import DERNet  # PILOT, imported lazily
 

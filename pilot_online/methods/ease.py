@@ -169,10 +169,6 @@ class EaseOnline(MethodAdapter):
         ),
     }
 
-    def backbone_kwargs(self, args: dict) -> dict[str, Any]:
-        # vit_ease loads its weights from timm.create_model(..., pretrained=True), hard-coded.
-        return {"pretrained": bool(args["pretrained"]), **super().backbone_kwargs(args)}
-
     def build_network(self, args: dict) -> nn.Module:
         from utils.inc_net import EaseNet  # PILOT, imported lazily
 

@@ -12,8 +12,8 @@ same: the backbone's pooled token, then a linear head. Two things differ from up
   classes absent from the batch where upstream masks those outside the task
   (the card's ``upstream_differences``).
 - PILOT's factory builds the plain ViT with ``pretrained=True`` and no dropout arguments
-  hard-coded; :meth:`FinetuneOnline.backbone_kwargs` forces the config's ``pretrained``, ``drop``
-  and ``drop_path`` onto that ``timm.create_model`` call instead.
+  hard-coded; the engine forces the config's ``pretrained``, ``drop`` and ``drop_path`` onto that
+  ``timm.create_model`` call instead (``engine/backbone_names.py``: ``factory_overrides``).
 
 ``er_online`` is the same model with the ``ReplayMixin`` of the loop (a reservoir of 1,000 stream
 samples, 100 replayed per step): replay is a mechanism, so it composes with any method.
@@ -22,14 +22,14 @@ samples, 100 replayed per step): replay is a mechanism, so it composes with any 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from ..core.checks import integer
 from ..engine.adapter import ConfigKey, MethodAdapter, Replay, StepOutput
-from ..engine.backbone_names import PLAIN_VIT, plain_vit_overrides
+from ..engine.backbone_names import PLAIN_VIT
 from ..engine.card import MethodCard
 from ..engine.differences import BATCH_LOGIT_MASK, ONE_LINEAR_HEAD
 from ..engine.registry import register_method
@@ -55,9 +55,6 @@ CARD = MethodCard(
 class FinetuneOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "finetune"  # PILOT's transforms for its fine-tuning learner
     backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
-
-    def backbone_kwargs(self, args: dict) -> dict[str, Any]:
-        return {**plain_vit_overrides(args), **super().backbone_kwargs(args)}
 
     def build_network(self, args: dict) -> nn.Module:
         from utils.inc_net import SimpleVitNet

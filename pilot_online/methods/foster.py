@@ -52,7 +52,7 @@ from ..engine.adapter import (
     StepOutput,
     TrainingBatch,
 )
-from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, plain_vit_overrides
+from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS
 from ..engine.card import MethodCard
 from ..engine.card import UpstreamDifference as Difference
 from ..engine.config import replay_keys
@@ -230,10 +230,6 @@ class FosterOnline(MethodAdapter):
                     f"{key} must be below 1 (the effective number 1 - beta**n is 0 at 1); "
                     f"got {cfg[key]}: upstream uses 0.96 and 0.97"
                 )
-
-    def backbone_kwargs(self, args: dict) -> dict[str, Any]:
-        # PILOT's plain-ViT factory hard-codes pretrained=True and no dropout: the config's win.
-        return {**plain_vit_overrides(args), **super().backbone_kwargs(args)}
 
     # -- the network ------------------------------------------------------------------------------
     def build_network(self, args: dict) -> nn.Module:

@@ -40,7 +40,7 @@ from torch import nn
 
 from ..core.checks import boolean, integer, real
 from ..engine.adapter import ConfigKey, Consolidation, MethodAdapter, StepOutput
-from ..engine.backbone_names import pilot_backbones, plain_vit_overrides
+from ..engine.backbone_names import pilot_backbones
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
 
@@ -154,10 +154,6 @@ class LAEOnline(MethodAdapter):
                 "prefixes and adapters inside PILOT's forward, which sdpa does not reproduce; "
                 'set "sdpa": false'
             )
-
-    def backbone_kwargs(self, args: dict) -> dict[str, Any]:
-        # PILOT's "_lae" branch calls timm.create_model(name, pretrained=True): force the config's.
-        return {**plain_vit_overrides(args), **super().backbone_kwargs(args)}
 
     def build_network(self, args: dict) -> nn.Module:
         from utils.inc_net import LAE  # PILOT, imported lazily

@@ -256,10 +256,6 @@ class MOSOnline(MethodAdapter):
     }
 
     # -- network -------------------------------------------------------------------------------
-    def backbone_kwargs(self, args: dict) -> dict[str, Any]:
-        # vit_mos's factory hard-codes pretrained=True for the ViT it copies weights from.
-        return {"pretrained": bool(args["pretrained"]), **super().backbone_kwargs(args)}
-
     def build_network(self, args: dict) -> nn.Module:
         from utils.inc_net import MOSNet  # PILOT, imported lazily
 

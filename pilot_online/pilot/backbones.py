@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..engine.backbone_names import factory_overrides
 from ..engine.config import (
     NPZ_SUFFIXES,
     SAFETENSORS_SUFFIXES,
@@ -334,7 +335,7 @@ def timm_overrides(
     every ViT is built ``depth`` blocks deep (None: as its factory says, 12 for ViT-B).
 
     ``config_pretrained``: the config's ``pretrained``, so that a failed download the config did
-    not ask for (PILOT's factory hard-codes ``pretrained=True``) names the adapter's fix instead
+    not ask for (PILOT's factory hard-codes ``pretrained=True``) names the engine's fix instead
     of advising the ``"pretrained": false`` that is already set."""
     import timm
 
@@ -380,9 +381,9 @@ def timm_overrides(
                 raise WeightsUnavailableError(
                     f"pretrained weights for {model_name!r} could not be loaded from {source}: "
                     f'{err}. The config sets "pretrained": false, but PILOT\'s factory for this '
-                    "backbone hard-codes pretrained=True and the method's adapter does not "
-                    'override it: return {"pretrained": args["pretrained"], ...} from the '
-                    "adapter's backbone_kwargs(), as finetune_online does (docs/porting.md)"
+                    "backbone hard-codes pretrained=True and no rule of factory_overrides() in "
+                    "pilot_online/engine/backbone_names.py covers this backbone_type: add its "
+                    "get_backbone branch there (docs/porting.md)"
                 ) from err
             raise WeightsUnavailableError(
                 f"pretrained weights for {model_name!r} could not be loaded from {source}: {err}. "
@@ -400,11 +401,12 @@ def timm_overrides(
         timm.create_model = original
 
 
-def run_overrides(adapter: Any, config: Mapping[str, Any]) -> contextlib.AbstractContextManager:
-    """:func:`timm_overrides` as a run builds its networks: the adapter's ``backbone_kwargs``,
-    the config's weights file and ``vit_depth`` (the one place the three are read)."""
+def run_overrides(config: Mapping[str, Any]) -> contextlib.AbstractContextManager:
+    """:func:`timm_overrides` as a run builds its networks: the keywords forced for its backbone
+    (:func:`~pilot_online.engine.backbone_names.factory_overrides`), the config's weights file and
+    ``vit_depth`` (the one place the three are read)."""
     return timm_overrides(
-        adapter.backbone_kwargs(config),
+        factory_overrides(config),
         config.get("pretrained_path"),
         config.get("pretrained"),
         config.get("vit_depth"),

@@ -99,7 +99,7 @@ class OnlineLearner(BaseLearner):
         fresh copy of the method and of the reference method with (``OnlineSession``)."""
         if adapter is None:
             adapter = get_method(config["model_name"])(args=config)
-        with run_overrides(adapter, config):
+        with run_overrides(config):
             network = adapter.build_network(config)
         if config["sdpa"]:
             use_sdpa(network)
