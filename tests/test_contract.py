@@ -52,6 +52,7 @@ from test_batch_invariance import NUM_CLASSES, NUM_TEST_IMAGES, evaluate
 from test_pilot_integration import check_online_run
 
 from pilot_online import get_method, list_methods
+from pilot_online.engine.adapter import trained_parameters
 from pilot_online.engine.checkpoint import load_checkpoint, save_checkpoint
 from pilot_online.engine.config import VARIANTS
 from pilot_online.engine.mixins import build_loop
@@ -171,7 +172,7 @@ def test_builds_with_an_online_head(built, sample_images):
     assert config["backbone_type"] in adapter.backbone_types
     head = adapter.classifier(network)
     assert isinstance(head, torch.nn.Linear) and head.out_features == NUM_CLASSES
-    trainable = dict(adapter.trainable_parameters(network))
+    trainable = dict(trained_parameters(adapter, network))
     assert bool(trainable) == adapter.trains
     adapter.set_mode(network, train=False)
     with torch.no_grad():

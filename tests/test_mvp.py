@@ -258,7 +258,7 @@ def test_prompts_join_their_blocks_and_leave_after_them():
 
 def test_trainable_parameters_and_frozen_backbone():
     network = tiny_mvp()
-    trainable = {n for n, p in MVPOnline(args=mvp_args()).trainable_parameters(network)}
+    trainable = set(MVPOnline(args=mvp_args()).lr_scales(network))
     assert trainable == {
         "keys", "class_masks", "g_prompts", "e_prompts", "backbone.head.weight",
         "backbone.head.bias",

@@ -25,8 +25,8 @@ C = 6
 class SlowBody(TinyAdapter):
     """TinyNet with its body at a tenth of the head's learning rate."""
 
-    def lr_scale(self, name: str, parameter: nn.Parameter) -> float:
-        return 0.1 if name.startswith("body.") else 1.0
+    def lr_scales(self, network: nn.Module) -> dict[str, float]:
+        return {n: 0.1 if n.startswith("body.") else 1.0 for n in super().lr_scales(network)}
 
 
 def test_the_backbones_step_is_the_scale_times_the_heads():
@@ -240,7 +240,7 @@ def test_on_a_20_task_cub_sized_stream_every_task_end_evaluation_is_aligned(monk
 def test_the_slow_learner_scales_backbone_parameters_only():
     adapter = TinySLCA(args=dict(ARGS))
     network = adapter.build_network(adapter.args)
-    scales = {n: adapter.lr_scale(n, p) for n, p in network.named_parameters()}
+    scales = adapter.lr_scales(network)
     assert scales == {
         "backbone.0.weight": 0.01,
         "backbone.0.bias": 0.01,

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from conftest import requires_pilot, unit_config
 from torch import nn
 
+from pilot_online.engine.adapter import trained_parameters
 from pilot_online.engine.mixins import build_loop
 from pilot_online.methods.cofima import CoFiMAOnline, fisher_average
 from pilot_online.methods.slca import mean_scales
@@ -428,7 +429,7 @@ def test_difference_old_head_rows_keep_training(upstream):
     assert network.fc.heads[1][0].weight.requires_grad
     adapter, ours_net = ours()
     adapter.consolidate(ours_net, 0)
-    assert dict(adapter.trainable_parameters(ours_net))["fc.weight"] is ours_net.fc.weight
+    assert dict(trained_parameters(adapter, ours_net))["fc.weight"] is ours_net.fc.weight
     F.cross_entropy(ours_net(torch.randn(2, 4))["logits"], torch.tensor([0, 1])).backward()
     assert ours_net.fc.weight.grad[:2].abs().sum() > 0
 

@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
+from pilot_online.engine.adapter import trained_parameters
 from pilot_online.engine.loop import make_optimizer
 from pilot_online.methods.mos import MOSOnline
 
@@ -161,13 +162,13 @@ def test_training_step_is_upstreams(pilot_on_path):
     torch.manual_seed(7)
     out = adapter.forward(ours, IMAGES, train=True)
     (F.cross_entropy(out.logits, LABELS) + out.aux_loss).backward()
-    named = list(adapter.trainable_parameters(ours))
+    named = trained_parameters(adapter, ours)
     ours_optimizer = make_optimizer(
         "sgd",
         [p for _, p in named],
         lr=0.05,
         weight_decay=5e-4,
-        lr_scales=[adapter.lr_scale(n, p) for n, p in named],
+        lr_scales=list(adapter.lr_scales(ours).values()),
     )
     ours_optimizer.step()
     adapter.after_step(ours, IMAGES, LABELS, {})

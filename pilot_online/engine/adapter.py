@@ -23,7 +23,7 @@ Adapters import PILOT lazily (inside ``build_network``), so registering one need
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
@@ -134,6 +134,10 @@ RETIRED_MEMBERS: Mapping[str, str] = {
     "train_forward_predicts": "delete it: A_online always scores with an eval-mode pass",
     "train_mode": "override set_mode(network, train) and handle train=True",
     "eval_mode": "override set_mode(network, train) and handle train=False",
+    "trainable_parameters": "override lr_scales(network): the trained parameters' names, each "
+    "with its factor on init_lr",
+    "lr_scale": "override lr_scales(network): the trained parameters' names, each with its "
+    "factor on init_lr",
     "backbone_kwargs": "delete it: the engine forces the config's pretrained, drop and drop_path "
     "on what PILOT's get_backbone branch hard-codes (engine/backbone_names.py: factory_overrides)",
 }
@@ -196,15 +200,16 @@ class MethodAdapter:
         """Reject bad values of the method's own keys with a ValueError that says what to set
         (``resolve_config`` reports it as a ConfigError)."""
 
-    def trainable_parameters(self, network: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-        """Named parameters the optimiser and FGH see (everything with ``requires_grad``)."""
-        return ((n, p) for n, p in network.named_parameters() if p.requires_grad)
-
-    def lr_scale(self, name: str, parameter: nn.Parameter) -> float:
-        """The factor on the config's ``init_lr`` for one trainable parameter, asked once when
-        the loop is built: the loop's optimiser gets one group per distinct scale (SLCA's slow
-        learner: the backbone at 0.01 x the head's LR). 1 for every parameter by default."""
-        return 1.0
+    def lr_scales(self, network: nn.Module) -> dict[str, float]:
+        """Which parameters train, and how fast: the names of the parameters the optimiser and FGH
+        see (everything with ``requires_grad`` by default), in order, each with its factor on the
+        config's ``init_lr`` (1 by default). The optimiser gets one group per distinct factor
+        (SLCA's slow learner: the backbone at 0.01 x the head's LR). Asked when the loop is built
+        and after each firing, whose new names join. A parameter the method freezes later keeps
+        its place and its factor; one a resume adopts from the checkpoint but no longer listed
+        here gets factor 1, so a method whose frozen parameters train at another factor lists
+        them still (MoS: every adapter set)."""
+        return {name: 1.0 for name, p in network.named_parameters() if p.requires_grad}
 
     # -- step: every training step, in this order (docs/porting.md, When each hook runs) -----------
     def set_mode(self, network: nn.Module, train: bool) -> None:
@@ -283,8 +288,8 @@ class MethodAdapter:
         that does not refuses every trigger but ``never``.
 
         It may add parameters (a new adapter per firing, as upstream adds one per task): the loop
-        then re-reads :meth:`trainable_parameters`, and each new one joins the optimiser (in the
-        group of its :meth:`lr_scale`), FGH and the checkpoint, where it stays after the method
+        then re-reads :meth:`lr_scales`, and each new one joins the optimiser (in the group of its
+        factor), FGH and the checkpoint, where it stays after the method
         freezes it. A resume calls :meth:`load_extra_state` before any parameter is loaded, so a
         method rebuilds there the structure it had added (from a count in :meth:`extra_state`)."""
         return ()
@@ -382,3 +387,23 @@ class MethodAdapter:
         head = nn.Linear(int(in_features), int(args["nb_classes"]))
         setattr(network, attr, head)
         return head
+
+
+def trained_parameters(
+    adapter: MethodAdapter, network: nn.Module
+) -> list[tuple[str, nn.Parameter]]:
+    """The parameters ``adapter`` trains (:meth:`MethodAdapter.lr_scales`' names), by name, in
+    its order: what the optimiser and FGH see."""
+    return parameters_named(network, adapter.lr_scales(network))
+
+
+def parameters_named(network: nn.Module, names: Iterable[str]) -> list[tuple[str, nn.Parameter]]:
+    """``network``'s parameters under ``names``, in that order; a name it lacks is refused."""
+    everything = dict(network.named_parameters())
+    missing = [name for name in names if name not in everything]
+    if missing:
+        raise ValueError(
+            f"lr_scales() names parameters the network does not have: {missing[:5]}; name them "
+            "as network.named_parameters() does"
+        )
+    return [(name, everything[name]) for name in names]

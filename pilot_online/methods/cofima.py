@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..core.checks import boolean, real
-from ..engine.adapter import ConfigKey, Consolidation
+from ..engine.adapter import ConfigKey, Consolidation, trained_parameters
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, VIT_B16_WIDTH
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.checkpoint import tensors_to
@@ -153,7 +153,7 @@ class CoFiMAOnline(SLCAOnline):
 
     def setup_state(self, network: nn.Module) -> None:
         """The merge's state, empty (tests call it on tiny networks)."""
-        self._named = list(self.trainable_parameters(network))
+        self._named = trained_parameters(self, network)
         self.fisher_sum: list[torch.Tensor] | None = None
         self.fisher_steps = 0
         self.prev_fisher: list[torch.Tensor] | None = None

@@ -227,9 +227,10 @@ class DUCTOnline(FinetuneOnline):
         self.setup_state(network, args)
         return network
 
-    def lr_scale(self, name: str, parameter: nn.Parameter) -> float:
+    def lr_scales(self, network: nn.Module) -> dict[str, float]:
         """Upstream's slow learner: the backbone at ``bcb_lr_scale`` x the head's LR."""
-        return float(self.args["bcb_lr_scale"]) if name.startswith("backbone.") else 1.0
+        slow = float(self.args["bcb_lr_scale"])
+        return {n: slow if n.startswith("backbone.") else 1.0 for n in super().lr_scales(network)}
 
     def backbone(self, network: nn.Module) -> nn.Module:
         """The merged part (upstream's task vectors leave out the head)."""

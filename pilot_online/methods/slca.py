@@ -2,9 +2,9 @@
 PILOT's ``models/slca.py``, network ``SLCANet``).
 
 * **Slow learner.** Upstream trains the whole ViT at ``bcb_lrscale`` (0.01) times the head's LR
-  (SGD, two param groups). Online: :meth:`SLCAOnline.lr_scale` puts the backbone at
+  (SGD, two param groups). Online: :meth:`SLCAOnline.lr_scales` puts the backbone at
   ``bcb_lrscale`` x ``init_lr`` through the loop's per-group learning rates
-  (``MethodAdapter.lr_scale``), with whatever optimiser the config names.
+  (``MethodAdapter.lr_scales``), with whatever optimiser the config names.
 * **Class statistics.** Upstream passes each finished task's data once more through the trained
   backbone (test transforms) and keeps every class's mean and covariance (+ 1e-4 I). Online:
   running means and scatter matrices of the stream batch's features (:class:`ClassGaussians`,
@@ -150,8 +150,9 @@ class SLCAOnline(FinetuneOnline):
         self.stats = ClassGaussians(int(args["nb_classes"]), dim)
         self.sessions_closed = 0  # firings so far: the session a newly seen class belongs to
 
-    def lr_scale(self, name: str, parameter: nn.Parameter) -> float:
-        return float(self.args["bcb_lrscale"]) if name.startswith("backbone.") else 1.0
+    def lr_scales(self, network: nn.Module) -> dict[str, float]:
+        slow = float(self.args["bcb_lrscale"])
+        return {n: slow if n.startswith("backbone.") else 1.0 for n in super().lr_scales(network)}
 
     def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
         self.stats.to(out.features.device).update(out.features, labels, self.sessions_closed)
