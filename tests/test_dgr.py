@@ -453,13 +453,13 @@ def test_a_skipped_step_leaves_no_distillation_behind():
     stale = adapter.distillation
     assert stale is not None and not torch.isfinite(stale.weight).all()
     used = []
-    transform = adapter.transform_gradients
+    transform = adapter.after_backward
 
-    def spy(net: nn.Module) -> None:
+    def spy(net: nn.Module, autocast) -> dict:
         used.append(adapter.distillation)
-        transform(net)
+        return transform(net, autocast)
 
-    adapter.transform_gradients = spy
+    adapter.after_backward = spy
     stats = loop.train_step(*batches[2])
     assert not stats.skipped and used[0] is not stale and adapter.distillation is None
     assert torch.isfinite(used[0].weight).all()

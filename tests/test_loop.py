@@ -418,6 +418,63 @@ def test_non_finite_gradient_with_finite_loss_is_skipped_and_named() -> None:
         loop.train_step(x, labels)
 
 
+class ExtraTermAdapter(NaNAdapter):
+    """Backpropagates one term of its own after the loop's backward (as oLoRA's hard buffer
+    does): 2 x the stream batch's mean logit, NaN on the calls listed in ``nan_extra``."""
+
+    nan_extra: frozenset = frozenset()
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.after_backward_calls: list[int] = []
+        self.inputs: torch.Tensor | None = None
+
+    def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
+        if train:
+            self.inputs = x
+        return super().forward(network, x, train)
+
+    def after_backward(self, network: nn.Module, autocast) -> dict[str, torch.Tensor]:
+        call = len(self.after_backward_calls)
+        self.after_backward_calls.append(call)
+        with autocast():
+            term = 2 * network.fc(torch.relu(network.body(self.inputs))).mean()
+        if call in self.nan_extra:
+            term = term * float("nan")
+        term.backward()
+        return {"extra": term.detach()}
+
+
+def test_after_backward_runs_on_finite_steps_and_its_own_terms_are_checked() -> None:
+    adapter = ExtraTermAdapter()
+    adapter.nan_calls = frozenset({1})  # the second step's loss is NaN: no after_backward
+    adapter.nan_extra = frozenset({1})  # the second after_backward (third step) returns NaN
+    loop = make_loop(BASE_CONFIG, mixins=(Recorder,), adapter=adapter)
+    x, labels = torch.randn(4, D_IN), torch.tensor([0, 1, 2, 3])
+    # Step 1: the extra term's gradient joins the loss's, as if the two were one loss.
+    reference = copy.deepcopy(loop.network)
+    out = reference.fc(torch.relu(reference.body(x)))
+    present = torch.zeros(C, dtype=torch.bool)
+    present[labels] = True
+    ce = F.cross_entropy(out.masked_fill(~present, float("-inf")), labels)
+    (ce + 2 * out.mean()).backward()
+    stats = loop.train_step(x, labels)
+    assert not stats.skipped and set(stats.terms) == {"ce", "extra"}
+    torch.testing.assert_close(stats.loss, (ce + 2 * out.mean()).detach())
+    for name, p in reference.named_parameters():  # what FGH's hook saw: both gradients
+        torch.testing.assert_close(loop.grads[0][name], p.grad)
+    assert loop.optimizer_steps == 1 and adapter.after_backward_calls == [0]
+    # Step 2: a non-finite loss is skipped before after_backward runs.
+    assert loop.train_step(x, labels).skipped and adapter.after_backward_calls == [0]
+    # Step 3: a finite loss, but after_backward's own term is NaN: skipped, nothing applied.
+    before = params(loop)
+    stats = loop.train_step(x, labels)
+    assert stats.skipped and adapter.after_backward_calls == [0, 1]
+    assert loop.optimizer_steps == 1 and loop.skipped_nonfinite_steps == 2
+    assert all(torch.equal(value, before[name]) for name, value in params(loop).items())
+    assert len(loop.grads) == 1  # FGH's hook never saw the skipped steps
+
+
 def test_isolated_non_finite_steps_do_not_stop_training() -> None:
     adapter = NaNAdapter()
     adapter.nan_calls = frozenset({0, 1, 3, 4})  # streaks of 2, broken by a finite step

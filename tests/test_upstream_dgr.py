@@ -16,6 +16,7 @@ it on the CPU, where these tests run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -92,7 +93,7 @@ def our_step(adapter: Any, network: nn.Module, x: torch.Tensor, y: torch.Tensor)
     out = adapter.forward(network, x, train=True)
     mask = training_mask("batch", y, torch.zeros(NUM_CLASSES, dtype=torch.bool), NUM_CLASSES)
     adapter.classification_loss(network, out, y, mask).backward()
-    adapter.transform_gradients(network)
+    adapter.after_backward(network, contextlib.nullcontext)
     return out
 
 
@@ -193,14 +194,14 @@ def after_firing(pilot_on_path: Path) -> dict[str, Any]:
     grad_sums = adapter.grad_sums.cpu().numpy().copy()
 
     captured: dict[str, Any] = {}
-    transform = adapter.transform_gradients
+    transform = adapter.after_backward
 
-    def spy(net: nn.Module) -> None:
+    def spy(net: nn.Module, autocast) -> dict:
         captured["distillation"] = adapter.distillation
         captured["head"] = net.fc.weight.grad.clone()  # the loss's head gradient
-        transform(net)
+        return transform(net, autocast)
 
-    with mock.patch.object(adapter, "transform_gradients", spy):
+    with mock.patch.object(adapter, "after_backward", spy):
         stats = loop.train_step(pool_x[batches[2]], pool_y[batches[2]], batches[2])
     captured["after"] = adapter.distillation
     ours = gradients(network)
@@ -362,7 +363,7 @@ def test_difference_kd_ratio_without_gradient(dgr: Built) -> None:
     loss = adapter.classification_loss(network, out, y, mask)
     terms = adapter.loss_terms(network, out, batch)
     (loss + terms["kd"]).backward()
-    adapter.transform_gradients(network)
+    adapter.after_backward(network, contextlib.nullcontext)
     ours = gradients(network)
     assert all(torch.isfinite(g).all() for g in ours.values())
     head = {"fc.weight": ours.pop("fc.weight"), "fc.bias": ours.pop("fc.bias")}

@@ -36,6 +36,10 @@ from ..core.masks import mask_logits
 from ..core.rng import run_seed
 from .options import ConfigKey  # a port declares its config_keys with it, from here
 
+#: The loop's autocast: ``with autocast():`` runs a forward under the run's ``amp`` (a no-op
+#: without it), as :meth:`MethodAdapter.after_backward`'s own forwards must.
+Autocast = Callable[[], AbstractContextManager]
+
 
 @dataclass
 class StepOutput:
@@ -134,6 +138,10 @@ RETIRED_MEMBERS: Mapping[str, str] = {
     "train_forward_predicts": "delete it: A_online always scores with an eval-mode pass",
     "train_mode": "override set_mode(network, train) and handle train=True",
     "eval_mode": "override set_mode(network, train) and handle train=False",
+    "extra_backward": "override after_backward(network, autocast): it backpropagates the "
+    "method's own terms and returns their values",
+    "transform_gradients": "override after_backward(network, autocast): it edits .grad in place "
+    "and returns {}",
     "trainable_parameters": "override lr_scales(network): the trained parameters' names, each "
     "with its factor on init_lr",
     "lr_scale": "override lr_scales(network): the trained parameters' names, each with its "
@@ -242,22 +250,22 @@ class MethodAdapter:
         autocast of the forward. None by default."""
         return {}
 
-    def extra_backward(
-        self, network: nn.Module, autocast: Callable[[], AbstractContextManager]
-    ) -> dict[str, torch.Tensor]:
-        """Loss terms the method backpropagates itself, one graph at a time, right after the
-        loop's ``loss.backward()`` and before gradients are transformed or applied: each
-        ``backward`` accumulates into ``.grad``, so the step's gradient is the same as if the
-        terms had been added to the loss, without one autograd graph over all their batches
-        (oLoRA's hard buffer: up to 4 more batches). Run forwards under ``autocast()``. Returns
-        the terms' detached values by name; they join the step's loss terms. None by default."""
-        return {}
+    def after_backward(self, network: nn.Module, autocast: Autocast) -> dict[str, torch.Tensor]:
+        """The method's own work on the step's gradients, after the loop's ``loss.backward()``
+        found the loss and gradients finite, and before FGH and the optimiser see them:
 
-    def transform_gradients(self, network: nn.Module) -> None:
-        """Edit the step's gradients in place after backward (and :meth:`extra_backward`) and
-        before the loop's own transforms: FGH then pairs and scales the edited gradients, so a
-        method's reweighting composes with FGH as one product (DGR's per-class classifier
-        weights). Runs only on finite steps. Nothing by default."""
+        - edit ``.grad`` in place: FGH then pairs and scales the edited gradients, so a method's
+          reweighting composes with FGH as one product (DGR's per-class classifier weights);
+        - read them (CoFiMA's Fisher sum): a non-finite step never gets here;
+        - backpropagate loss terms of its own, one graph at a time (oLoRA's hard buffer: up to 4
+          more batches, forwards under ``autocast()``): each ``backward`` accumulates into
+          ``.grad``, so the gradient is the same as if the terms had been added to the loss,
+          without one autograd graph over all their batches. Return their detached values by
+          name: they join the step's loss and terms, and the step is skipped if they or the
+          gradients are then non-finite.
+
+        Nothing by default."""
+        return {}
 
     def after_step(
         self,

@@ -296,9 +296,8 @@ class OnlineLoop:
         return {}
 
     def transform_gradients(self) -> None:
-        """Between backward and the optimiser step: the adapter's own transform first (DGR's
-        class reweighting), then the mixins' after ``super()`` (FGH), which see its result."""
-        self.adapter.transform_gradients(self.network)
+        """Between backward and the optimiser step, on finite steps, after the adapter's
+        ``after_backward`` (DGR's class reweighting): the mixins' (FGH), which see its result."""
 
     def after_step(self, out: StepOutput, labels: torch.Tensor) -> None:
         """After the optimiser step, with this step's (pre-update) outputs on the stream batch
@@ -517,18 +516,16 @@ class OnlineLoop:
         adapter's ``after_step``: (the step's loss, whether it was finite and so taken). The
         extra backward's terms join ``terms`` in place, and the loss."""
         loss.backward()
-        # Terms the adapter backpropagates itself, one graph at a time (oLoRA's hard buffer):
-        # their gradients accumulate into .grad, their values join the loss and its terms.
-        extra = self.adapter.extra_backward(self.network, self.autocast)
-        if extra:
-            terms.update(extra)
-            loss = loss.detach() + torch.stack([t.reshape(()) for t in extra.values()]).sum()
-        # One host sync per step, as GradScaler does: a NaN/inf loss or gradient must reach
-        # neither the weights nor FGH's stored signals.
-        grads = [p.grad for _, p in self.named_parameters if p.grad is not None]
-        finite = torch.isfinite(loss)
-        if grads:
-            finite = finite & torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()
+        finite = self._finite(loss)
+        if finite:
+            # The method's own gradient work (DGR's reweighting, CoFiMA's Fisher sum), and terms
+            # it backpropagates itself, one graph at a time (oLoRA's hard buffer): their
+            # gradients accumulate into .grad, their values join the loss and its terms.
+            extra = self.adapter.after_backward(self.network, self.autocast)
+            if extra:
+                terms.update(extra)
+                loss = loss.detach() + torch.stack([t.reshape(()) for t in extra.values()]).sum()
+                finite = self._finite(loss)
         if not finite:
             return loss, False
         self._nonfinite_streak = 0
@@ -545,6 +542,15 @@ class OnlineLoop:
         if restarted:
             self._sync_parameters(restarted)
         return loss, True
+
+    def _finite(self, loss: torch.Tensor) -> bool:
+        """Whether the loss and every trained gradient are finite: one host sync, as GradScaler
+        makes, so that a NaN/inf reaches neither the weights nor FGH's stored signals."""
+        grads = [p.grad for _, p in self.named_parameters if p.grad is not None]
+        finite = torch.isfinite(loss)
+        if grads:
+            finite = finite & torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()
+        return bool(finite)
 
     def score_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
         """A_online's score of a stream batch no step trains on (real-time mode's skipped

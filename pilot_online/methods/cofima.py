@@ -14,7 +14,7 @@ through the loop's per-group LRs, its running class Gaussians and its CA, reused
 A consolidation firing closes a *period* (the stream since the last firing) and stands for a task
 end. The Fisher is accumulated at every step of the period from the gradient the step trains on
 (the whole loss, CE plus P's term when on, before FGH reweights it: read in
-:meth:`CoFiMAOnline.transform_gradients`), its mean over the period's steps clamped at
+:meth:`CoFiMAOnline.after_backward`), its mean over the period's steps clamped at
 ``cofima_fisher_max``. The merged and aligned weights after the last firing and that period's
 Fisher are kept (``extra_state``) for the next merge.
 
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..core.checks import boolean, real
-from ..engine.adapter import ConfigKey, Consolidation, trained_parameters
+from ..engine.adapter import Autocast, ConfigKey, Consolidation, trained_parameters
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, VIT_B16_WIDTH
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.checkpoint import tensors_to
@@ -162,12 +162,12 @@ class CoFiMAOnline(SLCAOnline):
 
     # -- the Fisher, accumulated online --------------------------------------------------------
     @torch.no_grad()
-    def transform_gradients(self, network: nn.Module) -> None:
+    def after_backward(self, network: nn.Module, autocast: Autocast) -> dict[str, torch.Tensor]:
         """Adds the step's squared gradient (the full loss's, before FGH reweights it) to the
         period's Fisher sum. The loop calls this hook only for finite steps, so a skipped step
         adds nothing without a check of our own. Without a trigger, nothing."""
         if self.args.get("consolidation") == "never":
-            return
+            return {}
         if self.fisher_sum is None:
             self.fisher_sum = [torch.zeros_like(p) for _, p in self._named]
         present = [
@@ -177,6 +177,7 @@ class CoFiMAOnline(SLCAOnline):
             sums, grads = (list(t) for t in zip(*present))
             torch._foreach_addcmul_(sums, grads, grads)
             self.fisher_steps += 1
+        return {}
 
     def current_fisher(self) -> list[torch.Tensor]:
         """The open period's Fisher so far: its mean squared gradient, clamped at

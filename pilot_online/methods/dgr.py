@@ -19,7 +19,7 @@ What the online port keeps:
   sum ``G`` (restarted at each consolidation, as upstream restarts it with each task) and its
   rows scaled by :func:`class_weights`; from the first firing on, the distillation's own head
   gradient is added, scaled by :func:`kd_ratio` (upstream replaces the head's gradient rows with
-  ``w * g_ce + ratio_kd * g_kd``). It runs in :meth:`DGROnline.transform_gradients`, before FGH,
+  ``w * g_ce + ratio_kd * g_kd``). It runs in :meth:`DGROnline.after_backward`, before FGH,
   which pairs and scales the result.
 * **Memory**: declared replay (``replay = Replay()``, ``replay_keys``): upstream's herding memory of
   ``memory_size`` 2,000, a quota of 2000 // classes seen, re-picked online.
@@ -39,7 +39,7 @@ from torch import nn
 
 from ..core.checks import real
 from ..core.masks import mask_logits
-from ..engine.adapter import ConfigKey, Consolidation, Replay, StepOutput, TrainingBatch
+from ..engine.adapter import Autocast, ConfigKey, Consolidation, Replay, StepOutput, TrainingBatch
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.config import replay_keys
 from ..engine.differences import (
@@ -123,7 +123,7 @@ def kd_ratio(weighted_norms: torch.Tensor, kd_weight_grad: torch.Tensor) -> torc
 @dataclass
 class HeadDistillation:
     """One step's distillation gradient on the head, from :meth:`DGROnline.loss_terms` to
-    :meth:`DGROnline.transform_gradients` (detached; dropped there, or by the next step's
+    :meth:`DGROnline.after_backward` (detached; dropped there, or by the next step's
     ``loss_terms`` when a non-finite step skipped the transform)."""
 
     weight: torch.Tensor  # d KD / d W of the unweighted KD loss
@@ -265,7 +265,7 @@ class DGROnline(FinetuneOnline):
         logits), so its gradient reaches the backbone alone, as upstream's ``loss.backward()``
         gives it; the head's gradient of the KD loss alone is taken here from the head's part of
         the graph (``autograd.grad``, the graph kept for the loop's backward) and kept for
-        :meth:`transform_gradients`. The head's ``.grad`` then holds exactly the other terms'."""
+        :meth:`after_backward`. The head's ``.grad`` then holds exactly the other terms'."""
         self.distillation = None  # a skipped step's is never read
         if batch.teacher is None:
             return {}
@@ -284,7 +284,7 @@ class DGROnline(FinetuneOnline):
         return {"kd": scale * distillation_loss(held, teacher, batch.known, temperature)}
 
     @torch.no_grad()
-    def transform_gradients(self, network: nn.Module) -> None:
+    def after_backward(self, network: nn.Module, autocast: Autocast) -> dict[str, torch.Tensor]:
         """Upstream's head gradient: the loss's (the cross-entropy's, and L_P's with + P; the
         distillation's reaches the backbone only, :meth:`loss_terms`) joins ``G`` by its row
         norms and is scaled by its class weights (:func:`class_weights`); the distillation's is
@@ -293,7 +293,7 @@ class DGROnline(FinetuneOnline):
         fc = self.classifier(network)
         distillation, self.distillation = self.distillation, None
         if fc.weight.grad is None:
-            return
+            return {}
         weight_grad = fc.weight.grad
         bias_grad = None if fc.bias is None else fc.bias.grad
         stats = self._statistics(network)
@@ -310,6 +310,7 @@ class DGROnline(FinetuneOnline):
             weight_grad.add_(ratio.to(weight_grad.dtype) * distillation.weight)
             if bias_grad is not None and distillation.bias is not None:
                 bias_grad.add_(ratio.to(bias_grad.dtype) * distillation.bias)
+        return {}
 
     def consolidate(self, network: nn.Module, firing: int) -> tuple[nn.Parameter, ...]:
         """Upstream's task start: the classes trained on so far become the old group, and ``G``

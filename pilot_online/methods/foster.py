@@ -45,6 +45,7 @@ from ..core.checks import real
 from ..core.masks import classes_present, mask_logits, training_mask
 from ..core.prototypes import PrototypeBank
 from ..engine.adapter import (
+    Autocast,
     ConfigKey,
     Consolidation,
     MethodAdapter,
@@ -346,12 +347,13 @@ class FosterOnline(MethodAdapter):
         }
 
     @torch.no_grad()
-    def transform_gradients(self, network: nn.Module) -> None:
+    def after_backward(self, network: nn.Module, autocast: Autocast) -> dict[str, torch.Tensor]:
         """``oofc: az``: the new classes' rows of the old-feature block get no gradient."""
         if self.args["oofc"] == "az" and self.boosting(network):
             grad = network.fc.weight.grad
             if grad is not None:
                 grad[:, : network.out_dim].masked_fill_(~network.known_classes[:, None], 0.0)
+        return {}
 
     @torch.no_grad()
     def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:

@@ -14,7 +14,7 @@ Our own version, written from a reading of christina200/online-lora-official at 
   (the ``hard_buffer_size`` highest-loss mini-batches seen so far, refreshed every step), plus the
   importance-weighted regulariser ``mas_weight / 2 * sum(omega * p^2)`` on the current LoRA. The
   buffered batches are backpropagated one at a time after the stream batch's backward
-  (:meth:`OLoRAOnline.extra_backward`): the gradients accumulate to the same sum, and at most one
+  (:meth:`OLoRAOnline.after_backward`): the gradients accumulate to the same sum, and at most one
   batch's activations are alive at once (upstream holds one graph over all of them).
 * **Plateaus.** After each optimiser step the window loss (batch CE plus the buffer CEs, before
   the regulariser: upstream's ``first_train_loss``) feeds the plateau detector. At a plateau the
@@ -57,8 +57,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from contextlib import AbstractContextManager
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +77,7 @@ from ..core.lora import (
     hard_buffer_candidates,
     importance_loss,
 )
-from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput, TrainingBatch
+from ..engine.adapter import Autocast, ConfigKey, MethodAdapter, StepOutput, TrainingBatch
 from ..engine.card import MethodCard
 from ..engine.registry import register_method
 
@@ -279,9 +278,7 @@ class OLoRAOnline(MethodAdapter):
         penalty = self.regularizer.penalty(self._lora)
         return {} if penalty is None else {"importance": penalty}
 
-    def extra_backward(
-        self, network: nn.Module, autocast: Callable[[], AbstractContextManager]
-    ) -> dict[str, torch.Tensor]:
+    def after_backward(self, network: nn.Module, autocast: Autocast) -> dict[str, torch.Tensor]:
         """The hard buffer's CEs, one batch at a time: with ``hard_loss`` each is backpropagated
         at once (its graph freed before the next forward), else computed without a graph (the
         ranking still needs them)."""
