@@ -35,7 +35,7 @@ import pytest
 import torch
 from torch import nn
 
-from pilot_online.engine.adapter import MethodAdapter, StepOutput
+from pilot_online.engine.adapter import MethodAdapter, StepOutput, TrainingBatch
 from pilot_online.engine.registry import load_builtin_methods
 
 #: tests/upstream_watch.py: a test_upstream_<stem>.py module must run the PILOT code it claims.
@@ -169,6 +169,23 @@ def vit_depth_for_tests(config: dict[str, Any]) -> int:
 def raw_smoke_config(method: str) -> dict[str, Any]:
     """A registered method's smoke config as ``scripts/make_exps.py`` writes it (unresolved)."""
     return make_exps().smoke_config(method)
+
+
+def classification_term(
+    adapter: MethodAdapter,
+    network: nn.Module,
+    out: StepOutput,
+    labels: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The adapter's classification term (``loss_terms``' ``"ce"``) on a training batch's outputs
+    ``out`` and ``labels`` under the logit ``mask``, as a step before any firing computes it:
+    no teacher, the batch's classes seen, none known."""
+    classes = out.logits.shape[1]
+    seen = torch.zeros(classes, dtype=torch.bool, device=labels.device)
+    seen[labels] = True
+    batch = TrainingBatch(out.logits, labels, len(labels), seen, torch.zeros_like(seen), mask=mask)
+    return adapter.loss_terms(network, out, batch)["ce"]
 
 
 def smoke_config(method: str, num_classes: int = 8, **overrides: Any) -> dict[str, Any]:

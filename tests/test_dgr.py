@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TinyNet
+from conftest import TinyNet, classification_term
 from torch import nn
 
 from pilot_online.engine.adapter import StepOutput
@@ -116,8 +116,8 @@ def test_loss_is_upstreams_logit_adjusted_cross_entropy():
     network = adapter.build_network({})
     logits = torch.tensor([[2.0, 0.5, -1.0, 0.0, 0.0, 0.0], [0.1, 0.2, 0.3, 0.0, 0.0, 0.0]])
     out = StepOutput(logits, torch.zeros(2, 8))
-    adapter.classification_loss(network, out, torch.tensor([0, 0]), None)  # counts [2, 0, ...]
-    loss = adapter.classification_loss(network, out, torch.tensor([0, 1]), None)
+    classification_term(adapter, network, out, torch.tensor([0, 0]), None)  # counts [2, 0, ...]
+    loss = classification_term(adapter, network, out, torch.tensor([0, 1]), None)
     # counts are now [3, 1, 0, 0, 0, 0]: prior [3/4, 1/4]; classes never trained on get -inf.
     z = logits.double().numpy()[:, :2] + np.log([0.75, 0.25])
     expected = -np.mean(np.log(_softmax(z)[[0, 1], [0, 1]]))

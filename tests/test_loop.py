@@ -638,3 +638,13 @@ def test_matmul_precision_is_validated() -> None:
         smoke_config("coda_online", matmul_precision="hihg")
     with pytest.raises(ValueError, match="matmul_precision"):
         make_loop({**BASE_CONFIG, "matmul_precision": "tf32"})
+
+
+def test_loss_terms_without_the_classification_term_are_refused_by_name() -> None:
+    class Forgetful(TinyAdapter):
+        def loss_terms(self, network, out, batch):
+            return {"kd": out.logits.sum()}  # forgot super().loss_terms(...)
+
+    loop = make_loop(BASE_CONFIG, adapter=Forgetful())
+    with pytest.raises(ValueError, match=r'Forgetful\.loss_terms returned \[.kd.\], without.*"ce"'):
+        loop.train_step(torch.randn(4, D_IN), torch.tensor([0, 1, 2, 3]))

@@ -192,11 +192,11 @@ def test_adaptive_feature_scaling_in_the_loss_by_hand():
     out = step_output(network, torch.tensor([[2.0, 0.0]]))
     labels = torch.tensor([1])
     afs = MVPOnline(args=mvp_args(use_gsf=False))
-    assert afs.classification_loss(network, out, labels, None).item() == pytest.approx(
+    assert afs.weighted_cross_entropy(network, out, labels, None).item() == pytest.approx(
         1.5672959, abs=1e-5
     )
     plain = MVPOnline(args=mvp_args(use_gsf=False, use_afs=False))
-    assert plain.classification_loss(network, out, labels, None).item() == pytest.approx(
+    assert plain.weighted_cross_entropy(network, out, labels, None).item() == pytest.approx(
         math.log(1 + math.e**2), abs=1e-5
     )
 
@@ -217,7 +217,7 @@ def test_focal_loss_weights_each_sample_by_hand(reduction, expected):
     network = HeadOnly(torch.zeros(2, 2), torch.tensor([1.0, 0.0]))
     out = step_output(network, torch.eye(2))
     adapter = MVPOnline(args=mvp_args(use_afs=False, gsf_reduction=reduction))
-    loss = adapter.classification_loss(network, out, torch.tensor([0, 1]), None)
+    loss = adapter.weighted_cross_entropy(network, out, torch.tensor([0, 1]), None)
     assert loss.item() == pytest.approx(expected, abs=1e-5)
 
 
@@ -227,7 +227,7 @@ def test_classification_loss_applies_the_training_mask():
     out = step_output(network, torch.ones(1, 2))
     adapter = MVPOnline(args=mvp_args(use_afs=False, use_gsf=False))
     mask = torch.tensor([True, True, False])
-    assert adapter.classification_loss(network, out, torch.tensor([0]), mask).item() == (
+    assert adapter.weighted_cross_entropy(network, out, torch.tensor([0]), mask).item() == (
         pytest.approx(math.log(2), abs=1e-6)
     )
 
@@ -311,7 +311,7 @@ def test_samples_that_share_a_key_sum_their_gradients_in_index_order(use_contras
     adapter = MVPOnline(args=mvp_args(use_contrastive=use_contrastive, use_mask=True))
     images, labels = torch.rand(5, 3, 32, 32), torch.randint(0, 6, (5,))
     out = adapter.forward(network, images, train=True)
-    loss = adapter.classification_loss(network, out, labels, None) + out.aux_loss
+    loss = adapter.weighted_cross_entropy(network, out, labels, None) + out.aux_loss
     nodes = training_graph_nodes(loss)
     assert "IndexBackward0" not in nodes
     assert "IndexSelectBackward0" in nodes

@@ -379,10 +379,8 @@ def our_loss_terms(run: dict[str, Any], x, y) -> dict[str, Any]:
         out = adapter.forward(grown, x, train=True)
     known = torch.arange(TOTAL) < FIRST
     seen = known | torch.zeros(TOTAL, dtype=torch.bool).index_fill(0, y, True)
-    batch = TrainingBatch(x, y, len(y), seen, known)
     mask = training_mask("batch", y, seen, TOTAL)
-    ce = adapter.classification_loss(grown, out, y, mask)
-    return {"ce": ce, **adapter.loss_terms(grown, out, batch)}
+    return adapter.loss_terms(grown, out, TrainingBatch(x, y, len(y), seen, known, mask=mask))
 
 
 @pytest.fixture(scope="module")

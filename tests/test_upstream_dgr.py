@@ -27,7 +27,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from conftest import PILOT_ROOT, build_smoke_method, requires_pilot
+from conftest import PILOT_ROOT, build_smoke_method, classification_term, requires_pilot
 from test_upstream_finetune import (
     BASE_ROW,
     NUM_CLASSES,
@@ -92,7 +92,7 @@ def our_step(adapter: Any, network: nn.Module, x: torch.Tensor, y: torch.Tensor)
     network.zero_grad(set_to_none=True)
     out = adapter.forward(network, x, train=True)
     mask = training_mask("batch", y, torch.zeros(NUM_CLASSES, dtype=torch.bool), NUM_CLASSES)
-    adapter.classification_loss(network, out, y, mask).backward()
+    classification_term(adapter, network, out, y, mask).backward()
     adapter.after_backward(network, contextlib.nullcontext)
     return out
 
@@ -360,7 +360,7 @@ def test_difference_kd_ratio_without_gradient(dgr: Built) -> None:
     teacher = torch.zeros(len(y), NUM_CLASSES)
     teacher[:, 0] = OneKnownClass()(x)["logits"][:, 0]
     batch = TrainingBatch(x, y, len(y), seen, known, StepOutput(teacher, None))
-    loss = adapter.classification_loss(network, out, y, mask)
+    loss = classification_term(adapter, network, out, y, mask)
     terms = adapter.loss_terms(network, out, batch)
     (loss + terms["kd"]).backward()
     adapter.after_backward(network, contextlib.nullcontext)
@@ -389,9 +389,9 @@ def test_difference_running_label_prior(pilot_on_path: Path) -> None:
     network.fc = nn.Linear(2, 3)
     logits = torch.tensor([[2.0, 0.5, -1.0], [0.1, 0.2, 0.3]])
     first = StepOutput(torch.zeros(3, 3), None)
-    adapter.classification_loss(network, first, torch.tensor([0, 0, 1]), None)
-    ours = adapter.classification_loss(
-        network, StepOutput(logits, None), torch.tensor([1, 2]), None
+    classification_term(adapter, network, first, torch.tensor([0, 0, 1]), None)
+    ours = classification_term(
+        adapter, network, StepOutput(logits, None), torch.tensor([1, 2]), None
     )
     labels = torch.tensor([1, 2])
     with prior_on_cpu():
@@ -414,9 +414,9 @@ def test_difference_batch_logit_mask(pilot_on_path: Path) -> None:
     network.fc = nn.Linear(2, 3)
     labels = torch.tensor([0, 1, 1])
     logits = torch.tensor([[2.0, 0.5, 1.5], [0.1, 0.2, 2.3], [0.4, -0.2, 0.9]])
-    adapter.classification_loss(network, StepOutput(logits[:2], None), torch.tensor([2, 0]), None)
+    classification_term(adapter, network, StepOutput(logits[:2], None), torch.tensor([2, 0]), None)
     mask = training_mask("batch", labels, torch.ones(3, dtype=torch.bool), 3)
-    ours = adapter.classification_loss(network, StepOutput(logits, None), labels, mask)
+    ours = classification_term(adapter, network, StepOutput(logits, None), labels, mask)
     assert adapter.label_counts.tolist() == [2, 2, 1]
     with prior_on_cpu():
         present = regularized_cn(logits[:, :2], labels, np.array([2.0, 2.0]))

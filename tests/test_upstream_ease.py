@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 import torch.nn.functional as F
-from conftest import requires_pilot
+from conftest import classification_term, requires_pilot
 from torch import nn
 
 from pilot_online import get_method
@@ -213,8 +213,8 @@ def test_difference_proxy_head_over_every_class(pilot_on_path) -> None:
     theirs = F.cross_entropy(upstream(x)["logits"], labels - 2)
     batch = torch.zeros(CLASSES, dtype=torch.bool)
     batch[labels] = True
-    loss = get_method("ease_online")().classification_loss(
-        network, StepOutput(ours(x), x), labels, batch
+    loss = classification_term(
+        get_method("ease_online")(), network, StepOutput(ours(x), x), labels, batch
     )
     torch.testing.assert_close(loss, theirs.detach(), rtol=1e-6, atol=1e-7)
     assert not torch.isclose(F.cross_entropy(ours(x), labels), theirs)  # unmasked: not theirs

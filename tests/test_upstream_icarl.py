@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import PILOT_ROOT, build_smoke_method, make_exps, requires_pilot
+from conftest import PILOT_ROOT, build_smoke_method, classification_term, make_exps, requires_pilot
 from test_upstream_finetune import (
     BASE_ROW,
     NUM_CLASSES,
@@ -281,7 +281,7 @@ def test_difference_batch_logit_mask(icarl: Built) -> None:
         config["logit_mask"], y, torch.zeros(NUM_CLASSES, dtype=torch.bool), NUM_CLASSES
     )
     (ours,) = torch.autograd.grad(
-        adapter.classification_loss(network, out, y, mask), network.fc.weight
+        classification_term(adapter, network, out, y, mask), network.fc.weight
     )
     # float32 sums in another order: 1e-7 apart on some CPUs' kernels; a wrong row is 1e-3 off.
     torch.testing.assert_close(ours[:2], head_gradients[0], rtol=1e-4, atol=1e-6)

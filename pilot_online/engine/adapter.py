@@ -45,7 +45,7 @@ Autocast = Callable[[], AbstractContextManager]
 class StepOutput:
     """One forward pass, normalised: logits over all classes, the features that feed the classifier
     (what prototypes average), the method's own loss term (0 when it has none), and ``extras``:
-    method-specific tensors that only its own :meth:`MethodAdapter.classification_loss` reads."""
+    method-specific tensors that only its own :meth:`MethodAdapter.loss_terms` reads."""
 
     logits: torch.Tensor
     features: torch.Tensor
@@ -72,6 +72,13 @@ class TrainingBatch:
     #: Bool ``[C]``: classes seen before the last consolidation firing (the teacher's classes).
     known: torch.Tensor
     teacher: StepOutput | None = None
+    #: Bool ``[C]``: the loop's training logit mask (``logit_mask``: the batch's classes, or the
+    #: seen ones), or None when nothing is masked.
+    mask: torch.Tensor | None = None
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with the classes outside :attr:`mask` at ``-inf`` (unchanged without one)."""
+        return logits if self.mask is None else mask_logits(logits, self.mask)
 
 
 @dataclass(frozen=True)
@@ -138,6 +145,8 @@ RETIRED_MEMBERS: Mapping[str, str] = {
     "train_forward_predicts": "delete it: A_online always scores with an eval-mode pass",
     "train_mode": "override set_mode(network, train) and handle train=True",
     "eval_mode": "override set_mode(network, train) and handle train=False",
+    "classification_loss": "return it as loss_terms(network, out, batch)['ce'] (the mask is "
+    "batch.mask; batch.masked(logits) applies it)",
     "extra_backward": "override after_backward(network, autocast): it backpropagates the "
     "method's own terms and returns their values",
     "transform_gradients": "override after_backward(network, autocast): it edits .grad in place "
@@ -227,28 +236,21 @@ class MethodAdapter:
         them in eval mode here."""
         network.train(train)
 
-    def classification_loss(
-        self,
-        network: nn.Module,
-        out: StepOutput,
-        labels: torch.Tensor,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The training loss's classification term: cross-entropy of ``out.logits`` under the
-        loop's training logit ``mask`` (bool ``[C]``, or None). Methods that weight samples or
-        train on other logits than they predict with (MVP) override it."""
-        logits = out.logits if mask is None else mask_logits(out.logits, mask)
-        return F.cross_entropy(logits, labels)
-
     def loss_terms(
         self, network: nn.Module, out: StepOutput, batch: TrainingBatch
     ) -> dict[str, torch.Tensor]:
-        """Loss terms of the method's own beyond ``aux_loss``, by name, added to the step's loss:
-        they see the training forward's outputs ``out``, the inputs and labels, the classes seen
-        and known, and the teacher's outputs (:class:`TrainingBatch`): iCaRL's distillation,
-        DER's auxiliary head, oLoRA's regulariser. Called once per training step, inside the
-        autocast of the forward. None by default."""
-        return {}
+        """The training loss's terms, by name, summed into the step's loss with ``out.aux_loss``
+        (logged as ``method``): ``"ce"``, the classification term, which every method returns
+        (the plateau trigger reads it), then the method's own. They see the training forward's
+        outputs ``out``, the inputs, labels and logit mask, the classes seen and known, and the
+        teacher's outputs (:class:`TrainingBatch`). Called once per training step, inside the
+        autocast of the forward.
+
+        By default ``"ce"`` alone: cross-entropy of ``out.logits`` under the training mask. A
+        method that weights samples or trains on other logits than it predicts with (MVP)
+        returns its own ``"ce"``; one that adds terms (iCaRL's distillation, DER's auxiliary
+        head, oLoRA's regulariser) adds them to ``super().loss_terms(...)``."""
+        return {"ce": F.cross_entropy(batch.masked(out.logits), batch.labels)}
 
     def after_backward(self, network: nn.Module, autocast: Autocast) -> dict[str, torch.Tensor]:
         """The method's own work on the step's gradients, after the loop's ``loss.backward()``

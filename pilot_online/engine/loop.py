@@ -494,13 +494,21 @@ class OnlineLoop:
                 self.logit_mask, batch_labels, self.seen, self.num_classes, validate=False
             )
             logits = out.logits if mask is None else mask_logits(out.logits, mask)
-            terms = {"ce": self.adapter.classification_loss(self.network, out, batch_labels, mask)}
+            batch = TrainingBatch(
+                inputs, batch_labels, stream_size, self.seen, self.known, self._teach(inputs), mask
+            )
+            method_terms = dict(self.adapter.loss_terms(self.network, out, batch))
+            if "ce" not in method_terms:
+                raise ValueError(
+                    f"{type(self.adapter).__name__}.loss_terms returned {sorted(method_terms)}, "
+                    'without the classification term "ce": start from super().loss_terms(...)'
+                )
+            # In the order the loss has always summed them: the classification term, the
+            # forward's own, the method's others, then the mixins' (P's).
+            terms = {"ce": method_terms.pop("ce")}
             if out.aux_loss is not None:
                 terms["method"] = out.aux_loss
-            batch = TrainingBatch(
-                inputs, batch_labels, stream_size, self.seen, self.known, self._teach(inputs)
-            )
-            terms.update(self.adapter.loss_terms(self.network, out, batch))
+            terms.update(method_terms)
             terms.update(self.loss_terms(out, batch_labels))
             loss = torch.stack([t.reshape(()) for t in terms.values()]).sum()
         return out, logits, terms, loss, inputs, batch_labels

@@ -73,12 +73,14 @@ def count_network(
 
     def forward() -> torch.Tensor:
         out = adapter.forward(network, inputs, train=True)
-        loss = adapter.classification_loss(network, out, labels, None)
+        # The method's terms (its classification loss, DER's auxiliary head, FOSTER's student):
+        # part of its step.
+        batch = TrainingBatch(inputs, labels, batch_size, seen, known, teacher=None)
+        terms = dict(adapter.loss_terms(network, out, batch))
+        loss = terms.pop("ce")
         if out.aux_loss is not None:
             loss = loss + out.aux_loss.reshape(())
-        # The method's own terms (DER's auxiliary head, FOSTER's student): part of its step.
-        batch = TrainingBatch(inputs, labels, batch_size, seen, known, teacher=None)
-        for term in adapter.loss_terms(network, out, batch).values():
+        for term in terms.values():
             loss = loss + term.reshape(())
         return loss
 

@@ -226,39 +226,35 @@ class COILOnline(MethodAdapter):
         return network.fc
 
     # -- the loss -----------------------------------------------------------------------------
-    def classification_loss(
-        self,
-        network: nn.Module,
-        out: StepOutput,
-        labels: torch.Tensor,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The masked cross-entropy times ``1 - lamda``, ``lamda`` = known / seen (0 before the
-        first firing, where upstream's loss is the plain cross-entropy). ``seen``: the classes
-        seen before this step and those of its batch, the loop's ``batch.seen``."""
-        ce = super().classification_loss(network, out, labels, mask)
-        state = network.co_transport
-        seen = state.seen | classes_present(labels, len(state.seen), validate=False)
-        return ce * (1 - state.known.sum() / seen.sum())
-
     def loss_terms(
         self, network: nn.Module, out: StepOutput, batch: TrainingBatch
     ) -> dict[str, torch.Tensor]:
-        """Upstream's first-epoch terms after a firing, on every row (stream and replay):
-        ``lamda`` x the distillation of the known classes from the teacher, and 0.001 x the new
-        branch, the transported classes' logits distilled towards the cosines of the normalised
-        features with the transported rows. None before the first firing."""
+        """``ce``: the masked cross-entropy times ``1 - lamda``, ``lamda`` = known / seen (0
+        before the first firing, where upstream's loss is the plain cross-entropy); ``seen``: the
+        classes seen before this step and those of its rows (stream and replay).
+
+        After a firing, upstream's first-epoch terms on every row: ``lamda`` x the distillation
+        of the known classes from the teacher, and 0.001 x the new branch, the transported
+        classes' logits distilled towards the cosines of the normalised features with the
+        transported rows."""
         state = network.co_transport
+        seen = state.seen | classes_present(batch.labels, len(state.seen), validate=False)
+        ce = super().loss_terms(network, out, batch)["ce"]
+        ce = ce * (1 - state.known.sum() / seen.sum())
         state.seen.copy_(batch.seen)
         if batch.teacher is None:
-            return {}
+            return {"ce": ce}
         temperature = float(self.args["T"])
         lamda = batch.known.sum() / batch.seen.sum()
         distillation = distillation_loss(out.logits, batch.teacher.logits, batch.known, temperature)
         rows = F.normalize(state.new_branch, dim=1).to(out.features.dtype)
         prospective = F.linear(F.normalize(out.features, dim=1), rows)
         new_branch = distillation_loss(out.logits, prospective, state.transported, temperature)
-        return {"distillation": lamda * distillation, "new_branch": NEW_BRANCH_WEIGHT * new_branch}
+        return {
+            "ce": ce,
+            "distillation": lamda * distillation,
+            "new_branch": NEW_BRANCH_WEIGHT * new_branch,
+        }
 
     # -- the co-transport ---------------------------------------------------------------------
     @torch.no_grad()

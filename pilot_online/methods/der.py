@@ -254,9 +254,10 @@ class DEROnline(MethodAdapter):
         self, network: nn.Module, out: StepOutput, batch: TrainingBatch
     ) -> dict[str, torch.Tensor]:
         """The auxiliary loss once a firing has added a branch (upstream's first task trains the
-        head alone, ``_init_train``), over the whole training batch."""
+        head alone, ``_init_train``), over the whole training batch, beside the CE."""
+        terms = super().loss_terms(network, out, batch)
         if len(self.branches(network)) < 2:
-            return {}
+            return terms
         allowed = training_mask(
             self.args.get("logit_mask", "batch"),
             batch.labels,
@@ -265,7 +266,8 @@ class DEROnline(MethodAdapter):
             validate=False,
         )
         loss = auxiliary_loss(out.extras["aux_logits"], batch.labels, batch.known, allowed)
-        return {"aux": self.aux_weight() * loss}
+        terms["aux"] = self.aux_weight() * loss
+        return terms
 
     def aux_weight(self) -> float:
         """The auxiliary loss's weight: 1 in DER (MEMO's ``alpha_aux``)."""

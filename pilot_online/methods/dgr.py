@@ -38,7 +38,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.checks import real
-from ..core.masks import mask_logits
 from ..engine.adapter import Autocast, ConfigKey, Consolidation, Replay, StepOutput, TrainingBatch
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.config import replay_keys
@@ -236,28 +235,13 @@ class DGROnline(FinetuneOnline):
             "known": self.known,
         }
 
-    def classification_loss(
-        self,
-        network: nn.Module,
-        out: StepOutput,
-        labels: torch.Tensor,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Logit-adjusted cross-entropy; this step's labels (stream and replay) join the counts
-        first, so every target's prior is positive. Called once per training step only."""
-        stats = self._statistics(network)
-        counts = stats["label_counts"]
-        # index_add_, not bincount: bincount reads the largest label back to the host (a sync).
-        counts.index_add_(0, labels, torch.ones_like(labels, dtype=counts.dtype))
-        stats["seen"][labels] = True
-        logits = adjusted_logits(out.logits, counts)
-        return F.cross_entropy(logits if mask is None else mask_logits(logits, mask), labels)
-
     def loss_terms(
         self, network: nn.Module, out: StepOutput, batch: TrainingBatch
     ) -> dict[str, torch.Tensor]:
-        """Upstream's distillation once a firing has taken a teacher: ``lambda * known / new``
-        times ``_KD_loss`` over the known classes (:func:`distillation_weight`).
+        """``ce``: the logit-adjusted cross-entropy; this step's labels (stream and replay) join
+        the counts first, so every target's prior is positive. Called once per training step
+        only. Then upstream's distillation once a firing has taken a teacher: ``lambda * known /
+        new`` times ``_KD_loss`` over the known classes (:func:`distillation_weight`).
 
         Upstream's head gets the distillation's gradient apart from the loss's (it replaces the
         head's rows after backward), so the term is split: the loss's term reads the head's
@@ -266,9 +250,15 @@ class DGROnline(FinetuneOnline):
         gives it; the head's gradient of the KD loss alone is taken here from the head's part of
         the graph (``autograd.grad``, the graph kept for the loop's backward) and kept for
         :meth:`after_backward`. The head's ``.grad`` then holds exactly the other terms'."""
+        stats = self._statistics(network)
+        counts = stats["label_counts"]
+        # index_add_, not bincount: bincount reads the largest label back to the host (a sync).
+        counts.index_add_(0, batch.labels, torch.ones_like(batch.labels, dtype=counts.dtype))
+        stats["seen"][batch.labels] = True
+        ce = F.cross_entropy(batch.masked(adjusted_logits(out.logits, counts)), batch.labels)
         self.distillation = None  # a skipped step's is never read
         if batch.teacher is None:
-            return {}
+            return {"ce": ce}
         temperature = float(self.args.get("T", DGR_TEMPERATURE))
         teacher = batch.teacher.logits
         fc = self.classifier(network)
@@ -281,7 +271,7 @@ class DGROnline(FinetuneOnline):
         scale = distillation_weight(
             batch.known, batch.seen, float(self.args.get("lambda", DGR_LAMBDA))
         )
-        return {"kd": scale * distillation_loss(held, teacher, batch.known, temperature)}
+        return {"ce": ce, "kd": scale * distillation_loss(held, teacher, batch.known, temperature)}
 
     @torch.no_grad()
     def after_backward(self, network: nn.Module, autocast: Autocast) -> dict[str, torch.Tensor]:

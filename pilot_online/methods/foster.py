@@ -303,33 +303,26 @@ class FosterOnline(MethodAdapter):
         counts = network.stream_counts + known * quota
         return effective_number_weights(counts, seen, beta)
 
-    def classification_loss(
-        self,
-        network: nn.Module,
-        out: StepOutput,
-        labels: torch.Tensor,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """CE on the first segment; from the first firing on, upstream's ``CE(logits /
-        per_cls_weights)`` (``beta1``). The batch's classes join the seen ones first."""
-        seen = network.seen_classes
+    def loss_terms(
+        self, network: nn.Module, out: StepOutput, batch: TrainingBatch
+    ) -> dict[str, torch.Tensor]:
+        """``ce``: CE on the first segment; from the first firing on, upstream's ``CE(logits /
+        per_cls_weights)`` (``beta1``). The batch's classes join the seen ones first.
+
+        From the first firing on, also: ``CE(fe_logits)`` under the training mask,
+        ``lambda_okd`` times ``_KD_loss`` of the known classes against the old branch, and the
+        student's ``BKD`` against the boosted logits (detached) over the classes seen
+        (``beta2``)."""
+        labels, seen = batch.labels, network.seen_classes
         seen |= classes_present(labels, len(seen), validate=False)
         logits = out.logits
         if self.boosting(network):
             logits = logits / self.class_weights(network, float(self.args["beta1"])).to(
                 logits.dtype
             )
-        return F.cross_entropy(logits if mask is None else mask_logits(logits, mask), labels)
-
-    def loss_terms(
-        self, network: nn.Module, out: StepOutput, batch: TrainingBatch
-    ) -> dict[str, torch.Tensor]:
-        """From the first firing on: ``CE(fe_logits)`` under the training mask, ``lambda_okd``
-        times ``_KD_loss`` of the known classes against the old branch, and the student's
-        ``BKD`` against the boosted logits (detached) over the classes seen (``beta2``)."""
+        ce = F.cross_entropy(batch.masked(logits), labels)
         if not self.boosting(network):
-            return {}
-        labels, seen = batch.labels, network.seen_classes
+            return {"ce": ce}
         mask = training_mask(self.args["logit_mask"], labels, seen, len(seen), validate=False)
         fe_logits = out.extras["fe_logits"]
         temperature = float(self.args["T"])
@@ -338,6 +331,7 @@ class FosterOnline(MethodAdapter):
         if mask is not None:
             fe_logits = mask_logits(fe_logits, mask)
         return {
+            "ce": ce,
             "fe": F.cross_entropy(fe_logits, labels),
             "kd": float(self.args["lambda_okd"])
             * distillation_loss(out.logits, old, network.known_classes, temperature),

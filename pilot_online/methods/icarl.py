@@ -110,11 +110,14 @@ class ICaRLOnline(FinetuneOnline):
         self, network: nn.Module, out: StepOutput, batch: TrainingBatch
     ) -> dict[str, torch.Tensor]:
         """Upstream's ``_KD_loss`` on every row (stream and replay) against the teacher, over the
-        classes known at the last firing; none before the first firing (upstream's first task)."""
+        classes known at the last firing, beside the CE; none before the first firing (upstream's
+        first task)."""
+        terms = super().loss_terms(network, out, batch)
         if batch.teacher is None:
-            return {}
+            return terms
         temperature = float(self.args.get("T", ICARL_TEMPERATURE))
-        return {"kd": distillation_loss(out.logits, batch.teacher.logits, batch.known, temperature)}
+        terms["kd"] = distillation_loss(out.logits, batch.teacher.logits, batch.known, temperature)
+        return terms
 
     def consolidate(self, network: nn.Module, firing: int) -> tuple[nn.Parameter, ...]:
         """Upstream's ``after_task`` copies the network and moves ``_known_classes``: the loop

@@ -69,7 +69,7 @@ from ..core.mvp_losses import (
     instance_logit_scale,
     key_contrastive_loss,
 )
-from ..engine.adapter import ConfigKey, MethodAdapter, QueryPass, StepOutput
+from ..engine.adapter import ConfigKey, MethodAdapter, QueryPass, StepOutput, TrainingBatch
 from ..engine.backbone_names import pilot_backbones
 from ..engine.card import MethodCard
 from ..engine.registry import register_method
@@ -301,7 +301,13 @@ class MVPOnline(MethodAdapter):
                 aux = query_distance.mean()
         return StepOutput(logits, features, aux, extras)
 
-    def classification_loss(
+    def loss_terms(
+        self, network: nn.Module, out: StepOutput, batch: TrainingBatch
+    ) -> dict[str, torch.Tensor]:
+        """``ce``: cross-entropy on AFS-scaled features, weighted per sample by GSF."""
+        return {"ce": self.weighted_cross_entropy(network, out, batch.labels, batch.mask)}
+
+    def weighted_cross_entropy(
         self,
         network: nn.Module,
         out: StepOutput,

@@ -259,24 +259,19 @@ class OLoRAOnline(MethodAdapter):
         return network.fc
 
     # -- the method's own loss terms and after-step work ----------------------------------------
-    def classification_loss(
-        self,
-        network: nn.Module,
-        out: StepOutput,
-        labels: torch.Tensor,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The loop's masked CE; with ``olora_window_loss: upstream`` the unmasked CE of the same
-        logits is kept too (detached): upstream's window and buffer ranking read that one."""
-        if self.args["olora_window_loss"] == "upstream":
-            self._unmasked_ce = F.cross_entropy(out.logits.detach().float(), labels)
-        return super().classification_loss(network, out, labels, mask)
-
     def loss_terms(
         self, network: nn.Module, out: StepOutput, batch: TrainingBatch
     ) -> dict[str, torch.Tensor]:
+        """The loop's masked CE, and the importance penalty once there is one. With
+        ``olora_window_loss: upstream`` the unmasked CE of the same logits is kept too
+        (detached): upstream's window and buffer ranking read that one."""
+        if self.args["olora_window_loss"] == "upstream":
+            self._unmasked_ce = F.cross_entropy(out.logits.detach().float(), batch.labels)
+        terms = super().loss_terms(network, out, batch)
         penalty = self.regularizer.penalty(self._lora)
-        return {} if penalty is None else {"importance": penalty}
+        if penalty is not None:
+            terms["importance"] = penalty
+        return terms
 
     def after_backward(self, network: nn.Module, autocast: Autocast) -> dict[str, torch.Tensor]:
         """The hard buffer's CEs, one batch at a time: with ``hard_loss`` each is backpropagated
