@@ -14,7 +14,7 @@ from conftest import REPO
 ADAPTER = REPO / "pilot_online" / "engine" / "adapter.py"
 PORTING = REPO / "docs" / "porting.md"
 PHASES = ("build", "step", "boundary", "evaluation", "state")
-MAX_OPTIONAL_HOOKS = 14
+MAX_OPTIONAL_HOOKS = 13
 MAX_DECLARED_FIELDS = 7
 
 

@@ -165,7 +165,7 @@ def test_each_firing_adds_a_subspace_without_a_cap() -> None:
         network.fc_sigma.fill_(3.0)
     head_before = network.fc.weight.detach().clone()
     first = network.subspaces[0]
-    restarted = list(adapter.consolidate(network, 0))
+    restarted = list(adapter.consolidate(network, 0).restarted)
     assert len(network.subspaces) == 2 and len(network.class_means) == 2
     assert not any(p.requires_grad for p in first.parameters())
     assert all(p.requires_grad for p in network.subspaces[1].parameters())

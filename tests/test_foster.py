@@ -219,7 +219,7 @@ def test_later_firings_copy_the_student_into_both_branches_and_oldfc(built):
     grown.seen_classes[[4, 5]] = True
     student = copy.deepcopy(grown.snet)
     branch_objects = [id(p) for p in grown.backbones.parameters()]
-    restarted = list(adapter.consolidate(grown, 1))
+    restarted = list(adapter.consolidate(grown, 1).restarted)
     assert [id(p) for p in grown.backbones.parameters()] == branch_objects  # copied in place
     for module in (*grown.backbones, grown.snet.backbones[0]):
         for name, value in module.state_dict().items():
@@ -314,14 +314,14 @@ def streamed(pilot_on_path: Path, tmp_path_factory) -> dict[str, Any]:
     the firings), restored into a freshly built network that takes steps 3 and 4 as well."""
     adapter, network, config = tiny_foster(**STREAM_CONFIG)
     mapped = []
-    original = adapter.map_prototypes
+    original = adapter.lineage_twice
 
     def spy(net, means):
         result = original(net, means)
         mapped.append((means.clone(), net.lineage_means.means.clone(), result.clone()))
         return result
 
-    adapter.map_prototypes = spy
+    adapter.lineage_twice = spy
     loop = stream_loop(adapter, network, config)
     losses, names = [], []
     for step in range(3):

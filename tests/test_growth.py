@@ -1,6 +1,6 @@
 """Networks that grow at a firing (DER, MEMO, FOSTER add a branch and widen their head): the
 loop's handling of parameters replaced under a known name (``OnlineLoop.parameters_changed``)
-and of the online prototypes (``MethodAdapter.map_prototypes``).
+and of the online prototypes (``Consolidated.feature_map``).
 
 The head ``fc`` of :class:`Growing` reads ``relu(body(x))`` and, after each firing, one more
 branch: a copy of the last branch's layer, as DER copies its last backbone. At the firing the
@@ -18,7 +18,7 @@ import torch
 from conftest import TinyAdapter, TinyNet, unit_config
 from torch import nn
 
-from pilot_online.engine.adapter import Consolidation, StepOutput
+from pilot_online.engine.adapter import Consolidated, Consolidation, StepOutput
 from pilot_online.engine.mixins import build_loop
 
 C, WIDTH = 6, 8
@@ -54,10 +54,7 @@ class Growing(TinyAdapter):
 
     def consolidate(self, network, firing):
         self.grow(network)
-        return ()
-
-    def map_prototypes(self, network, means):
-        return torch.cat([means, means[:, -WIDTH:]], 1)
+        return Consolidated(feature_map=lambda rows: torch.cat([rows, rows[:, -WIDTH:]], 1))
 
     def extra_state(self, network):
         return {"branches": len(network.branches)}
@@ -166,14 +163,29 @@ def test_prototypes_are_mapped_and_equal_the_new_features_at_the_firing():
     torch.testing.assert_close(new, torch.cat([old, old], 1))
 
 
-def test_the_default_hook_refuses_a_wider_head_by_name():
+def test_a_wider_head_without_a_feature_map_is_refused_by_name():
     class NoMapping(Growing):
-        map_prototypes = TinyAdapter.map_prototypes
+        def consolidate(self, network, firing):
+            self.grow(network)
+            return Consolidated()
 
     loop = make_loop(variant="p")
     loop.adapter.__class__ = NoMapping
     step(loop, 0)
-    with pytest.raises(NotImplementedError, match="implement map_prototypes"):
+    with pytest.raises(ValueError, match=r"online prototypes no longer fit.*feature_map="):
+        step(loop, 1)
+
+
+def test_consolidate_must_say_what_it_changed():
+    class OldStyle(Growing):
+        def consolidate(self, network, firing):
+            self.grow(network)
+            return ()
+
+    loop = make_loop(variant="base")
+    loop.adapter.__class__ = OldStyle
+    step(loop, 0)
+    with pytest.raises(TypeError, match=r"OldStyle\.consolidate returned tuple.*Consolidated"):
         step(loop, 1)
 
 

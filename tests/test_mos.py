@@ -216,7 +216,7 @@ def test_consolidation_is_upstreams_task_end_step(mos):
     with torch.no_grad():
         sets[0][0].up_proj.weight.add_(0.01)  # make set 0 distinguishable from a fresh init
     head = [p.detach().clone() for p in network.backbone.head.parameters()]
-    assert list(adapter.consolidate(network, 0)) == []  # new parameters, none restarted
+    assert list(adapter.consolidate(network, 0).restarted) == []  # new parameters, none restarted
     assert len(sets) == 2 and network.class_slot_counts.shape == (6, 2)
     for a, b in zip(adapter_set(network, 0), adapter_set(network, 1)):
         assert torch.equal(a, b)
@@ -238,7 +238,7 @@ def test_consolidation_is_upstreams_task_end_step(mos):
     assert network.class_slot_counts[:, 1].tolist() == [0, 0, 2, 2, 2, 2]
     assert adapter.statistics_pulls(network) == 12 * 4
     set0, set1 = adapter_set(network, 0), adapter_set(network, 1)
-    assert list(adapter.consolidate(network, 1)) == []
+    assert list(adapter.consolidate(network, 1).restarted) == []
     assert adapter.alignments == 1 and len(sets) == 3
     keep = 0.9**48
     for p, a, b in zip(sets[2].parameters(), set1, set0):

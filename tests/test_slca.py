@@ -149,7 +149,7 @@ def test_the_view_aligns_a_copy_and_training_keeps_its_head_and_optimiser():
         head.bias.copy_(torch.tensor([0.0, 0.0, 10.0, 0, 0, 0]))  # everything reads class 2
     trained = head.weight.detach().clone(), head.bias.detach().clone()
     assert (head(means)[:, :3].argmax(1) == 2).all()
-    assert list(adapter.consolidate(loop.network, 2)) == []  # nothing restarted
+    assert list(adapter.consolidate(loop.network, 2).restarted) == []  # nothing restarted
     assert adapter.sessions_closed == 3
     assert torch.equal(head.weight, trained[0]) and torch.equal(head.bias, trained[1])
     view = adapter.evaluation_view(loop.network)

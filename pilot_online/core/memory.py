@@ -276,7 +276,7 @@ class ClassBalancedMemory:
     def map_features(self, mapping: Callable[[np.ndarray], np.ndarray]) -> None:
         """The network's features widened at a firing (DER adds a branch): ``mapping`` takes
         rows of the old feature space to the new one, each row alike (the adapter's
-        ``map_prototypes``). A stored vector becomes its mapped row renormalised: exact for a
+        feature map). A stored vector becomes its mapped row renormalised: exact for a
         linear mapping, as normalising ignores the scale. A class mean (of normalised vectors)
         is mapped and rescaled to its old norm: exact where the class's vectors all keep the
         same share of their norm under ``mapping``, as at DER's first firing, which repeats the

@@ -23,7 +23,7 @@ Adapters import PILOT lazily (inside ``build_network``), so registering one need
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
@@ -98,6 +98,22 @@ class QueryPass:
 
 
 @dataclass(frozen=True)
+class Consolidated:
+    """What a firing's :meth:`MethodAdapter.consolidate` changed that the engine must follow,
+    beyond the parameters it added or put under known names (the loop finds those itself)."""
+
+    #: Parameters the method reset in place, whose optimiser and FGH state the loop drops
+    #: (upstream starts a new optimiser at each task).
+    restarted: Sequence[nn.Parameter] = ()
+    #: For a firing that changed the features the classifier reads (DER adds a backbone, so the
+    #: head reads wider features): rows of features as they were, ``[N, D_old]``, in the new
+    #: space, ``[N, D_new]``, each row alike. The engine maps the online prototypes' class means
+    #: and a herding memory's stored features with it, right after ``consolidate`` returns.
+    #: Without it, a firing that replaces the classifier's weight is refused where those exist.
+    feature_map: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
 class Replay:
     """A method's declaration that it keeps training samples: the engine's replay memory
     (``engine/mixins.py``: ``ReplayMixin``; ``core/memory.py``), on by default for it, with the
@@ -106,8 +122,8 @@ class Replay:
     #: The ``StepOutput.extras`` entry (of the training forward) a herding memory ranks stream
     #: samples by, for a method whose firings move its classifier's features into a space no
     #: row-wise map reaches (FOSTER: the student's features, of one width at every firing); no
-    #: firing maps them. None: ``out.features``, mapped by
-    #: :meth:`MethodAdapter.map_prototypes` at a firing.
+    #: firing maps them. None: ``out.features``, mapped by a firing's
+    #: :attr:`Consolidated.feature_map`.
     herding_features: str | None = None
 
 
@@ -145,6 +161,8 @@ RETIRED_MEMBERS: Mapping[str, str] = {
     "train_forward_predicts": "delete it: A_online always scores with an eval-mode pass",
     "train_mode": "override set_mode(network, train) and handle train=True",
     "eval_mode": "override set_mode(network, train) and handle train=False",
+    "map_prototypes": "return Consolidated(feature_map=...) from consolidate(): the engine maps "
+    "the prototypes and the herding memory's features with it",
     "classification_loss": "return it as loss_terms(network, out, batch)['ce'] (the mask is "
     "batch.mask; batch.masked(logits) applies it)",
     "extra_backward": "override after_backward(network, autocast): it backpropagates the "
@@ -287,34 +305,23 @@ class MethodAdapter:
         SimpleCIL folds the batch into its class means. Nothing by default."""
 
     # -- boundary: when the consolidation trigger fires --------------------------------------------
-    def consolidate(self, network: nn.Module, firing: int) -> Iterable[nn.Parameter]:
+    def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
         """The task-free stand-in for upstream's task-boundary step (freeze a first session, add
         an adapter, merge models, realign the classifier), run when the config's consolidation
         trigger fires (``firing``: 0 for the first). The loop calls it at the start of a step,
         before that step's batch is trained on (where upstream's next task would begin), so the
         network may still be in evaluation mode; it never receives a task id or a segment end.
-        Returns the parameters the method restarted, whose optimiser and FGH state the loop
-        drops (as :meth:`after_step`). A method that overrides it can be given any trigger; one
+        Returns what the engine must follow (:class:`Consolidated`): the parameters the method
+        restarted, and the map of old features into new ones when the firing changed the
+        features the classifier reads. A method that overrides it can be given any trigger; one
         that does not refuses every trigger but ``never``.
 
         It may add parameters (a new adapter per firing, as upstream adds one per task): the loop
-        then re-reads :meth:`lr_scales`, and each new one joins the optimiser (in the group of its
-        factor), FGH and the checkpoint, where it stays after the method
-        freezes it. A resume calls :meth:`load_extra_state` before any parameter is loaded, so a
-        method rebuilds there the structure it had added (from a count in :meth:`extra_state`)."""
-        return ()
-
-    def map_prototypes(self, network: nn.Module, means: torch.Tensor) -> torch.Tensor:
-        """Online prototypes after a firing changed the classifier's input width (DER adds a
-        backbone, so the head reads wider features): the class means ``[C, D_old]`` in the new
-        feature space ``[C, D_new]``. Only a method whose firings grow its features overrides
-        it; the default refuses, naming this hook. The loop maps the herding memory's stored
-        features with it too (rows of any count): map each row alike."""
-        raise NotImplementedError(
-            f"{type(self).__name__}'s classifier changed its input width at a firing, so the "
-            "online prototypes no longer fit it: implement map_prototypes(network, means) to "
-            "map the class means into the new feature space"
-        )
+        then re-reads :meth:`lr_scales`, and each new one joins the optimiser (in the group of
+        its factor), FGH and the checkpoint, where it stays after the method freezes it. A
+        resume calls :meth:`load_extra_state` before any parameter is loaded, so a method
+        rebuilds there the structure it had added (from a count in :meth:`extra_state`)."""
+        return Consolidated()
 
     # -- evaluation: what evaluation predicts with -------------------------------------------------
     def evaluation_view(self, network: nn.Module) -> Mapping[str, torch.Tensor]:

@@ -31,7 +31,7 @@ from ..core.masks import classes_present, mask_logits, training_mask
 from ..core.realtime import scores_online
 from ..core.rng import capture_rng_state, restore_rng_state
 from ..core.triggers import make_trigger
-from .adapter import MethodAdapter, StepOutput, TrainingBatch, parameters_named
+from .adapter import Consolidated, MethodAdapter, StepOutput, TrainingBatch, parameters_named
 from .eval_cache import QueryCache, QueryCacheOptions
 from .teacher import Teacher
 
@@ -142,12 +142,34 @@ class ParameterChange:
 
     ``restarted``: parameters the method reset, whose history must go (optimiser moments, FGH's
     stored signals); ``replaced``: ``(name, old, new)``, a new tensor under a trained name (new
-    None: the name is gone); ``added``: ``(name, parameter)`` pairs the loop did not train yet.
+    None: the name is gone); ``added``: ``(name, parameter)`` pairs the loop did not train yet;
+    ``feature_map``: a firing's map of the classifier's old features into its new ones
+    (:attr:`Consolidated.feature_map`); ``rebuilding``: a resume's rebuild, whose every value
+    (prototypes and memory included) loads right after, so nothing is mapped.
     """
 
     restarted: tuple[nn.Parameter, ...] = ()
     replaced: tuple[tuple[str, nn.Parameter, nn.Parameter | None], ...] = ()
     added: tuple[tuple[str, nn.Parameter], ...] = ()
+    feature_map: Callable[[torch.Tensor], torch.Tensor] | None = None
+    rebuilding: bool = False
+
+    def classifier_replaced(self, layer: nn.Linear) -> bool:
+        """Whether ``layer``'s weight is a replacement (DER's wider head)."""
+        return any(new is layer.weight for *_, new in self.replaced)
+
+    def mapped_features(self, layer: nn.Linear, component: str) -> Callable | None:
+        """The feature map a component holding features of ``layer``'s input applies (None: no
+        mapping to do); a replaced classifier without one is refused, naming ``component``."""
+        if self.rebuilding or not self.classifier_replaced(layer):
+            return None
+        if self.feature_map is None:
+            raise ValueError(
+                f"a firing replaced the classifier's weight, so {component} no longer fit it: "
+                "return Consolidated(restarted=..., feature_map=<old features -> new>) from "
+                "consolidate() (docs/porting.md, Networks that grow at a firing)"
+            )
+        return self.feature_map
 
     def __bool__(self) -> bool:
         return bool(self.restarted or self.replaced or self.added)
@@ -341,7 +363,10 @@ class OnlineLoop:
                 group["params"].append(p)
 
     def _sync_parameters(
-        self, restarted: Iterable[nn.Parameter] = (), saved_names: Iterable[str] = ()
+        self,
+        restarted: Iterable[nn.Parameter] = (),
+        saved_names: Iterable[str] = (),
+        feature_map: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """After the method acted (a firing, a restart after a step, a resume's rebuild): re-read
         its trainable parameters, update the loop's list, and send one :class:`ParameterChange`
@@ -367,7 +392,9 @@ class OnlineLoop:
         if added:
             self.named_parameters += added
             logger.info("%d new trainable parameters: %s", len(added), [n for n, _ in added][:4])
-        change = ParameterChange(tuple(restarted), replaced, tuple(added))
+        change = ParameterChange(
+            tuple(restarted), replaced, tuple(added), feature_map, rebuilding=bool(saved_names)
+        )
         if change:
             self.parameters_changed(change)
 
@@ -622,7 +649,14 @@ class OnlineLoop:
         if self.adapter.consolidation.teacher:
             self.teacher = None  # the old snapshot's memory is free before the copy is made
             self.teacher = Teacher.take(self.network, self.known, firing)
-        self._sync_parameters(self.adapter.consolidate(self.network, firing))
+        consolidated = self.adapter.consolidate(self.network, firing)
+        if not isinstance(consolidated, Consolidated):
+            raise TypeError(
+                f"{type(self.adapter).__name__}.consolidate returned "
+                f"{type(consolidated).__name__}: return Consolidated(restarted=[...]) "
+                "(pilot_online.engine.adapter)"
+            )
+        self._sync_parameters(consolidated.restarted, feature_map=consolidated.feature_map)
 
     def _teach(self, inputs: torch.Tensor) -> StepOutput | None:
         """The teacher's outputs on the training batch (inside the forward's autocast), or None

@@ -55,14 +55,15 @@ class PrototypeMixin:
         self.prototypes.update(out.features, labels, validate=False)
 
     def parameters_changed(self: OnlineLoop, change: ParameterChange) -> None:
-        """A firing replaced the classifier (DER's wider head): the adapter maps the class means
-        into its new feature space (:meth:`MethodAdapter.map_prototypes`); the counts stay."""
+        """A firing replaced the classifier (DER's wider head): its feature map moves the class
+        means into the new feature space (:attr:`Consolidated.feature_map`); the counts stay."""
         super().parameters_changed(change)
         layer = self.adapter.classifier(self.network)
-        if not any(new is layer.weight for _, _, new in change.replaced):
+        feature_map = change.mapped_features(layer, "the online prototypes")
+        if feature_map is None:
             return
         with torch.no_grad():
-            means = self.adapter.map_prototypes(self.network, self.prototypes.means)
+            means = feature_map(self.prototypes.means)
         self.prototypes.replace_means(means.to(layer.weight.dtype))
 
     def state_dict(self: OnlineLoop) -> dict[str, Any]:
@@ -331,20 +332,20 @@ class ReplayMixin:
 
     def parameters_changed(self: OnlineLoop, change: ParameterChange) -> None:
         """A firing replaced the classifier by a wider one (DER): herding's stored features and
-        class means move into the new feature space by the adapter's ``map_prototypes``, as the
+        class means move into the new feature space by the firing's feature map, as the
         prototypes do (:meth:`ClassBalancedMemory.map_features`), so that the next batch's
         features can join them."""
         super().parameters_changed(change)
+        if not self.memory_needs_features or self.herding_features is not None:
+            return  # no features, or the method's own space: never mapped
         layer = self.adapter.classifier(self.network)
-        replaced_head = any(new is layer.weight for *_, new in change.replaced)
-        if not self.memory_needs_features or not replaced_head:
-            return
-        if self.herding_features is not None:  # the method's own space: never mapped
+        feature_map = change.mapped_features(layer, "the herding memory's stored features")
+        if feature_map is None:
             return
 
         def mapping(rows: np.ndarray) -> np.ndarray:
             with torch.no_grad():
-                return self.adapter.map_prototypes(self.network, torch.from_numpy(rows)).numpy()
+                return feature_map(torch.from_numpy(rows)).numpy()
 
         self.memory.map_features(mapping)
 

@@ -29,14 +29,14 @@ would make.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from ..core.checks import boolean, real
-from ..engine.adapter import Autocast, ConfigKey, Consolidation, trained_parameters
+from ..engine.adapter import Autocast, ConfigKey, Consolidated, Consolidation, trained_parameters
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, VIT_B16_WIDTH
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.checkpoint import tensors_to
@@ -253,7 +253,7 @@ class CoFiMAOnline(SLCAOnline):
         return values
 
     @torch.no_grad()
-    def consolidate(self, network: nn.Module, firing: int) -> Iterable[nn.Parameter]:
+    def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
         """Upstream's task end for training. The first firing keeps the weights and the period's
         Fisher as the previous model (no merge, no CA). Each later firing makes upstream's task
         end (:meth:`upstream_task_end`): the merged backbone is the backbone from now on, the
@@ -273,7 +273,7 @@ class CoFiMAOnline(SLCAOnline):
             self.merges.append(firing)
         self.prev_fisher = fisher
         self.sessions_closed = firing + 1  # SLCA's session of a newly seen class
-        return ()
+        return Consolidated()
 
     def evaluation_view(self, network: nn.Module) -> Mapping[str, torch.Tensor]:
         """The model upstream evaluates at a task end: the open period merged with the kept model

@@ -25,7 +25,6 @@ solver is ``core/transport.py``'s, equal to POT's ``ot.sinkhorn``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -39,6 +38,7 @@ from ..core.prototypes import PrototypeBank
 from ..core.transport import prospective_rows
 from ..engine.adapter import (
     ConfigKey,
+    Consolidated,
     Consolidation,
     MethodAdapter,
     Replay,
@@ -258,7 +258,7 @@ class COILOnline(MethodAdapter):
 
     # -- the co-transport ---------------------------------------------------------------------
     @torch.no_grad()
-    def consolidate(self, network: nn.Module, firing: int) -> Iterable[nn.Parameter]:
+    def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
         """Upstream's ``after_task``: the loop has taken the teacher and moved ``known``; keep
         the old classes' means and rows for the transports of the period that starts. Nothing
         restarts."""
@@ -268,7 +268,7 @@ class COILOnline(MethodAdapter):
         state.anchor_rows.copy_(network.fc.weight)
         state.transported.zero_()
         state.new_branch.zero_()
-        return ()
+        return Consolidated()
 
     @torch.no_grad()
     def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:

@@ -14,7 +14,7 @@ Online (the choices are in docs/methods.md, "DER"): the build is upstream's firs
 with one head over every class of the stream; a consolidation firing (default ``new_classes``)
 does what ``update_fc`` and the freezing do at a task start: a branch copied from the last, the
 old ones frozen, the head widened (its parameters replaced: the loop swaps them into the
-optimiser and maps the online prototypes and herding features, :meth:`DEROnline.map_prototypes`)
+optimiser and maps the online prototypes and herding features, :meth:`DEROnline.widened`)
 and the auxiliary head restarted. The auxiliary head covers every class plus "old": its targets
 are the class for the classes unknown at the last firing, "old" for the known ones.
 :class:`~pilot_online.methods.memo.MEMOOnline` subclasses this adapter.
@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -32,7 +33,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.masks import mask_logits, training_mask
-from ..engine.adapter import Consolidation, MethodAdapter, Replay, StepOutput, TrainingBatch
+from ..engine.adapter import (
+    Consolidated,
+    Consolidation,
+    MethodAdapter,
+    Replay,
+    StepOutput,
+    TrainingBatch,
+)
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.config import replay_keys
@@ -274,7 +282,7 @@ class DEROnline(MethodAdapter):
         return 1.0
 
     # -- the task-boundary step ----------------------------------------------------------------
-    def consolidate(self, network: nn.Module, firing: int) -> Iterable[nn.Parameter]:
+    def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
         """Upstream's ``update_fc`` and freezing at a task start: a new branch copied from the
         last, the older frozen, the head widened, the auxiliary head restarted. Returns every
         parameter that trained before except the replaced head (the loop swaps that in with
@@ -283,7 +291,7 @@ class DEROnline(MethodAdapter):
         restarted = [p for p in network.parameters() if p.requires_grad and id(p) not in head]
         self.grow(network, firing)
         self.grown_at = [*getattr(self, "grown_at", []), firing]
-        return restarted
+        return Consolidated(restarted=restarted, feature_map=partial(self.widened, network))
 
     def grow(self, network: nn.Module, firing: int) -> None:
         """Add one branch (a trainable copy of the last), freeze the older ones, widen the head
@@ -306,10 +314,11 @@ class DEROnline(MethodAdapter):
         for branch in self.branches(network)[:-1]:
             branch.requires_grad_(False)
 
-    def map_prototypes(self, network: nn.Module, means: torch.Tensor) -> torch.Tensor:
-        """The new branch is a copy of the last, so at the firing its features are the last
-        branch's: the class means extend by the last branch's columns, exactly."""
-        return repeat_last_branch(means, int(network.out_dim), len(self.branches(network)))
+    def widened(self, network: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        """A firing's feature map: the new branch is a copy of the last, so at the firing its
+        features are the last branch's: feature rows (the class means, the stored herding
+        features) extend by the last branch's columns, exactly."""
+        return repeat_last_branch(rows, int(network.out_dim), len(self.branches(network)))
 
     # -- checkpoints and the report -------------------------------------------------------------
     def extra_state(self, network: nn.Module) -> dict[str, Any]:

@@ -38,7 +38,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.checks import real
-from ..engine.adapter import Autocast, ConfigKey, Consolidation, Replay, StepOutput, TrainingBatch
+from ..engine.adapter import (
+    Autocast,
+    ConfigKey,
+    Consolidated,
+    Consolidation,
+    Replay,
+    StepOutput,
+    TrainingBatch,
+)
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.config import replay_keys
 from ..engine.differences import (
@@ -302,7 +310,7 @@ class DGROnline(FinetuneOnline):
                 bias_grad.add_(ratio.to(bias_grad.dtype) * distillation.bias)
         return {}
 
-    def consolidate(self, network: nn.Module, firing: int) -> tuple[nn.Parameter, ...]:
+    def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
         """Upstream's task start: the classes trained on so far become the old group, and ``G``
         and the label counts start again (the loop took the teacher just before). No parameter
         restarts."""
@@ -311,7 +319,7 @@ class DGROnline(FinetuneOnline):
         stats["grad_sums"].zero_()
         stats["label_counts"].zero_()
         self.resets += 1
-        return ()
+        return Consolidated()
 
     def extra_state(self, network: nn.Module) -> dict[str, Any]:
         stats = {name: t.clone() for name, t in self._statistics(network).items()}

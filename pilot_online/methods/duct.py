@@ -30,7 +30,7 @@ of the network, and the firing then does the same to the training state.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -39,7 +39,7 @@ from torch import nn
 
 from ..core.checks import boolean, real
 from ..core.prototypes import PrototypeBank
-from ..engine.adapter import ConfigKey, Consolidation, StepOutput
+from ..engine.adapter import ConfigKey, Consolidated, Consolidation, StepOutput
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, VIT_B16_WIDTH
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.checkpoint import tensors_to
@@ -357,7 +357,7 @@ class DUCTOnline(FinetuneOnline):
         return weight, transports
 
     @torch.no_grad()
-    def consolidate(self, network: nn.Module, firing: int) -> Iterable[nn.Parameter]:
+    def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
         """Merges the period's task vector into the anchor and transports the head rows of the
         period's classes to each older group's classes (:meth:`consolidated`); the merged
         backbone is the next anchor. Upstream keeps both for training: its next task trains the
@@ -373,7 +373,7 @@ class DUCTOnline(FinetuneOnline):
         for bank in (self.trained, self.anchored):
             bank.means.zero_()
             bank.counts.zero_()
-        return ()
+        return Consolidated()
 
     def evaluation_view(self, network: nn.Module) -> Mapping[str, torch.Tensor]:
         """The network as upstream evaluates it at a task end: the period so far merged and

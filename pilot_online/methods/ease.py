@@ -35,7 +35,6 @@ Online, task-free (the choices are in docs/methods.md, "EASE"):
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -45,7 +44,7 @@ from torch import nn
 from ..core.checks import integer, real
 from ..core.cosine_head import CosineHead, attach_cosine_head
 from ..core.prototypes import PrototypeBank
-from ..engine.adapter import ConfigKey, Consolidation, MethodAdapter, StepOutput
+from ..engine.adapter import ConfigKey, Consolidated, Consolidation, MethodAdapter, StepOutput
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
 
@@ -280,7 +279,7 @@ class EaseOnline(MethodAdapter):
             network.class_means[index].update(frozen, labels, validate=False)
 
     # -- the task-boundary step ---------------------------------------------------------------
-    def consolidate(self, network: nn.Module, firing: int) -> Iterable[nn.Parameter]:
+    def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
         """Freeze the active adapter set and add the next with a restarted head (upstream's
         ``after_task`` and its new proxy head); the loop adopts the new set. Returns the frozen
         set's and the head's parameters, whose optimiser state is dropped."""
@@ -290,7 +289,7 @@ class EaseOnline(MethodAdapter):
         self.opened_at.append(firing)
         generator = torch.Generator().manual_seed(self.run_seed() * 1_000_003 + firing)
         network.fc.reset_parameters(generator)
-        return [*old.parameters(), network.fc.weight, network.fc_sigma]
+        return Consolidated(restarted=[*old.parameters(), network.fc.weight, network.fc_sigma])
 
     # -- checkpoints and the report -------------------------------------------------------------
     def extra_state(self, network: nn.Module) -> dict[str, Any]:

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -47,6 +48,7 @@ from ..core.prototypes import PrototypeBank
 from ..engine.adapter import (
     Autocast,
     ConfigKey,
+    Consolidated,
     Consolidation,
     MethodAdapter,
     Replay,
@@ -357,7 +359,7 @@ class FosterOnline(MethodAdapter):
         network.lineage_means.update(lineage, labels, validate=False)
 
     # -- the firing -----------------------------------------------------------------------------
-    def consolidate(self, network: nn.Module, firing: int) -> Iterable[nn.Parameter]:
+    def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
         """Upstream's next ``update_fc`` (and ``_snet``'s build): the first firing adds the second
         branch and the student; later ones copy the student into both branches. Then every head
         is drawn again (``fc``, ``fe_fc``, the student's), ``oldfc`` takes the last head. Returns
@@ -376,7 +378,10 @@ class FosterOnline(MethodAdapter):
         generator = torch.Generator().manual_seed(self.run_seed() * 1_000_003 + firing)
         self._draw_heads(network, last_head, known, generator)
         self.firings += 1
-        return [*network.backbones.parameters(), *network.snet.backbones.parameters()]
+        return Consolidated(
+            restarted=[*network.backbones.parameters(), *network.snet.backbones.parameters()],
+            feature_map=partial(self.lineage_twice, network),
+        )
 
     def _grow(self, network: nn.Module) -> None:
         """The first firing's structure: a second branch and the student's backbone, both
@@ -413,10 +418,11 @@ class FosterOnline(MethodAdapter):
             student.bias.copy_(torch.where(known, last.bias, student.bias))
         network.fc, network.fe_fc, network.snet.fc = fc, fe_fc, student
 
-    def map_prototypes(self, network: nn.Module, means: torch.Tensor) -> torch.Tensor:
-        """After a firing both branches are the student (the first branch at the first firing),
-        so a class's mean of the concatenated features is its lineage mean twice: the running
-        mean of the student lineage's features, with the P bank's own counts."""
+    def lineage_twice(self, network: nn.Module, means: torch.Tensor) -> torch.Tensor:
+        """A firing's feature map of the class means: after a firing both branches are the
+        student (the first branch at the first firing), so a class's mean of the concatenated
+        features is its lineage mean twice: the running mean of the student lineage's features,
+        with the P bank's own counts."""
         lineage = network.lineage_means.means
         return torch.cat([lineage, lineage], dim=1).to(means.dtype)
 

@@ -24,7 +24,14 @@ import torch
 from torch import nn
 
 from ..core.checks import real
-from ..engine.adapter import ConfigKey, Consolidation, Replay, StepOutput, TrainingBatch
+from ..engine.adapter import (
+    ConfigKey,
+    Consolidated,
+    Consolidation,
+    Replay,
+    StepOutput,
+    TrainingBatch,
+)
 from ..engine.backbone_names import PLAIN_VIT
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.config import replay_keys
@@ -119,7 +126,7 @@ class ICaRLOnline(FinetuneOnline):
         terms["kd"] = distillation_loss(out.logits, batch.teacher.logits, batch.known, temperature)
         return terms
 
-    def consolidate(self, network: nn.Module, firing: int) -> tuple[nn.Parameter, ...]:
+    def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
         """Upstream's ``after_task`` copies the network and moves ``_known_classes``: the loop
         does both (the engine teacher, ``known``) before calling this. Nothing restarts."""
-        return ()
+        return Consolidated()

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.checks import boolean, integer, real
-from ..engine.adapter import ConfigKey, Consolidation, MethodAdapter, StepOutput
+from ..engine.adapter import ConfigKey, Consolidated, Consolidation, MethodAdapter, StepOutput
 from ..engine.backbone_names import pilot_backbones
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
@@ -226,15 +226,15 @@ class LAEOnline(MethodAdapter):
         self.frozen_left = max(self.frozen_left - len(labels), 0)
         self.segment_samples += len(labels)
 
-    def consolidate(self, network: nn.Module, firing: int) -> Iterable[nn.Parameter]:
+    def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
         """A task start: the PET frozen for ``lae_freeze_fraction`` of the segment just closed;
         a fresh optimiser."""
         fraction = float(self.args["lae_freeze_fraction"])
         self.frozen_left = round(fraction * self.segment_samples)
         self.segment_samples = 0
         if not self.args["lae_reset_optimizer"]:
-            return ()
-        return [*network.pets.parameters(), *network.fc.parameters()]
+            return Consolidated()
+        return Consolidated(restarted=[*network.pets.parameters(), *network.fc.parameters()])
 
     def extra_state(self, network: nn.Module) -> dict[str, Any]:
         """The offline (EMA) PET, which is no trainable parameter, the freeze countdown and the

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -61,7 +61,7 @@ from ..core.checks import boolean, integer, real
 from ..core.class_stats import ClassGaussians, align_classifier
 from ..core.prototypes import PrototypeBank
 from ..core.rng import key_seed
-from ..engine.adapter import ConfigKey, Consolidation, MethodAdapter, StepOutput
+from ..engine.adapter import ConfigKey, Consolidated, Consolidation, MethodAdapter, StepOutput
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
 
@@ -466,7 +466,7 @@ class MOSOnline(MethodAdapter):
         )
         return True
 
-    def consolidate(self, network: nn.Module, firing: int) -> Iterable[nn.Parameter]:
+    def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
         """Upstream's task end and next start: align the head (kept for training), snapshot the
         class means for the orthogonality term, freeze the active set and add the next, started
         where upstream's statistics pass leaves the adapter."""
@@ -484,7 +484,7 @@ class MOSOnline(MethodAdapter):
                 for _ in range(pulls):
                     pull(params, term, momentum)
         self.add_set(network, new)
-        return []
+        return Consolidated()
 
     def add_set(self, network: nn.Module, new: nn.ModuleList) -> None:
         """Append ``new`` as the active set: the others frozen, a column of class counts."""

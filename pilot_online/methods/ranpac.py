@@ -50,7 +50,7 @@ from torch import nn
 
 from ..core.checks import boolean, integer
 from ..core.cosine_head import attach_cosine_head
-from ..engine.adapter import ConfigKey, Consolidation, StepOutput
+from ..engine.adapter import ConfigKey, Consolidated, Consolidation, StepOutput
 from ..engine.backbone_names import PLAIN_VIT, pilot_backbones
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.differences import FIRST_SESSION_DIFFERENCES
@@ -210,7 +210,7 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
         self.accumulate(network, features, labels, self.samples)
         self.samples += len(labels)
 
-    def consolidate(self, network: nn.Module, firing: int) -> tuple[nn.Parameter, ...]:
+    def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
         """The first firing ends the first session (upstream's first task boundary): the backbone
         and the first session's head freeze. Every firing re-solves the training head
         (upstream's ``replace_fc`` at each task's end); without a first session
@@ -221,7 +221,7 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
             self.trains = False
         for name, value in self.firing_head().items():
             getattr(network, name).copy_(value)
-        return ()
+        return Consolidated()
 
     def firing_head(self) -> Tensors:
         """The head a firing solves for training (:meth:`solve`; RanPAC also keeps its ridge)."""

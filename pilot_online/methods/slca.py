@@ -37,7 +37,7 @@ blocks are SLCA's, passed in from here.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -46,7 +46,7 @@ from torch import nn
 from ..core.checks import integer, real
 from ..core.class_stats import ClassGaussians, align_classifier
 from ..core.rng import key_seed
-from ..engine.adapter import ConfigKey, Consolidation, StepOutput
+from ..engine.adapter import ConfigKey, Consolidated, Consolidation, StepOutput
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
 from .finetune import FinetuneOnline
@@ -157,11 +157,11 @@ class SLCAOnline(FinetuneOnline):
     def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
         self.stats.to(out.features.device).update(out.features, labels, self.sessions_closed)
 
-    def consolidate(self, network: nn.Module, firing: int) -> Iterable[nn.Parameter]:
+    def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
         """Closes a session; nothing trained changes (upstream's CA is recalled after its
         evaluation: :meth:`evaluation_view`)."""
         self.sessions_closed = firing + 1
-        return ()
+        return Consolidated()
 
     def evaluation_view(self, network: nn.Module) -> Mapping[str, torch.Tensor]:
         """Upstream's ``fc.backup()``, CA, evaluate, ``fc.recall()``: the head aligned
