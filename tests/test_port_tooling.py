@@ -120,3 +120,13 @@ def test_a_method_without_counts_is_told_to_count_them_onto_its_card(monkeypatch
     assert "benchmarks/flops.py" not in message  # never an edit of the installed package
     with pytest.raises(ValueError, match=r"benchmarks/flops\.py --methods l2p_online"):
         flops.method_flops("l2p_online", {"methods": {}})  # a built-in: the package's table
+
+
+def test_a_methods_flop_config_is_one_run_of_its_paper_config():
+    """The paper's configs list 10 seeds; a FLOP count builds one run, whose firings draw from
+    its one seed (``run_seed``), so a growing method's count can fire."""
+    from pilot_online.harness.flop_count import method_config
+
+    config = method_config("der_online", classes=10)
+    assert config["seed"] == 0  # the first of the paper's list, 0 to 9
+    assert registry.get_method("der_online")(args=config).run_seed() == 0

@@ -85,7 +85,7 @@ class MethodCard:
     #: ``doctor``'s memory estimate; None: 0.
     state_bytes: Callable[[Mapping[str, Any]], int] | None = None
     #: Per-image FLOP counts of a method the package's table (``data/flops.json``) does not hold:
-    #: an outside method measures them with ``python benchmarks/flops.py --method <name> --print``
+    #: an outside method measures them with ``pilot-online flops <name> --pilot-root <PILOT>``
     #: and pastes them here, so that ``doctor``, the FLOP model and real-time evaluation price it.
     #: None: the package table's counts.
     flops: Mapping[str, Any] | None = None

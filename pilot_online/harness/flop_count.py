@@ -44,10 +44,13 @@ COUNTED_IMG_SIZE = 224
 
 
 def method_config(method: str, classes: int) -> dict[str, Any]:
-    """The paper's config of ``method`` (base row) at 224 px, random weights, on the CPU."""
+    """The paper's config of ``method`` (base row) at 224 px, random weights, on the CPU, as one
+    run of it: its first seed (a firing's draws read the run's one seed, ``run_seed``)."""
     raw = paper_config(method_short_name(method), "base", blurry=False)
     raw.pop("backbone_kwargs", None)  # 224 px
+    seeds = raw.get("seed", 1993)
     raw.update(pretrained=False, device=[-1], online_prototypes=False, fgh=None)
+    raw["seed"] = seeds[0] if isinstance(seeds, (list, tuple)) else seeds
     return {**resolve_config(raw), "nb_classes": classes, "nb_tasks": 20}
 
 
