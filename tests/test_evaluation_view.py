@@ -17,7 +17,7 @@ import torch
 from conftest import TinyAdapter, TinyNet
 from torch import nn
 
-from pilot_online.engine.adapter import Consolidation, StepOutput
+from pilot_online.engine.adapter import Consolidated, Consolidation, StepOutput
 from pilot_online.engine.mixins import build_loop
 
 C = 6
@@ -124,7 +124,7 @@ class Growing(TinyAdapter):
 
     def consolidate(self, network, firing):
         self._add(network)
-        return ()
+        return Consolidated()
 
     def extra_state(self, network):
         return {"adapters": len(network.adapters)}

@@ -18,7 +18,7 @@ from torch import nn
 
 from pilot_online.core.metrics import online_accuracy, summarize
 from pilot_online.core.streams import Stream
-from pilot_online.engine.adapter import MethodAdapter, StepOutput
+from pilot_online.engine.adapter import Consolidated, MethodAdapter, StepOutput
 from pilot_online.engine.loop import OnlineLoop
 from pilot_online.engine.session import OnlineSession
 
@@ -187,7 +187,7 @@ class FlippingAdapter(TinyAdapter):
         with torch.no_grad():
             network.fc.weight.neg_()
             network.fc.bias.neg_()
-        return ()
+        return Consolidated()
 
 
 def test_a_step_that_a_firing_opens_is_scored_before_the_firing() -> None:

@@ -22,7 +22,7 @@ from pilot_online.core.results import load_results
 from pilot_online.core.streams import clear_stream, si_blurry_stream
 from pilot_online.engine import events
 from pilot_online.engine import session as session_module
-from pilot_online.engine.adapter import StepOutput
+from pilot_online.engine.adapter import Consolidated, StepOutput
 from pilot_online.engine.events import RunListener, StepEvent
 from pilot_online.engine.loop import OnlineLoop
 from pilot_online.engine.session import ArrayDataSource, OnlineSession, unique_results_path
@@ -645,8 +645,8 @@ def test_each_task_end_logs_the_whole_runs_progress(caplog) -> None:
 class ConsolidatingLookup(LookupAdapter):
     """LookupAdapter with a boundary step that changes nothing: any trigger may fire it."""
 
-    def consolidate(self, network: nn.Module, firing: int) -> tuple:
-        return ()
+    def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
+        return Consolidated()
 
 
 class Recorder(RunListener):

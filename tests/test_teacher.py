@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from conftest import TinyAdapter, TinyNet, unit_config
 
-from pilot_online.engine.adapter import Consolidation
+from pilot_online.engine.adapter import Consolidated, Consolidation
 from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.teacher import Teacher, teacher_bytes
 from pilot_online.harness.estimate import method_flops, run_flops
@@ -34,14 +34,16 @@ class Distilling(TinyAdapter):
     def consolidate(self, network, firing):
         with torch.no_grad():
             network.fc.bias.mul_(2.0)
-        return ()
+        return Consolidated()
 
     def loss_terms(self, network, out, batch):
         self.batches.append(batch)
+        terms = super().loss_terms(network, out, batch)
         if batch.teacher is None:
-            return {}
+            return terms
         known = batch.known
-        return {"kd": F.mse_loss(out.logits[:, known], batch.teacher.logits[:, known])}
+        terms["kd"] = F.mse_loss(out.logits[:, known], batch.teacher.logits[:, known])
+        return terms
 
 
 def config(**overrides):

@@ -22,7 +22,7 @@ from pilot_online.core.triggers import (
     Plateau,
     make_trigger,
 )
-from pilot_online.engine.adapter import Consolidation
+from pilot_online.engine.adapter import Consolidated, Consolidation
 from pilot_online.engine.config import ConfigError, resolve_config
 from pilot_online.engine.mixins import build_loop
 
@@ -167,7 +167,7 @@ class Consolidating(TinyAdapter):
 
     def consolidate(self, network, firing):
         self.calls.append((firing, self.loop.samples_seen))
-        return [network.fc.weight]
+        return Consolidated(restarted=[network.fc.weight])
 
 
 def make_loop(adapter, **config):
