@@ -520,10 +520,10 @@ class OnlineLoop:
             mask = training_mask(
                 self.logit_mask, batch_labels, self.seen, self.num_classes, validate=False
             )
-            logits = out.logits if mask is None else mask_logits(out.logits, mask)
             batch = TrainingBatch(
                 inputs, batch_labels, stream_size, self.seen, self.known, self._teach(inputs), mask
             )
+            logits = batch.masked(out.logits)
             method_terms = dict(self.adapter.loss_terms(self.network, out, batch))
             if "ce" not in method_terms:
                 raise ValueError(
