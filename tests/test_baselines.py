@@ -111,16 +111,16 @@ class TinyAdapter(MethodAdapter):
 class GradRecorder:
     """Records the loss terms and gradients each step saw (calls super() in every hook)."""
 
-    def setup(self) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         self.grads, self.batches = [], []
-        super().setup()
+        super().__init__(*args, **kwargs)
 
     def loss_terms(self, out, labels):
         self.batches.append(labels.clone())
         return super().loss_terms(out, labels)
 
-    def transform_gradients(self) -> None:
-        super().transform_gradients()
+    def after_backward(self) -> None:
+        super().after_backward()
         self.grads.append(self.network.fc.weight.grad.clone())
 
 

@@ -53,14 +53,14 @@ class NaNAdapter(TinyAdapter):
 class Recorder:
     """A mixin that calls super() in every hook and records what it saw."""
 
-    def setup(self) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         self.events: list[str] = []
         self.terms: list[dict[str, torch.Tensor]] = []
         self.snapshots: list[dict[str, torch.Tensor]] = []
         self.grads: list[dict[str, torch.Tensor]] = []
         self.after: list[tuple[torch.Tensor, torch.Tensor]] = []
-        super().setup()
-        self.events.append("setup")
+        super().__init__(*args, **kwargs)
+        self.events.append("init")
 
     def loss_terms(self, out, labels):
         terms = super().loss_terms(out, labels)
@@ -77,16 +77,16 @@ class Recorder:
         )
         return terms
 
-    def transform_gradients(self) -> None:
-        super().transform_gradients()
-        self.events.append("transform_gradients")
+    def after_backward(self) -> None:
+        super().after_backward()
+        self.events.append("after_backward")
         self.grads.append(
             {n: p.grad.clone() for n, p in self.named_parameters if p.grad is not None}
         )
 
-    def after_step(self, out, labels) -> None:
-        super().after_step(out, labels)
-        self.events.append("after_step")
+    def observe(self, out, labels) -> None:
+        super().observe(out, labels)
+        self.events.append("observe")
         self.after.append((out.features.detach().clone(), labels.clone()))
 
 
@@ -194,9 +194,9 @@ def test_seen_mask_keeps_every_class_seen_so_far() -> None:
 # --------------------------------------------------------------------------- hooks
 
 
-def test_hooks_run_in_order_and_after_step_gets_pre_update_features() -> None:
+def test_hooks_run_in_order_and_observe_gets_pre_update_features() -> None:
     loop = make_loop(BASE_CONFIG, mixins=(Recorder,))
-    assert loop.events == ["setup"]
+    assert loop.events == ["init"]
     generator = torch.Generator().manual_seed(2)
     for step in range(3):
         x = torch.randn(4, D_IN, generator=generator)
@@ -216,8 +216,8 @@ def test_hooks_run_in_order_and_after_step_gets_pre_update_features() -> None:
         present[labels] = True
         expected_ce = F.cross_entropy(logits.masked_fill(~present, float("-inf")), labels)
         torch.testing.assert_close(stats.loss, expected_ce)
-    per_step = ["loss_terms", "transform_gradients", "after_step"]
-    assert loop.events == ["setup", *per_step * 3]
+    per_step = ["loss_terms", "after_backward", "observe"]
+    assert loop.events == ["init", *per_step * 3]
 
 
 def test_loss_terms_are_added_to_the_loss() -> None:
@@ -383,7 +383,7 @@ def test_non_finite_step_is_skipped() -> None:
     assert loop.samples_seen == 8  # the batch was consumed, only the update was dropped
     for name, value in params(loop).items():
         assert torch.equal(value, after_first[name]), name
-    # The skipped step stopped before the gradient transform: no FGH hook, no after_step.
+    # The skipped step stopped before the gradient transform: no FGH hook, no observe.
     assert loop.events[-1] == "loss_terms"
     assert len(loop.grads) == len(loop.after) == 1
 

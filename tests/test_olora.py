@@ -454,8 +454,8 @@ def test_olora_window_and_ranking_read_the_unmasked_ce_upstream(window):
 class GradRecorder:
     """Loop mixin: the gradients the optimiser is about to apply."""
 
-    def transform_gradients(self) -> None:
-        super().transform_gradients()
+    def after_backward(self) -> None:
+        super().after_backward()
         self.recorded = {n: p.grad.clone() for n, p in self.named_parameters}
 
 

@@ -249,7 +249,7 @@ def test_the_herding_memory_is_upstreams_build_rehearsal_memory(icarl: Built) ->
         batch_labels = torch.tensor(labels[rows])
         loop.replay_batch(rows, batch_labels)
         features = torch.from_numpy(vectors[rows])
-        loop.after_step(StepOutput(torch.zeros(len(rows), NUM_CLASSES), features), batch_labels)
+        loop.observe(StepOutput(torch.zeros(len(rows), NUM_CLASSES), features), batch_labels)
         upstream_task_end(learner, data, classes=max(task) + 1)
         for c in range(max(task) + 1):
             assert loop.memory.stored[c].tolist() == upstream_exemplars(learner, c), (task, c)

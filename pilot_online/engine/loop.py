@@ -286,30 +286,23 @@ class OnlineLoop:
         # training state changes; dropped then, so a view of a whole backbone (CoFiMA's, DUCT's
         # merge) is not held while training goes on.
         self._view: dict[str, torch.Tensor] | None = None
-        self.setup()
 
     def attach_samples(self, loader: SampleLoader) -> None:
         """Give the loop a way to load training samples by index (what replay draws need)."""
         self.sample_loader = loader
 
     # -- hooks (mixins override and call super()) -------------------------------------------------
-    def setup(self) -> None:
-        """Called once, after the optimiser exists: mixins build their components here."""
-
+    # A mixin builds its component in ``__init__``, after ``super().__init__`` made the optimiser;
+    # the step hooks share the adapter's names and moments (``loss_terms``, ``after_backward``,
+    # ``observe``), the state hooks torch's (``state_dict``, ``load_state_dict``).
     def replay_batch(
-        self, indices: np.ndarray | None, labels: torch.Tensor
+        self, indices: np.ndarray | None, labels: torch.Tensor, repeat: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Samples trained beside the stream batch (``indices``, ``labels``) in this step, or None.
 
-        Called before the forward pass; experience replay draws its memory batch here."""
-        return None
-
-    def repeat_replay_batch(
-        self, indices: np.ndarray | None, iteration: int
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Samples trained beside the stream batch in its extra optimiser step ``iteration``
-        (0-based, before the last one: ``online_iter`` > 1), or None. Unlike
-        :meth:`replay_batch`, the stream batch is not offered to the memory here."""
+        Called before the forward pass; experience replay draws its memory batch here. ``repeat``:
+        None for the batch's own step (the last), which offers the batch to the memory; k for its
+        extra optimiser step k (0-based: ``online_iter`` > 1), which offers nothing."""
         return None
 
     def loss_terms(self, out: StepOutput, labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -317,13 +310,14 @@ class OnlineLoop:
         cover the whole training batch: the stream batch plus any replayed samples)."""
         return {}
 
-    def transform_gradients(self) -> None:
+    def after_backward(self) -> None:
         """Between backward and the optimiser step, on finite steps, after the adapter's
         ``after_backward`` (DGR's class reweighting): the mixins' (FGH), which see its result."""
 
-    def after_step(self, out: StepOutput, labels: torch.Tensor) -> None:
-        """After the optimiser step, with this step's (pre-update) outputs on the stream batch
-        only: replayed samples are not new observations of the stream."""
+    def observe(self, out: StepOutput, labels: torch.Tensor) -> None:
+        """After the batch's last finite optimiser step, with its (pre-update) outputs on the
+        stream batch only, as the adapter's ``observe``: replayed samples are not new observations
+        of the stream."""
 
     def parameters_changed(self, change: ParameterChange) -> None:
         """The one place a change of the trained parameters is applied (mixins call ``super()``
@@ -430,7 +424,7 @@ class OnlineLoop:
         Replayed samples join the stream batch in one forward pass (a ViT normalises per sample,
         so for the methods without batch-level state this equals two passes, at less cost; with
         the prompt vote of L2P/DualPrompt the replayed samples vote too, and MVP counts their key
-        use); the loss is the mean over both. Counters, accuracy and ``after_step`` cover the
+        use); the loss is the mean over both. Counters, accuracy and ``observe`` cover the
         stream batch only. ``online_correct`` is scored before anything of the step changes the
         model (A_online), by :meth:`predict_online`: an eval-mode pass under the evaluation view,
         which the training forward is not (dropout, prompt votes, views).
@@ -463,11 +457,7 @@ class OnlineLoop:
             # memory) last: every draw is from the memory as it was before this batch, as
             # upstream draws all k memory batches before its update_memory.
             last = iteration == steps - 1
-            replay = (
-                self.replay_batch(indices, host_labels)
-                if last
-                else self.repeat_replay_batch(indices, iteration)
-            )
+            replay = self.replay_batch(indices, host_labels, None if last else iteration)
             out, logits, terms, loss, batch_inputs, batch_labels = self._forward_loss(
                 inputs, labels, replay
             )
@@ -564,7 +554,7 @@ class OnlineLoop:
         if not finite:
             return loss, False
         self._nonfinite_streak = 0
-        self.transform_gradients()
+        self.after_backward()
         self._record_gradient_norms()
         if self.still_masked_rows:
             with StillMaskedRows(self.adapter.classifier(self.network), self.optimizer):
@@ -630,7 +620,7 @@ class OnlineLoop:
         terms: Mapping[str, torch.Tensor],
     ) -> None:
         """The step's outputs on the stream batch alone (replayed samples are not new
-        observations) go to the adapter's ``observe``, the mixins' ``after_step`` and the
+        observations) go to the adapter's ``observe``, the mixins' ``observe`` and the
         consolidation trigger (with the classification loss, if it reads it)."""
         self.trigger.observe(stream_size, terms["ce"] if self.trigger.needs_loss else None)
         if out.logits.shape[0] != stream_size:
@@ -638,7 +628,7 @@ class OnlineLoop:
                 out, logits=out.logits[:stream_size], features=out.features[:stream_size]
             )
         self.adapter.observe(self.network, out, labels)
-        self.after_step(out, labels)
+        self.observe(out, labels)
 
     def _consolidate(self, firing: int) -> None:
         """Before a step, when the trigger fired (``firing``: its index): the adapter

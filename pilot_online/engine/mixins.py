@@ -35,8 +35,8 @@ class PrototypeMixin:
 
     prototypes: PrototypeBank
 
-    def setup(self: OnlineLoop) -> None:
-        super().setup()
+    def __init__(self: OnlineLoop, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         layer = self.adapter.classifier(self.network)
         self.prototypes = PrototypeBank(
             self.num_classes,
@@ -50,8 +50,8 @@ class PrototypeMixin:
         terms["prototypes"] = self.prototypes.loss(self.adapter.classifier(self.network))
         return terms
 
-    def after_step(self: OnlineLoop, out: StepOutput, labels: torch.Tensor) -> None:
-        super().after_step(out, labels)
+    def observe(self: OnlineLoop, out: StepOutput, labels: torch.Tensor) -> None:
+        super().observe(out, labels)
         self.prototypes.update(out.features, labels, validate=False)
 
     def parameters_changed(self: OnlineLoop, change: ParameterChange) -> None:
@@ -95,8 +95,8 @@ class FGHMixin:
     fgh: FineGrainedHypergradients
     alpha_stream: AlphaStream
 
-    def setup(self: OnlineLoop) -> None:
-        super().setup()
+    def __init__(self: OnlineLoop, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         options = dict(self.config["fgh"])
         named = self.named_parameters
         if options.get("granularity") == "class":
@@ -105,8 +105,8 @@ class FGHMixin:
         self.fgh = FineGrainedHypergradients(named, **options)
         self.alpha_stream = AlphaStream(self.fgh)
 
-    def transform_gradients(self: OnlineLoop) -> None:
-        super().transform_gradients()
+    def after_backward(self: OnlineLoop) -> None:
+        super().after_backward()
         self.fgh.step()
         self.alpha_stream.observe()
 
@@ -228,8 +228,8 @@ class ReplayMixin:
 
     memory: ReservoirMemory | ClassBalancedMemory
 
-    def setup(self: OnlineLoop) -> None:
-        super().setup()
+    def __init__(self: OnlineLoop, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.replay_options = options = ReplayOptions.of(self.config)
         self.memory = make_memory(
             options.er_memory,
@@ -246,9 +246,21 @@ class ReplayMixin:
         self._offered: tuple[np.ndarray, np.ndarray] | None = None  # herding: after the step
 
     def replay_batch(
-        self: OnlineLoop, indices: np.ndarray | None, labels: torch.Tensor
+        self: OnlineLoop,
+        indices: np.ndarray | None,
+        labels: torch.Tensor,
+        repeat: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        replay = super().replay_batch(indices, labels)
+        """The batch's own draw (``repeat`` None), which then offers the stream batch to the
+        memory; or the draw of its extra optimiser step ``repeat`` (``online_iter`` > 1): a fresh
+        ``er_batch_size`` sample of the memory as it is before this batch (upstream Si-Blurry
+        draws a new memory batch for each of its ``online_iter`` steps and stores the stream
+        batch after them), loaded keyed by ``(repeat + 1) << 48 | samples_seen``, a key no
+        batch's own draw (``samples_seen``) has."""
+        replay = super().replay_batch(indices, labels, repeat)
+        if repeat is not None:
+            drawn = self.memory.sample(self.replay_size)[0]
+            return self._with_memory_samples(replay, drawn, (repeat + 1) << 48 | self.samples_seen)
         if indices is None:
             raise ValueError(
                 "experience replay needs each stream batch's dataset indices: call "
@@ -268,18 +280,6 @@ class ReplayMixin:
         if not self.memory_needs_features:
             self._draw_next(step + len(offered[0]))
         return replay
-
-    def repeat_replay_batch(
-        self: OnlineLoop, indices: np.ndarray | None, iteration: int
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The draw of an extra optimiser step on the same batch (``online_iter`` > 1): a fresh
-        ``er_batch_size`` sample of the memory as it is before this batch (upstream Si-Blurry
-        draws a new memory batch for each of its ``online_iter`` steps and stores the stream
-        batch after them), loaded keyed by ``(iteration + 1) << 48 | samples_seen``, a key no
-        batch's own draw (``samples_seen``) has."""
-        replay = super().repeat_replay_batch(indices, iteration)
-        drawn = self.memory.sample(self.replay_size)[0]
-        return self._with_memory_samples(replay, drawn, (iteration + 1) << 48 | self.samples_seen)
 
     def _with_memory_samples(
         self: OnlineLoop,
@@ -320,8 +320,8 @@ class ReplayMixin:
             self.next_draw = self.memory.sample(self.replay_size)[0]
             load.prefetch(self.next_draw, step)
 
-    def after_step(self: OnlineLoop, out: StepOutput, labels: torch.Tensor) -> None:
-        super().after_step(out, labels)
+    def observe(self: OnlineLoop, out: StepOutput, labels: torch.Tensor) -> None:
+        super().observe(out, labels)
         if self._offered is not None:  # herding ranks the stream batch by its features
             indices, host_labels = self._offered
             self._offered = None
