@@ -51,7 +51,7 @@ def test_methods_lists_paper_name_rows_trigger_and_keys(capsys) -> None:
     assert rows["coda_online"] == coda
     assert rows["cofima_online"][1:4] == ["CoFiMA", "base,+P,+FGH,+P+FGH", "new_classes"]
     assert rows["simplecil_online"][2] == "base"
-    assert rows["er_online"][4] == "reservoir 1000"  # methods/finetune.py: REPLAY_KEYS
+    assert rows["er_online"][4] == "reservoir 1000"  # methods/finetune.py: Replay(1000)
 
 
 def test_methods_filter_and_keys(capsys) -> None:

@@ -1,4 +1,4 @@
-"""Replay a method declares (``replay = Replay()`` and ``engine.config.replay_keys``) without
+"""Replay a method declares (``replay = Replay(...)``, with its defaults) without
 subclassing ER: the class-balanced and herding memories in the loop, their config keys, and the
 per-method defaults the generated configs take (the card's ``default_lr`` and
 ``default_logit_mask``).
@@ -19,7 +19,7 @@ from pilot_online.core.memory import ClassBalancedMemory, normalized
 from pilot_online.engine import registry
 from pilot_online.engine.adapter import ConfigKey, Replay
 from pilot_online.engine.card import MethodCard
-from pilot_online.engine.config import ConfigError, replay_keys, resolve_config
+from pilot_online.engine.config import ConfigError, resolve_config
 from pilot_online.engine.mixins import build_loop
 from pilot_online.methods.finetune import FinetuneOnline
 
@@ -99,10 +99,7 @@ def test_herding_replay_resumes_bit_for_bit():
 class Remembering(FinetuneOnline):
     """A throwaway memory-based method with declared herding replay and its own defaults."""
 
-    replay: ClassVar[Replay | None] = Replay()
-    config_keys: ClassVar[dict[str, ConfigKey]] = replay_keys(
-        300, memory="herding", per_class=20, why="a test"
-    )
+    replay: ClassVar[Replay | None] = Replay(300, memory="herding", per_class=20, why="a test")
 
 
 @pytest.fixture
@@ -161,3 +158,37 @@ def test_generated_configs_take_the_methods_own_defaults(remembering):
     resolve_config(config)  # and it is a valid config
     plain = make_exps().paper_config("finetune", "base", blurry=False)
     assert plain["logit_mask"] == "batch"  # no declared mask: the shared default
+
+
+def test_replay_declares_its_keys_once():
+    """The declaration is the one place: the class's config_keys start with its keys (a reservoir
+    states its size alone), a subclass that changes the declaration gets the new defaults, and a
+    config_keys that states a replay key itself is refused with the fix."""
+    assert list(Remembering.config_keys)[:3] == [
+        "er_memory_size",
+        "er_memory",
+        "er_memory_per_class",
+    ]
+    assert [k.default for k in Remembering.config_keys.values()][:3] == [300, "herding", 20]
+    assert Remembering.config_keys["er_memory_size"].doc == "replay memory size (a test)"
+
+    class Smaller(Remembering):
+        replay: ClassVar[Replay | None] = Replay(50)
+
+    assert {k: v.default for k, v in Smaller.config_keys.items()} == {"er_memory_size": 50}
+
+    class Forgetting(Remembering):
+        replay: ClassVar[Replay | None] = None
+
+    assert Forgetting.config_keys == {}
+
+    with pytest.raises(TypeError, match=r"states er_memory_size.*Replay\(memory_size="):
+
+        class Restating(FinetuneOnline):
+            replay: ClassVar[Replay | None] = Replay(300)
+            config_keys: ClassVar[dict[str, ConfigKey]] = {"er_memory_size": ConfigKey(9, "x")}
+
+    with pytest.raises(ValueError, match="reservoir keeps no per-class quota"):
+        Replay(100, per_class=5)
+    with pytest.raises(ValueError, match="fifo"):
+        Replay(100, memory="fifo")

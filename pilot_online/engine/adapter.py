@@ -35,6 +35,7 @@ from torch import nn
 from ..core.masks import mask_logits
 from ..core.rng import run_seed
 from .options import ConfigKey  # a port declares its config_keys with it, from here
+from .replay import DECLARED_BY_REPLAY, Replay  # and its replay memory
 
 #: The loop's autocast: ``with autocast():`` runs a forward under the run's ``amp`` (a no-op
 #: without it), as :meth:`MethodAdapter.after_backward`'s own forwards must.
@@ -114,20 +115,6 @@ class Consolidated:
 
 
 @dataclass(frozen=True)
-class Replay:
-    """A method's declaration that it keeps training samples: the engine's replay memory
-    (``engine/mixins.py``: ``ReplayMixin``; ``core/memory.py``), on by default for it, with the
-    defaults its ``config_keys`` set through ``engine.config.replay_keys``."""
-
-    #: The ``StepOutput.extras`` entry (of the training forward) a herding memory ranks stream
-    #: samples by, for a method whose firings move its classifier's features into a space no
-    #: row-wise map reaches (FOSTER: the student's features, of one width at every firing); no
-    #: firing maps them. None: ``out.features``, mapped by a firing's
-    #: :attr:`Consolidated.feature_map`.
-    herding_features: str | None = None
-
-
-@dataclass(frozen=True)
 class Consolidation:
     """When a method's task-boundary step (:meth:`MethodAdapter.consolidate`) runs, and what the
     engine keeps for it. A method that acts at upstream's task boundaries overrides
@@ -191,13 +178,15 @@ class MethodAdapter:
     #: ``PLAIN_VIT``). ``check-config`` refuses any other name and suggests only these; the
     #: first is the method's default (scripts/make_exps.py writes it into the configs).
     backbone_types: ClassVar[tuple[str, ...]] = ()
-    #: The replay memory the engine keeps for the method (:class:`Replay`), or None: a
-    #: memory-free method refuses replay unless the config says ``allow_memory: true``.
+    #: The replay memory the engine keeps for the method, with its defaults (:class:`Replay`), or
+    #: None: a memory-free method refuses replay unless the config says ``allow_memory: true``.
     replay: ClassVar[Replay | None] = None
     #: Keys the method once had, each with what to do instead: a config that still sets one is
     #: refused by name with that fix (``resolve_config``), not as an unknown key.
     removed_keys: ClassVar[Mapping[str, str]] = {}
-    #: Keys of the method's own config, with defaults; see :class:`ConfigKey`.
+    #: Keys of the method's own config, with defaults; see :class:`ConfigKey`. As read from the
+    #: class, it starts with the declared :class:`Replay`'s keys (``__init_subclass__`` puts them
+    #: there), so every reader of a method's keys sees one table.
     config_keys: ClassVar[Mapping[str, ConfigKey]] = {}
     #: Whether the method learns by gradient steps. False (SimpleCIL's class means): the loop
     #: runs no backward pass and no optimiser step; the method learns in :meth:`observe`.
@@ -215,6 +204,21 @@ class MethodAdapter:
                 f"{cls.__name__} defines {', '.join(retired)}, which the method contract no "
                 f"longer reads: {'; '.join(f'{m}: {RETIRED_MEMBERS[m]}' for m in retired)}"
             )
+        body = vars(cls).get("config_keys", {})
+        inherited = [getattr(base, "config_keys", {}) for base in cls.__mro__[1:]]
+        stated = [  # a table restated from a base class (MEMO's, DER's) passes
+            key
+            for key in DECLARED_BY_REPLAY
+            if key in body and not any(body[key] is keys.get(key) for keys in inherited)
+        ]
+        if stated:
+            raise TypeError(
+                f"{cls.__name__}.config_keys states {', '.join(stated)}, whose defaults the "
+                "method's Replay declares: replay = Replay(memory_size=..., memory=..., "
+                "per_class=..., why=...)"
+            )
+        own = {k: v for k, v in cls.config_keys.items() if k not in DECLARED_BY_REPLAY}
+        cls.config_keys = {**(cls.replay.config_keys() if cls.replay else {}), **own}
 
     # -- required: every port writes these three ---------------------------------------------------
     def build_network(self, args: dict) -> nn.Module:

@@ -32,7 +32,6 @@ from ..core.datasets import dataset_names
 from ..core.fgh_options import OPTION_KEYS as FGH_KEYS
 from ..core.fgh_options import validate_options as validate_fgh_options
 from ..core.masks import LOGIT_MASKS
-from ..core.memory import MEMORIES
 from ..core.realtime import check_realtime_config
 from ..core.scale_backbone import resolve_weights
 from ..core.streams import BLURRED_SELECTIONS, STREAMS
@@ -45,9 +44,9 @@ from .evaluation import EvaluationOptions
 from .flops import check_flop_counts
 from .live_log import LiveLogOptions
 from .loop import AMP_MODES, MATMUL_PRECISIONS, OPTIMIZERS
-from .mixins import ReplayOptions
 from .options import ConfigKey
 from .pixel_cache import PixelCacheOptions
+from .replay import ReplayOptions
 from .scoring import RealtimeOptions, timing_config
 
 #: Suffixes ``pretrained_path`` accepts: the timm 0.6 npz, a torch state dict, a safetensors file.
@@ -638,35 +637,6 @@ def _check_replay(cfg: dict[str, Any], raw: Mapping[str, Any], adapter: Any) -> 
             "er_memory_per_class is a quota of the class-balanced memories, and er_memory is "
             '"reservoir": set er_memory to "class_balanced" or "herding", or remove it'
         )
-
-
-def replay_keys(
-    memory_size: int,
-    memory: str = "reservoir",
-    per_class: int | None = None,
-    why: str = "",
-) -> dict[str, ConfigKey]:
-    """The replay defaults a memory-based method declares (``replay = Replay()`` and these in
-    its ``config_keys``): its memory's size and kind, and the per-class quota, as upstream's
-    config sets ``memory_size``, ``fixed_memory`` and ``memory_per_class``. ``why``: where the
-    values come from, shown in the key reference. The checks are the online keys' own."""
-    check_choice("er_memory", memory, MEMORIES)
-    source = f" ({why})" if why else ""
-    return {
-        "er_memory_size": ConfigKey(
-            int(memory_size),
-            f"replay memory size{source}",
-            check=ONLINE_KEYS["er_memory_size"].check,
-        ),
-        "er_memory": ConfigKey(
-            memory, ONLINE_KEYS["er_memory"].doc, choices=ONLINE_KEYS["er_memory"].choices
-        ),
-        "er_memory_per_class": ConfigKey(
-            per_class,
-            ONLINE_KEYS["er_memory_per_class"].doc,
-            check=ONLINE_KEYS["er_memory_per_class"].check,
-        ),
-    }
 
 
 def key_reference() -> str:

@@ -8,22 +8,20 @@ without a loop.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..core.checks import boolean, integer, optional
 from ..core.fgh import FineGrainedHypergradients
 from ..core.fgh_options import validate_options
 from ..core.fgh_stats import AlphaStream
-from ..core.memory import MEMORIES, ClassBalancedMemory, ReservoirMemory, make_memory
+from ..core.memory import ClassBalancedMemory, ReservoirMemory, make_memory
 from ..core.prototypes import PrototypeBank
 from ..core.rng import run_seed
 from .loop import OnlineLoop, ParameterChange
-from .options import ConfigKey, Options, option
+from .replay import ReplayOptions
 
 if TYPE_CHECKING:
     from .adapter import MethodAdapter, StepOutput
@@ -165,48 +163,6 @@ def _host_numbers(value: Any) -> Any:
     if isinstance(value, list):
         return [_host_numbers(item) for item in value]
     return value
-
-
-@dataclass(frozen=True)
-class ReplayOptions(Options):
-    """Experience replay's config keys (``engine/config.py`` gathers every component's; a
-    memory-based method declares its own defaults with ``engine.config.replay_keys``)."""
-
-    er_memory_size: int = option(
-        ConfigKey(
-            0,
-            "experience-replay reservoir size; > 0 turns replay on (memory-based rows only)",
-            check=integer(0),
-        )
-    )
-    er_batch_size: int = option(
-        ConfigKey(100, "memory samples replayed beside each stream batch", check=integer(1))
-    )
-    er_memory: str = option(
-        ConfigKey(
-            MEMORIES[0],
-            "which memory replay keeps (core/memory.py): reservoir (the paper's ER, uniform over "
-            "the stream), class_balanced (upstream's per-class quota, each share a uniform sample "
-            "of its class) or herding (the same quota, each share chosen by online herding)",
-            choices=MEMORIES,
-        )
-    )
-    er_memory_per_class: int | None = option(
-        ConfigKey(
-            None,
-            "class-balanced memories: null, a quota of er_memory_size // classes seen (upstream's "
-            "fixed_memory false), or at most this many per class (fixed_memory true, "
-            "memory_per_class)",
-            check=optional(integer(1)),
-        )
-    )
-    allow_memory: bool = option(
-        ConfigKey(
-            False,
-            "let a memory-free row keep samples (experience replay on with er_memory_size)",
-            check=boolean,
-        )
-    )
 
 
 class ReplayMixin:

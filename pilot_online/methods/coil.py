@@ -47,7 +47,6 @@ from ..engine.adapter import (
 )
 from ..engine.backbone_names import PLAIN_VIT
 from ..engine.card import MethodCard, UpstreamDifference
-from ..engine.config import replay_keys
 from ..engine.differences import (
     LOGITS_ONLY_EVALUATION,
     ONLINE_HERDING,
@@ -176,13 +175,12 @@ class COILOnline(MethodAdapter):
 
     base_model_name: ClassVar[str] = "coil"  # PILOT's transforms for its COIL learner
     backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
-    replay: ClassVar[Replay | None] = Replay()
+    replay: ClassVar[Replay | None] = Replay(
+        COIL_MEMORY_SIZE,
+        memory="herding",
+        why="COIL's memory_size 2000, fixed_memory false: a quota of 2000 // classes seen",
+    )
     config_keys: ClassVar[dict[str, ConfigKey]] = {
-        **replay_keys(
-            COIL_MEMORY_SIZE,
-            memory="herding",
-            why="COIL's memory_size 2000, fixed_memory false: a quota of 2000 // classes seen",
-        ),
         "sinkhorn": ConfigKey(
             0.464,
             "entropic regularisation of the transport's Sinkhorn plan (upstream's key and value)",

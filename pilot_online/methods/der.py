@@ -43,7 +43,6 @@ from ..engine.adapter import (
 )
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS
 from ..engine.card import MethodCard, UpstreamDifference
-from ..engine.config import replay_keys
 from ..engine.differences import ONLINE_HERDING, REPLAY_LOGIT_MASK
 from ..engine.registry import register_method
 
@@ -191,14 +190,11 @@ class DEROnline(MethodAdapter):
 
     base_model_name: ClassVar[str] = "der"
     backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
-    replay: ClassVar[Replay | None] = Replay()
-    config_keys: ClassVar[dict[str, Any]] = {
-        **replay_keys(
-            MEMORY_SIZE,
-            memory="herding",
-            why="DER's and MEMO's memory_size 2000, fixed_memory false: 2000 // classes seen",
-        ),
-    }
+    replay: ClassVar[Replay | None] = Replay(
+        MEMORY_SIZE,
+        memory="herding",
+        why="DER's and MEMO's memory_size 2000, fixed_memory false: 2000 // classes seen",
+    )
     #: Upstream grows at each task start: a firing at each task boundary of a clear stream whose
     #: tasks hold ``consolidation_new_classes`` classes.
     consolidation: ClassVar[Consolidation] = Consolidation(

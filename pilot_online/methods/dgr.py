@@ -21,7 +21,7 @@ What the online port keeps:
   gradient is added, scaled by :func:`kd_ratio` (upstream replaces the head's gradient rows with
   ``w * g_ce + ratio_kd * g_kd``). It runs in :meth:`DGROnline.after_backward`, before FGH,
   which pairs and scales the result.
-* **Memory**: declared replay (``replay = Replay()``, ``replay_keys``): upstream's herding memory of
+* **Memory**: declared replay (``replay = Replay(...)``): upstream's herding memory of
   ``memory_size`` 2,000, a quota of 2000 // classes seen, re-picked online.
 
 The default trigger, ``new_classes``, fires at each task boundary of a clear stream whose tasks
@@ -48,7 +48,6 @@ from ..engine.adapter import (
     TrainingBatch,
 )
 from ..engine.card import MethodCard, UpstreamDifference
-from ..engine.config import replay_keys
 from ..engine.differences import (
     ONE_LINEAR_HEAD,
     ONLINE_HERDING,
@@ -182,14 +181,13 @@ class DGROnline(FinetuneOnline):
     herding replay."""
 
     base_model_name: ClassVar[str] = "dgr"  # PILOT's transforms for its DGR learner
-    replay: ClassVar[Replay | None] = Replay()
+    replay: ClassVar[Replay | None] = Replay(
+        DGR_MEMORY_SIZE,
+        memory="herding",
+        why="DGR's memory_size 2000, fixed_memory false: a quota of 2000 // classes seen",
+    )
     consolidation: ClassVar[Consolidation] = Consolidation(trigger="new_classes", teacher=True)
     config_keys: ClassVar[dict[str, ConfigKey]] = {
-        **replay_keys(
-            DGR_MEMORY_SIZE,
-            memory="herding",
-            why="DGR's memory_size 2000, fixed_memory false: a quota of 2000 // classes seen",
-        ),
         "gammar_r": ConfigKey(
             1.0,
             "DGR's new-class damping exp(-gammar_r * known / total) (upstream key and value: 1)",

@@ -27,20 +27,11 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..core.checks import integer
-from ..engine.adapter import ConfigKey, MethodAdapter, Replay, StepOutput
+from ..engine.adapter import MethodAdapter, Replay, StepOutput
 from ..engine.backbone_names import PLAIN_VIT
 from ..engine.card import MethodCard
 from ..engine.differences import BATCH_LOGIT_MASK, ONE_LINEAR_HEAD
 from ..engine.registry import register_method
-
-#: The paper's replay settings: 1,000 samples in memory, 100 replayed per step.
-REPLAY_KEYS: dict[str, ConfigKey] = {
-    "er_memory_size": ConfigKey(
-        1000, "experience-replay reservoir size (paper: 1000)", check=integer(0)
-    ),
-}
-
 
 CARD = MethodCard(
     paper_name="Fine-tuning",
@@ -83,5 +74,5 @@ ER_CARD = dataclasses.replace(
 class EROnline(FinetuneOnline):
     """Fine-tuning plus experience replay (the loop's ``ReplayMixin``, on by default here)."""
 
-    replay: ClassVar[Replay | None] = Replay()
-    config_keys: ClassVar[dict[str, ConfigKey]] = REPLAY_KEYS
+    #: The paper's replay settings: 1,000 samples in a reservoir, 100 replayed per step.
+    replay: ClassVar[Replay | None] = Replay(1000, why="paper: 1000")

@@ -58,7 +58,6 @@ from ..engine.adapter import (
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS
 from ..engine.card import MethodCard
 from ..engine.card import UpstreamDifference as Difference
-from ..engine.config import replay_keys
 from ..engine.registry import register_method
 from ..engine.teacher import distillation_loss
 
@@ -186,18 +185,18 @@ class FosterOnline(MethodAdapter):
     backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
     #: Herding ranks by the lineage's features (the first backbone, then the student): one
     #: width and a continuous space across firings, where the boosted features change both.
-    replay: ClassVar[Replay | None] = Replay(herding_features=HERDING_FEATURES)
+    replay: ClassVar[Replay | None] = Replay(
+        FOSTER_MEMORY_SIZE,
+        memory="herding",
+        per_class=FOSTER_PER_CLASS,
+        why="FOSTER's memory_size 2000, fixed_memory true, memory_per_class 20",
+        herding_features=HERDING_FEATURES,
+    )
     consolidation: ClassVar[Consolidation] = Consolidation(
         trigger="new_classes",
         required="never boosts, so FOSTER would be fine-tuning with replay",
     )
     config_keys: ClassVar[dict[str, ConfigKey]] = {
-        **replay_keys(
-            FOSTER_MEMORY_SIZE,
-            memory="herding",
-            per_class=FOSTER_PER_CLASS,
-            why="FOSTER's memory_size 2000, fixed_memory true, memory_per_class 20",
-        ),
         "beta1": ConfigKey(
             0.96, "effective-number beta of the boosting CE's class weights", check=real(0, 1)
         ),

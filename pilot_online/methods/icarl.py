@@ -9,7 +9,7 @@ it rebuilds a herding memory of ``memory_size`` 2000 (``build_rehearsal_memory``
 
 The online port is three declarations on the engine: the network is PILOT's ``IncrementalNet``
 with one linear head over every class (``online_head``); replay is declared (``replay =
-Replay()`` and ``replay_keys``: a herding memory of 2000, upstream's ``memory_size`` with
+Replay(2000, memory="herding")``: a herding memory of 2000, upstream's ``memory_size`` with
 ``fixed_memory: false``); the teacher is the engine's (``Consolidation(teacher=True)``: a frozen
 snapshot at each consolidation firing). What the adapter itself computes is the distillation
 term, in :meth:`loss_terms`, over the classes known at the last firing (a mask: in a Si-Blurry
@@ -34,7 +34,6 @@ from ..engine.adapter import (
 )
 from ..engine.backbone_names import PLAIN_VIT
 from ..engine.card import MethodCard, UpstreamDifference
-from ..engine.config import replay_keys
 from ..engine.differences import (
     LOGITS_ONLY_EVALUATION,
     ONE_LINEAR_HEAD,
@@ -82,13 +81,12 @@ class ICaRLOnline(FinetuneOnline):
 
     base_model_name: ClassVar[str] = "icarl"  # PILOT's transforms for its iCaRL learner
     backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
-    replay: ClassVar[Replay | None] = Replay()
+    replay: ClassVar[Replay | None] = Replay(
+        ICARL_MEMORY_SIZE,
+        memory="herding",
+        why="iCaRL's memory_size 2000, fixed_memory false: a quota of 2000 // classes seen",
+    )
     config_keys: ClassVar[dict[str, ConfigKey]] = {
-        **replay_keys(
-            ICARL_MEMORY_SIZE,
-            memory="herding",
-            why="iCaRL's memory_size 2000, fixed_memory false: a quota of 2000 // classes seen",
-        ),
         "T": ConfigKey(
             ICARL_TEMPERATURE,
             "distillation temperature (upstream's key and value: 2)",

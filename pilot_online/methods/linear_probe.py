@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..engine.adapter import ConfigKey, Replay, StepOutput
+from ..engine.adapter import Replay, StepOutput
 from ..engine.registry import register_method
 from .finetune import CARD as FINETUNE_CARD
 from .finetune import EROnline, FinetuneOnline
@@ -52,5 +52,4 @@ ER_CARD = dataclasses.replace(CARD, paper_name="ER + Linear probe")
 class ERLinearProbeOnline(LinearProbeOnline):
     """Linear probe plus experience replay (the loop's ``ReplayMixin``, on by default here)."""
 
-    replay: ClassVar[Replay | None] = Replay()
-    config_keys: ClassVar[dict[str, ConfigKey]] = EROnline.config_keys
+    replay: ClassVar[Replay | None] = EROnline.replay
