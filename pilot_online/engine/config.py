@@ -31,7 +31,6 @@ from ..core.checks import (
 from ..core.datasets import dataset_names
 from ..core.fgh_options import OPTION_KEYS as FGH_KEYS
 from ..core.fgh_options import validate_options as validate_fgh_options
-from ..core.masks import LOGIT_MASKS
 from ..core.realtime import check_realtime_config
 from ..core.scale_backbone import resolve_weights
 from ..core.streams import BLURRED_SELECTIONS, STREAMS
@@ -43,7 +42,7 @@ from .eval_cache import QueryCacheOptions
 from .evaluation import EvaluationOptions
 from .flops import check_flop_counts
 from .live_log import LiveLogOptions
-from .loop import AMP_MODES, MATMUL_PRECISIONS, OPTIMIZERS
+from .loop import OPTIMIZERS, LoopOptions
 from .options import ConfigKey
 from .pixel_cache import PixelCacheOptions
 from .replay import ReplayOptions
@@ -236,27 +235,13 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
         "null, or {gamma, granularity, direction, apply, clamp}: Fine-Grained Hypergradients",
         check=_fgh,
     ),
-    "logit_mask": ConfigKey("batch", "training-loss logit mask", choices=LOGIT_MASKS),
-    "still_masked_rows": ConfigKey(
-        False,
-        "opt-in, not the paper's: classifier rows with exactly zero gradient at a step (classes "
-        "the batch mask shuts out) keep their weights and Adam moments, instead of moving on "
-        "momentum (docs/scale-model.md measures it); the paper's configs leave it off",
-        check=boolean,
-    ),
+    **LoopOptions.keys(),
     "online_accuracy": ConfigKey(
         None,
         "score each stream batch before training on it (A_online, docs/protocol.md): an extra "
         "eval-mode pass per batch, under the evaluation view; null: on in real-time mode (its "
         "metric), else off for its cost",
         check=optional(boolean),
-    ),
-    "online_iter": ConfigKey(
-        1,
-        "optimiser steps per incoming stream batch (Si-Blurry's online_iter; its scripts use 3): "
-        "1 is the paper's single pass; each step draws its own replay batch, the batch enters "
-        "memory, prototypes and triggers once",
-        check=integer(1),
     ),
     "consolidation": ConfigKey(
         None,
@@ -308,30 +293,14 @@ ONLINE_KEYS: dict[str, ConfigKey] = {
     "eval_batch_size": ConfigKey(256, "batch size for evaluation", check=integer(1)),
     **QueryCacheOptions.keys(),
     **PixelCacheOptions.keys(),
-    "amp": ConfigKey(
-        None,
-        'null (fp32) or "bf16": bfloat16 autocast in training and evaluation',
-        choices=AMP_MODES,
-    ),
     "sdpa": ConfigKey(
         False, "ViT attention through torch's scaled_dot_product_attention", check=boolean
-    ),
-    "matmul_precision": ConfigKey(
-        "highest",
-        'float32 matmuls: "highest" (fp32), "high" (TF32 on Ampere+ GPUs), "medium" (bf16-based)',
-        choices=MATMUL_PRECISIONS,
     ),
     "pin_memory": ConfigKey(
         None,
         "DataLoader pinned memory (faster host-to-device copies); null = on when the device is "
         "a GPU",
         check=optional(boolean),
-    ),
-    "max_nonfinite_steps": ConfigKey(
-        10, "consecutive non-finite losses tolerated before stopping", check=integer(0)
-    ),
-    "grad_trace": ConfigKey(
-        True, "record per-step classifier-row gradient norms (imbalance plots)", check=boolean
     ),
     "results_dir": ConfigKey(
         None,

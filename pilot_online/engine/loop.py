@@ -25,14 +25,15 @@ import torch
 from torch import nn
 from torch.utils import deterministic as torch_deterministic
 
-from ..core.checks import check_choice
+from ..core.checks import boolean, check_choice, integer
 from ..core.grad_norms import class_grad_norms
-from ..core.masks import classes_present, mask_logits, training_mask
+from ..core.masks import LOGIT_MASKS, classes_present, mask_logits, training_mask
 from ..core.realtime import scores_online
 from ..core.rng import capture_rng_state, restore_rng_state
 from ..core.triggers import make_trigger
 from .adapter import Consolidated, MethodAdapter, StepOutput, TrainingBatch, parameters_named
 from .eval_cache import QueryCache, QueryCacheOptions
+from .options import ConfigKey, Options, option
 from .teacher import Teacher
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,66 @@ class StepStats:
 
 #: The constant-LR optimisers of online training, by config name (the ``optimizer`` choices),
 #: with their fixed extra arguments.
+#: ``amp`` values: null (fp32) or "bf16" (autocast).
+AMP_MODES = (None, "bf16")
+
+#: ``matmul_precision`` values, torch's float32 matmul precisions: "highest" (full fp32, the
+#: default), "high" (TF32 matmuls and cuDNN convolutions on Ampere and later GPUs; CPU matmuls
+#: unchanged), "medium" (bf16-based matmuls where the hardware has them, CPUs with oneDNN too).
+MATMUL_PRECISIONS = ("highest", "high", "medium")
+
+
+@dataclass(frozen=True)
+class LoopOptions(Options):
+    """The training loop's own config keys (``engine/config.py`` gathers every component's)."""
+
+    logit_mask: str = option(ConfigKey("batch", "training-loss logit mask", choices=LOGIT_MASKS))
+    still_masked_rows: bool = option(
+        ConfigKey(
+            False,
+            "opt-in, not the paper's: classifier rows with exactly zero gradient at a step "
+            "(classes the batch mask shuts out) keep their weights and Adam moments, instead of "
+            "moving on momentum (docs/scale-model.md measures it); the paper's configs leave it "
+            "off",
+            check=boolean,
+        )
+    )
+    online_iter: int = option(
+        ConfigKey(
+            1,
+            "optimiser steps per incoming stream batch (Si-Blurry's online_iter; its scripts use "
+            "3): 1 is the paper's single pass; each step draws its own replay batch, the batch "
+            "enters memory, prototypes and triggers once",
+            check=integer(1),
+        )
+    )
+    amp: str | None = option(
+        ConfigKey(
+            None,
+            'null (fp32) or "bf16": bfloat16 autocast in training and evaluation',
+            choices=AMP_MODES,
+        )
+    )
+    matmul_precision: str = option(
+        ConfigKey(
+            "highest",
+            'float32 matmuls: "highest" (fp32), "high" (TF32 on Ampere+ GPUs), "medium" '
+            "(bf16-based)",
+            choices=MATMUL_PRECISIONS,
+        )
+    )
+    max_nonfinite_steps: int = option(
+        ConfigKey(10, "consecutive non-finite losses tolerated before stopping", check=integer(0))
+    )
+    grad_trace: bool = option(
+        ConfigKey(
+            True,
+            "record per-step classifier-row gradient norms (imbalance plots)",
+            check=boolean,
+        )
+    )
+
+
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adam": (torch.optim.Adam, {}),
     "adamw": (torch.optim.AdamW, {}),
@@ -251,13 +312,14 @@ class OnlineLoop:
             weight_decay=float(config.get("weight_decay", 0.0)),
             lr_scales=[self.lr_scales[name] for name, _ in self.named_parameters],
         )
-        self.logit_mask = config.get("logit_mask", "batch")
-        self.still_masked_rows = bool(config.get("still_masked_rows", False))
+        options = LoopOptions.of(config)
+        self.logit_mask = options.logit_mask
+        self.still_masked_rows = bool(options.still_masked_rows)
         # A_online (docs/protocol.md): each stream batch scored before the step trains on it.
         self.online_accuracy = scores_online(config)
         # Optimiser steps per stream batch (``online_iter``, upstream Si-Blurry's).
-        self.online_iter = int(config.get("online_iter", 1))
-        self.max_nonfinite_steps = int(config.get("max_nonfinite_steps", 10))
+        self.online_iter = int(options.online_iter)
+        self.max_nonfinite_steps = int(options.max_nonfinite_steps)
         self.seen = torch.zeros(num_classes, dtype=torch.bool, device=self.device)
         # Classes seen before the last firing (upstream's _known_classes), and the engine teacher
         # (``engine/teacher.py``) of a method whose Consolidation keeps one: both set at each
@@ -269,16 +331,16 @@ class OnlineLoop:
         self.skipped_nonfinite_steps = 0
         self._nonfinite_streak = 0
         self._grad_norm_sum = torch.zeros(num_classes, device=self.device)
-        self._grad_trace: list[torch.Tensor] | None = [] if config.get("grad_trace", True) else None
+        self._grad_trace: list[torch.Tensor] | None = [] if options.grad_trace else None
         # Set by the session (``attach_samples``): replay loads memory samples through it.
         self.sample_loader: SampleLoader | None = None
         # Frozen query features by test-sample index (``engine/eval_cache.py``); methods without a
         # query pass (``adapter.query_pass`` None) never use it.
         self.query_cache = QueryCache(QueryCacheOptions.of(config).eval_query_cache, self.device)
-        self.amp = config.get("amp")
+        self.amp = options.amp
         check_amp(self.amp, self.device)
         self.matmul_precision = check_choice(
-            "matmul_precision", config.get("matmul_precision", "highest"), MATMUL_PRECISIONS
+            "matmul_precision", options.matmul_precision, MATMUL_PRECISIONS
         )
         # When the adapter's consolidate() runs: decided from the stream alone.
         self.trigger = make_trigger(config, num_classes)
@@ -880,15 +942,6 @@ class OnlineLoop:
         if self.amp is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
-
-
-#: ``amp`` values: null (fp32) or "bf16" (autocast).
-AMP_MODES = (None, "bf16")
-
-#: ``matmul_precision`` values, torch's float32 matmul precisions: "highest" (full fp32, the
-#: default), "high" (TF32 matmuls and cuDNN convolutions on Ampere and later GPUs; CPU matmuls
-#: unchanged), "medium" (bf16-based matmuls where the hardware has them, CPUs with oneDNN too).
-MATMUL_PRECISIONS = ("highest", "high", "medium")
 
 
 @contextlib.contextmanager
