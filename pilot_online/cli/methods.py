@@ -25,12 +25,10 @@ def memory_of(adapter: Any) -> str:
     """``herding 2000`` (the declared memory, its size and per-class cap), ``-`` without one;
     ``+ teacher`` for a method that distils from the engine teacher."""
     memory = "-"
-    if adapter.replay is not None:
-        keys = adapter.config_keys
-        kind = keys["er_memory"].default if "er_memory" in keys else "reservoir"
-        size = keys["er_memory_size"].default if "er_memory_size" in keys else "?"
-        cap = keys["er_memory_per_class"].default if "er_memory_per_class" in keys else None
-        memory = f"{kind} {size}" + (f" ({cap}/class)" if cap else "")
+    replay = adapter.replay
+    if replay is not None:
+        memory = f"{replay.memory} {replay.memory_size}"
+        memory += f" ({replay.per_class}/class)" if replay.per_class else ""
     return memory + (" + teacher" if adapter.consolidation.teacher else "")
 
 
