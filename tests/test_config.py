@@ -258,6 +258,18 @@ BAD_INPUTS = {
         "convprompt_online: prompt_layers=[0, 5, 12] names block 12, past the last block of the "
         "12-block ViT: use indices in [0, 11]",
     ),
+    "prompt layer past the last block of a vit_depth ViT": (  # the scale model's 5 blocks
+        "convprompt_online",
+        {"vit_depth": 5},
+        "convprompt_online: prompt_layers=[0, 1, 2, 3, 4, 5, 6] names block 5, past the last "
+        "block of the 5-block ViT: use indices in [0, 4]",
+    ),
+    "e-prompt past the last block of a vit_depth ViT": (
+        "dualprompt_online",
+        {"vit_depth": 3},
+        "dualprompt_online: e_prompt_layer_idx=[2, 3, 4] names block 3, past the last block of "
+        "the 3-block ViT",
+    ),
     "prompt layer listed twice": (
         "dualprompt_online",
         {"e_prompt_layer_idx": [2, 2]},

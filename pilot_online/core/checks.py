@@ -263,9 +263,12 @@ VIT_DEPTH = 12
 
 
 def vit_depth(cfg: Any) -> int:
-    """The number of ViT blocks a config builds: ``backbone_kwargs.depth``, else 12."""
-    kwargs = cfg.get("backbone_kwargs") or {}
-    depth = kwargs.get("depth", VIT_DEPTH) if isinstance(kwargs, dict) else VIT_DEPTH
+    """The number of ViT blocks a config builds: its ``vit_depth`` (which every family's build
+    honours, ``pilot/backbones.py``), else ``backbone_kwargs.depth``, else 12."""
+    depth = cfg.get("vit_depth")
+    if depth is None:
+        kwargs = cfg.get("backbone_kwargs") or {}
+        depth = kwargs.get("depth", VIT_DEPTH) if isinstance(kwargs, dict) else VIT_DEPTH
     return depth if _is_int(depth) and depth > 0 else VIT_DEPTH
 
 
