@@ -580,7 +580,7 @@ def _check_replay(cfg: dict[str, Any], raw: Mapping[str, Any], adapter: Any) -> 
     replay = cfg["er_memory_size"] > 0
     name = cfg["model_name"]
     if adapter.replay is not None and not replay:
-        size = {**ONLINE_KEYS, **adapter.config_keys}["er_memory_size"].default
+        size = adapter.replay.memory_size
         raise ConfigError(
             f"{name} keeps a replay memory (replay = Replay()): er_memory_size must be > 0 (its "
             f"default is {size}); remove the key to use the default"

@@ -69,8 +69,6 @@ class StepStats:
     firing: int | None = None
 
 
-#: The constant-LR optimisers of online training, by config name (the ``optimizer`` choices),
-#: with their fixed extra arguments.
 #: ``amp`` values: null (fp32) or "bf16" (autocast).
 AMP_MODES = (None, "bf16")
 
@@ -131,6 +129,8 @@ class LoopOptions(Options):
     )
 
 
+#: The constant-LR optimisers of online training, by config name (the ``optimizer`` choices),
+#: with their fixed extra arguments.
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adam": (torch.optim.Adam, {}),
     "adamw": (torch.optim.AdamW, {}),
