@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import sys
 import warnings
@@ -95,8 +96,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pilot-root",
         default=os.environ.get("PILOT_ROOT") or str(ROOT.parent / "shared" / "LAMDA-PILOT"),
     )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="build the network from this config instead of the smoke config (its backbone, "
+        "weights and image size; e.g. a scale-model config: exps/scale/"
+        "fashion_mnist_blurry_coda_base_lr0.005.json times the shipped ViT); --methods is then "
+        "the config's method",
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        help="also write each variant's figures here (the scale report reads it)",
+    )
     add_device_arguments(parser)
     args = parser.parse_args(argv)
+    if args.config is not None:
+        from pilot_online.engine.config import load_json
+
+        raw = load_json(args.config)
+        args.methods = raw["model_name"].removesuffix("_online")
+        args.img_size = int((raw.get("backbone_kwargs") or {}).get("img_size", args.img_size))
     args.methods = [m.strip().removesuffix("_online") for m in args.methods.split(",") if m]
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:
@@ -107,13 +127,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build(method: str, args: argparse.Namespace, device: torch.device):
-    """The method's adapter, network and resolved config (random weights, seeded)."""
+    """The method's adapter, network and resolved config (random weights, seeded, unless
+    ``--config`` names pretrained ones)."""
     from pilot_online import get_method
     from pilot_online.engine.config import load_json, resolve_config
     from pilot_online.pilot.backbones import run_overrides
 
-    raw = load_json(ROOT / "exps" / f"smoke_{method}_online.json")
-    raw.update(backbone_kwargs={"img_size": args.img_size}, **VARIANTS["base"])
+    if args.config is None:
+        raw = load_json(ROOT / "exps" / f"smoke_{method}_online.json")
+        raw.update(backbone_kwargs={"img_size": args.img_size})
+    else:  # its own backbone keys (pretrained_path, vit_depth, img_size), relative to the repo
+        raw = load_json(args.config)
+        if raw.get("pretrained_path") and not Path(raw["pretrained_path"]).is_absolute():
+            raw["pretrained_path"] = str(ROOT / raw["pretrained_path"])
+    raw.update(**VARIANTS["base"])
     config = {**resolve_config(raw), "nb_classes": args.classes, "nb_tasks": 1}
     adapter = get_method(config["model_name"])(args=config)
     torch.manual_seed(0)
@@ -264,6 +291,19 @@ def bench_method(method: str, args: argparse.Namespace, device: torch.device) ->
     }
     rows = []
     mib = 2**20
+    args.records[method] = {
+        "variants": {
+            name: {
+                "step_seconds": step_s[name],
+                "step_ratio": step_s[name] / step_s["base"],
+                "images_per_second": args.batch_size / step_s[name],
+                "eval_seconds": eval_s[name],
+                "state_bytes": peaks[name],
+            }
+            for name in VARIANTS
+        },
+        "upstream_step_seconds": step_s.get("upstream"),
+    }
     for name in VARIANTS:
         rows.append(
             f"{method:11} {name:10} {step_s[name] * 1e3:9.1f} {step_s[name] / step_s['base']:7.3f} "
@@ -316,9 +356,24 @@ def main(argv: list[str] | None = None) -> None:
         f"{'method':11} {'variant':10} {'step ms':>9} {'x base':>7} {'img/s':>8} {'eval ms':>9} "
         f"{'x base':>7} {memory:>9} {'x base':>7}"
     )
+    args.records = {}
     for method in args.methods:
         for row in bench_method(method, args, device):
             print(row, flush=True)
+    if args.json is not None:
+        setting = {
+            "device": str(device),
+            "img_size": args.img_size,
+            "batch_size": args.batch_size,
+            "classes": args.classes,
+            "threads": torch.get_num_threads(),
+            "repeats": args.repeats,
+            "torch": torch.__version__,
+            "config": str(args.config) if args.config else None,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"setting": setting, "methods": args.records}, indent=2))
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

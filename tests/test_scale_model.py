@@ -199,3 +199,59 @@ def test_a_results_folder_of_another_backbone_is_refused(tmp_path):
 def test_newest_task_reads_the_diagonal():
     by_seed = {0: {"metrics": {"accuracy_matrix": [[90.0, 10.0], [None, 30.0]]}}}
     assert scale_model.newest_task(by_seed) == {0: 60.0}
+
+
+def test_matches_or_beats_is_claim_7_s_reading():
+    # Differences -1, 0, +1: mean 0, the interval reaches both sides: ours matches ER.
+    level = scale_model.paired({0: 49, 1: 50, 2: 51}, {0: 50, 1: 50, 2: 50})
+    assert scale_model.matches_or_beats(level).startswith("holds (matches")
+    # Differences 5, 6, 3 (worked above: [+0.87, +8.46]): beats.
+    above = scale_model.paired({0: 55, 1: 58, 2: 57}, {0: 50, 1: 52, 2: 54})
+    assert scale_model.matches_or_beats(above) == "holds (beats)"
+    below = scale_model.paired({0: 50, 1: 52, 2: 54}, {0: 55, 1: 58, 2: 57})
+    assert scale_model.matches_or_beats(below) == "does not hold"
+    assert "fewer than two" in scale_model.matches_or_beats(scale_model.paired({0: 1}, {0: 0}))
+
+
+def test_the_report_has_table_2_the_reviewers_questions_and_the_overhead(tmp_path):
+    blurry = ("rest", "fashion_mnist", "si_blurry")
+    cells = {
+        Run(*blurry, "l2p", "base", 5e-3): (40, 42, 44),
+        Run(*blurry, "l2p", "fgh", 5e-3): (45, 48, 47),
+        Run(*blurry, "er", "base", 5e-3): (50, 52, 54),
+        Run(*blurry, "coda", "fgh", 5e-3, tag="fgh_global"): (60, 61, 62),
+        Run(*blurry, "coda", "fgh", 5e-3): (62, 64, 63),
+    }
+    folder = tmp_path / "results"
+    folder.mkdir()
+    for run, values in cells.items():
+        for seed, ap in enumerate(values):
+            path = folder / f"{run.name}_{seed}.results.json"
+            path.write_text(json.dumps(results(run, seed, ap)))
+    step = {"step_seconds": 0.5, "images_per_second": 200.0, "eval_seconds": 0.1}
+    overhead = {
+        "setting": {"device": "cpu", "img_size": 32, "batch_size": 100, "threads": 2,
+                    "repeats": 5, "torch": "2.x", "config": None},
+        "methods": {"coda": {"variants": {
+            "base": {**step, "step_ratio": 1.0, "state_bytes": 2**20},
+            "+P+FGH": {**step, "step_seconds": 0.55, "step_ratio": 1.1, "state_bytes": 2**21},
+        }, "upstream_step_seconds": 0.25}},
+    }  # fmt: skip
+    (folder / scale_model.OVERHEAD_FILE).write_text(json.dumps(overhead))
+    doc = tmp_path / "docs" / "scale-model.md"
+    scale_model.write_report(folder, doc)
+    text = doc.read_text()
+    # Table 2's rows: mean ± sample std by hand; A_T is AP - 10 in these files.
+    assert "| L2P | - | 42.00 ± 2.00 | - | 32.00 ± 2.00 |" in text
+    assert "| L2P + ours | - | 46.67 ± 1.53 | - | 36.67 ± 1.53 |" in text
+    # L2P + ours − base: differences 5, 6, 3, as worked in the first test.
+    assert "- L2P, 0.005: +4.67 [+0.87, +8.46], n=3: holds" in text
+    # Claim 7: L2P + ours − ER: differences -5, -4, -7: the interval lies below 0.
+    assert "- 0.005: L2P + ours − ER -5.33" in text
+    assert text.split("- 0.005: L2P + ours − ER", 1)[1].split("\n")[0].endswith("does not hold")
+    # The granularity question: class-wise − global, differences 2, 3, 1.
+    assert "| global | 61.00 ± 1.00 |" in text
+    assert "- class-wise − global: +2.00 [-0.48, +4.48], n=3: inconclusive" in text
+    # The overhead table, read from the measurement's file.
+    assert "| coda +P+FGH | 550 | 1.100 | 200.0 | 2.0 |" in text
+    assert "upstream PILOT's own training step on the same network: 2.000 (250 ms upstream)" in text
