@@ -14,10 +14,11 @@ from pilot_online.core.conv_prompt import (
     generator_prefixes,
     mix_prefixes,
 )
+from pilot_online.core.networks import ConvPromptNet
 from pilot_online.engine.config import PAPER_FGH, resolve_config
 from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.registry import get_method, list_methods
-from pilot_online.methods.convprompt import ConvPromptNet, ConvPromptOnline
+from pilot_online.methods.convprompt import ConvPromptOnline
 
 
 def test_generator_prefixes_by_hand():

@@ -20,11 +20,12 @@ from pilot_online.core.mvp_losses import (
     key_contrastive_loss,
     logit_gradients,
 )
+from pilot_online.core.networks import MVPNet
 from pilot_online.engine.config import ConfigError, load_json, resolve_config
 from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.registry import get_method, list_methods
 from pilot_online.harness.report import method_label
-from pilot_online.methods.mvp import MVPNet, MVPOnline
+from pilot_online.methods.mvp import MVPOnline
 
 EXPS = Path(__file__).resolve().parent.parent / "exps"
 

@@ -17,12 +17,11 @@ from pilot_online.core.lora import (
     BufferEntry,
     HardBuffer,
     ImportanceRegularizer,
-    LoRAQKV,
     LossPlateauDetector,
-    add_lora,
     hard_buffer_candidates,
     importance_loss,
 )
+from pilot_online.core.networks import LoRAQKV, add_lora
 from pilot_online.engine.config import resolve_config
 from pilot_online.engine.loop import OnlineLoop
 from pilot_online.engine.mixins import build_loop

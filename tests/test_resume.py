@@ -311,8 +311,9 @@ def test_mvp_resume_restores_the_key_use_counts(tmp_path):
     pytest.importorskip("timm")
     from timm.models.vision_transformer import VisionTransformer
 
+    from pilot_online.core.networks import MVPNet
     from pilot_online.engine.config import load_json
-    from pilot_online.methods.mvp import MVPNet, MVPOnline
+    from pilot_online.methods.mvp import MVPOnline
 
     config = resolve_config({**load_json(EXPS / "smoke_mvp_online.json"), "checkpoint_every": 2})
     config["fgh"] = dict(PAPER_FGH)

@@ -13,11 +13,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
 from .checks import check_int
+from .lazy import F, nn, no_grad, torch
 
 #: Upstream's ridge on every class covariance (``torch.cov(...) + 1e-4 I``), also the floor of
 #: the eigenvalues of a covariance Cholesky refuses.
@@ -65,7 +62,7 @@ class ClassGaussians(nn.Module):
             f"num_classes={len(self.counts)}, dim={self.means.shape[1]}, diagonal={self.diagonal}"
         )
 
-    @torch.no_grad()
+    @no_grad
     def update(
         self, features: torch.Tensor, labels: torch.Tensor, session: int | None = None
     ) -> None:

@@ -15,9 +15,7 @@ Shapes: ``n`` prompted layers, ``h`` heads, ``p`` generators, ``l`` prompt lengt
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+from .lazy import F, nn, torch
 
 
 def generator_prefixes(

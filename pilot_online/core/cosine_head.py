@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import math
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+from .lazy import F, nn, no_grad, torch
 
 
 class CosineHead(nn.Linear):
@@ -26,7 +24,7 @@ class CosineHead(nn.Linear):
     def sigma(self) -> nn.Parameter:
         return self._sigma[0]
 
-    @torch.no_grad()
+    @no_grad
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Upstream's ``reset_parameters``: rows from U(-1/sqrt(D), 1/sqrt(D)), sigma 1."""
         bound = 1 / math.sqrt(self.in_features)

@@ -30,13 +30,14 @@ over a run is observed from outside (``core/fgh_stats.py``).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from .fgh_functional import foreach_step, single_tensor_step
 from .fgh_options import OPTION_KEYS, check_class_group, check_options, named_pairs
+from .lazy import no_grad, torch
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 __all__ = ["FineGrainedHypergradients"]
 
@@ -300,7 +301,7 @@ class FineGrainedHypergradients:
             block_of.append(index_of[id(owner)])
         return block_of, block_alphas
 
-    @torch.no_grad()
+    @no_grad
     def step(self) -> None:
         """Reweight the current gradients: after ``backward()``, before ``optimizer.step()``."""
         for group in self.param_groups:
@@ -423,8 +424,12 @@ class FineGrainedHypergradients:
                     new_state[p][field] = int(value)
                     continue
                 expected = self._expected_shape(group, options, p, field)
-                if not isinstance(value, Tensor) or tuple(value.shape) != expected:
-                    got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected:
+                    got = (
+                        tuple(value.shape)
+                        if isinstance(value, torch.Tensor)
+                        else type(value).__name__
+                    )
                     raise ValueError(
                         f"state_dict entry state[{position}][{field!r}] has shape {got}, "
                         f"expected {expected}"

@@ -8,9 +8,12 @@ path, tested to give bit-identical results (``tests/test_fgh.py``). The componen
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+from .lazy import torch
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def _finite_or_zero_(hypergrad: Tensor, num_skipped: Tensor) -> Tensor:

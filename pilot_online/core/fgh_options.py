@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
-
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from .checks import check_choice, check_real
+from .lazy import torch
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 GRANULARITIES = ("element", "class", "global")
 DIRECTIONS = ("grad", "adam")
@@ -122,7 +124,7 @@ def named_pairs(items: Iterable[Any], where: str) -> list[tuple[str, Tensor]]:
             not isinstance(item, (tuple, list))
             or len(item) != 2
             or not isinstance(item[0], str)
-            or not isinstance(item[1], Tensor)
+            or not isinstance(item[1], torch.Tensor)
         ):
             raise TypeError(
                 f"{where} must hold (name, Parameter) pairs such as model.named_parameters(), "

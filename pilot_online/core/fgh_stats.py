@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from .fgh import FineGrainedHypergradients
+from .lazy import no_grad, torch
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ def _unborn_size(group: dict[str, Any], owner: Tensor) -> int:
     return {"element": owner.numel(), "class": owner.shape[0]}.get(group["granularity"], 1)
 
 
-@torch.no_grad()
+@no_grad
 def census(fgh: FineGrainedHypergradients, group: dict[str, Any]) -> tuple[Tensor, int, Tensor]:
     """``([sum of alphas, count at clamp lo, count at clamp hi], number of coefficients, largest
     alpha)`` over ``group``'s distinct coefficients, as float64 tensors on FGH's device."""
@@ -83,7 +84,7 @@ class AlphaStream:
             self.sums = torch.cat([self.sums, self.sums.new_zeros((more, 3))])
             self.max = torch.cat([self.max, self.max.new_ones(more)])
 
-    @torch.no_grad()
+    @no_grad
     def observe(self) -> None:
         """Add this step's [mean alpha, fraction at lo, fraction at hi] per group to the sums,
         and keep the largest alpha seen (an unbounded coefficient's growth, docs/fgh.md)."""
@@ -97,7 +98,7 @@ class AlphaStream:
         torch.maximum(self.max, torch.stack(peaks), out=self.max)
         self.steps += 1
 
-    @torch.no_grad()
+    @no_grad
     def bounds(self) -> list[dict[str, Any]]:
         """Per param group, how its coefficients sit against the clamp, now and over the stream.
 
@@ -151,8 +152,8 @@ class AlphaStream:
             self.steps = 0
             return
         sums = saved.get("sums") if isinstance(saved, dict) else None
-        if not isinstance(sums, Tensor) or tuple(sums.shape) != shape:
-            got = tuple(sums.shape) if isinstance(sums, Tensor) else type(sums).__name__
+        if not isinstance(sums, torch.Tensor) or tuple(sums.shape) != shape:
+            got = tuple(sums.shape) if isinstance(sums, torch.Tensor) else type(sums).__name__
             raise ValueError(
                 f"state_dict entry alpha_stream['sums'] has shape {got}, expected {shape} "
                 "(one row of [mean, at_lo, at_hi] sums per param group)"
@@ -162,13 +163,13 @@ class AlphaStream:
         # The running max (absent before it was recorded: then it restarts from the current
         # alphas, the best lower bound the state holds).
         peak = saved.get("max")
-        if isinstance(peak, Tensor) and tuple(peak.shape) == shape[:1]:
+        if isinstance(peak, torch.Tensor) and tuple(peak.shape) == shape[:1]:
             self.max = peak.detach().to(device=device, dtype=torch.float64, copy=True)
         else:
             self.max = torch.stack([census(self.fgh, group)[2] for group in self.fgh.param_groups])
 
 
-@torch.no_grad()
+@no_grad
 def alpha_statistics(fgh: FineGrainedHypergradients) -> list[dict[str, Tensor]]:
     """Per param group, ``mean``, ``std``, ``min`` and ``max`` over its distinct coefficients (one
     not created yet counts as its starting 1), as 0-d device tensors: no host sync, and no copy

@@ -7,11 +7,15 @@ The loop reads it here every step; ``core/metrics.py`` turns the per-class norms
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
+
+from .lazy import no_grad, torch
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
-@torch.no_grad()
+@no_grad
 def class_grad_norms(weight: torch.nn.Parameter, bias: torch.nn.Parameter | None = None) -> Tensor:
     """Per output row c: sqrt(sum_j weight.grad[c, j]^2 + bias.grad[c]^2).
 

@@ -1,5 +1,6 @@
-"""The pure pieces of Online-LoRA (Wei et al., WACV 2025): LoRA on a ViT's q and v projections
-with an exact merge, the loss-plateau detector, the importance-weighted regulariser and the hard
+"""The pure pieces of Online-LoRA (Wei et al., WACV 2025): the merge rules of LoRA on a ViT's q
+and v projections (the layer itself, :class:`~pilot_online.core.networks.LoRAQKV`, is in
+``core/networks.py``), the loss-plateau detector, the importance-weighted regulariser and the hard
 buffer. Torch and the standard library only; ``methods/olora.py`` wires them into the loop.
 
 Written from a reading of christina200/online-lora-official (commit 96e7de0f,
@@ -7,7 +8,7 @@ Written from a reading of christina200/online-lora-official (commit 96e7de0f,
 Where upstream's code does something other than what the paper describes, both exist here, and
 the method's config picks (``methods/olora.py``; defaults reproduce upstream):
 
-* **Merge** (:class:`LoRAQKV`, ``merge``). Upstream "merges" by adding the new factors to the old
+* **Merge** (``LoRAQKV``, ``merge``). Upstream "merges" by adding the new factors to the old
   ones (``A_old += A_new``, ``B_old += B_new``; ``"upstream"``), which changes the network's
   function by the cross terms ``B_old A_new + B_new A_old`` from the second merge on. ``"exact"``
   adds the product ``B A`` to the frozen projection weight, so the outputs just before and just
@@ -25,118 +26,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
 from .checks import check_int, check_real
+from .lazy import F, no_grad, torch
 
 #: How :meth:`LoRAQKV.merge_` folds a finished adapter in: upstream's factor sums, or exactly.
 LORA_MERGES = ("upstream", "exact")
 #: The pseudo-labels of the importance loss: upstream's one arg-max per batch, or per sample.
 IMPORTANCE_LABELS = ("upstream", "per_sample")
-
-
-class LoRAQKV(nn.Module):
-    """A fused ``qkv`` projection (``nn.Linear(d, 3d)``, timm's layout) plus rank-``r`` deltas on
-    its q and v thirds: ``q += B_q A_q x``, ``v += B_v A_v x`` (k untouched, as upstream).
-
-    ``A`` starts Kaiming-uniform and ``B`` at zero (LoRA's init), so a fresh adapter leaves the
-    projection unchanged. :meth:`merge_` folds the adapter in and restarts it: ``merge="exact"``
-    adds ``B A`` to the frozen weight; ``merge="upstream"`` adds the factors to frozen merged
-    factors (buffers ``merged_*``, zero at first), which then act as ``q += B_m A_m x`` beside
-    the trainable adapter, as upstream's ``w_As``/``w_Bs`` do.
-    """
-
-    def __init__(self, qkv: nn.Linear, rank: int, merge: str = "exact") -> None:
-        super().__init__()
-        rank = check_int("LoRA rank", rank, 1)
-        if merge not in LORA_MERGES:
-            raise ValueError(f"LoRA merge must be one of {LORA_MERGES}, got {merge!r}")
-        self.merge = merge
-        if qkv.out_features != 3 * qkv.in_features:
-            raise ValueError(
-                f"LoRAQKV wraps a fused qkv projection d -> 3d; got {qkv.in_features} -> "
-                f"{qkv.out_features}"
-            )
-        self.qkv = qkv
-        self.dim = qkv.in_features
-        factory = {"device": qkv.weight.device, "dtype": qkv.weight.dtype}
-        self.a_q = nn.Parameter(torch.empty(rank, self.dim, **factory))
-        self.b_q = nn.Parameter(torch.empty(self.dim, rank, **factory))
-        self.a_v = nn.Parameter(torch.empty(rank, self.dim, **factory))
-        self.b_v = nn.Parameter(torch.empty(self.dim, rank, **factory))
-        if merge == "upstream":  # frozen sums of the merged factors (checkpointed as buffers)
-            for name in ("merged_a_q", "merged_a_v"):
-                self.register_buffer(name, torch.zeros(rank, self.dim, **factory))
-            for name in ("merged_b_q", "merged_b_v"):
-                self.register_buffer(name, torch.zeros(self.dim, rank, **factory))
-        self.reset_adapter()
-
-    def lora_parameters(self) -> list[nn.Parameter]:
-        """The trainable factors, in a fixed order (A_q, B_q, A_v, B_v)."""
-        return [self.a_q, self.b_q, self.a_v, self.b_v]
-
-    @torch.no_grad()
-    def reset_adapter(self) -> None:
-        """A fresh adapter (in place, so optimiser state keyed by the parameters stays valid)."""
-        for a, b in ((self.a_q, self.b_q), (self.a_v, self.b_v)):
-            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
-            nn.init.zeros_(b)
-
-    def delta_weight(self) -> torch.Tensor:
-        """``[3d, d]``: what the adapter adds to the projection weight (zero rows for k)."""
-        zeros = torch.zeros(self.dim, self.dim, device=self.a_q.device, dtype=self.a_q.dtype)
-        return torch.cat([self.b_q @ self.a_q, zeros, self.b_v @ self.a_v])
-
-    @torch.no_grad()
-    def merge_(self) -> None:
-        """Fold the adapter in (exact: W <- W + B A; upstream: A_m += A, B_m += B) and start a
-        fresh one."""
-        if self.merge == "exact":
-            self.qkv.weight.add_(self.delta_weight().to(self.qkv.weight.dtype))
-        else:
-            self.merged_a_q.add_(self.a_q)
-            self.merged_b_q.add_(self.b_q)
-            self.merged_a_v.add_(self.a_v)
-            self.merged_b_v.add_(self.b_v)
-        self.reset_adapter()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(x).split(self.dim, dim=-1)
-        if self.merge == "upstream":
-            q = q + (x @ self.merged_a_q.T) @ self.merged_b_q.T
-            v = v + (x @ self.merged_a_v.T) @ self.merged_b_v.T
-        q = q + (x @ self.a_q.T) @ self.b_q.T
-        v = v + (x @ self.a_v.T) @ self.b_v.T
-        return torch.cat([q, k, v], dim=-1)
-
-
-def add_lora(
-    vit: nn.Module, rank: int, blocks: Sequence[int] | None = None, merge: str = "exact"
-) -> list[LoRAQKV]:
-    """Freeze ``vit`` and wrap ``vit.blocks[i].attn.qkv`` with :class:`LoRAQKV` for each ``i`` in
-    ``blocks`` (``None``: every block, upstream's default) and the given ``merge``. Returns the
-    adapters in block order."""
-    if not hasattr(vit, "blocks"):
-        raise TypeError(f"add_lora needs a timm-style ViT with .blocks; got {type(vit).__name__}")
-    count = len(vit.blocks)
-    chosen = list(range(count)) if blocks is None else sorted(set(blocks))
-    bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < count]
-    if bad or not chosen:
-        raise ValueError(
-            f"LoRA blocks must be distinct block indices in [0, {count - 1}] (or null for all), "
-            f"got {blocks!r}"
-        )
-    vit.requires_grad_(False)
-    adapters = []
-    for i in chosen:
-        attn = vit.blocks[i].attn
-        if not isinstance(getattr(attn, "qkv", None), nn.Linear):
-            raise TypeError(f"block {i} has no fused nn.Linear attn.qkv to adapt")
-        attn.qkv = LoRAQKV(attn.qkv, rank, merge)
-        adapters.append(attn.qkv)
-    return adapters
 
 
 class LossPlateauDetector:
@@ -222,7 +118,7 @@ class ImportanceRegularizer:
         self.omegas: list[torch.Tensor] = []
         self.updates = 0
 
-    @torch.no_grad()
+    @no_grad
     def update(self, squared_grads: Sequence[torch.Tensor]) -> None:
         """Fold one plateau's summed squared gradients (one tensor per LoRA factor) in."""
         self.updates += 1

@@ -8,9 +8,8 @@ seen so far. Everything is vectorised over classes.
 
 from __future__ import annotations
 
-import torch
-
 from .checks import check_choice
+from .lazy import torch
 
 #: Training-loss masks (the config's ``logit_mask`` choices).
 LOGIT_MASKS = ("batch", "seen", "none")

@@ -16,8 +16,7 @@ come in closed form from the logit gradients (``softmax - onehot``): no backward
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from .lazy import F, torch
 
 
 def instance_logit_scale(mask_parameters: torch.Tensor) -> torch.Tensor:

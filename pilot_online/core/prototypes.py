@@ -10,10 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-import torch
-import torch.nn.functional as F
-
 from .checks import check_int
+from .lazy import F, no_grad, torch
 from .masks import check_labels
 
 _LOG = logging.getLogger(__name__)
@@ -78,7 +76,7 @@ class PrototypeBank(torch.nn.Module):
     def extra_repr(self) -> str:
         return f"num_classes={self.num_classes}, feature_dim={self.feature_dim}"
 
-    @torch.no_grad()
+    @no_grad
     def update(self, features: torch.Tensor, labels: torch.Tensor, validate: bool = True) -> None:
         """Apply Eq. 1 for a whole batch: ``p <- (k * p + sum of the class's features) / (k + n)``.
 
@@ -112,7 +110,7 @@ class PrototypeBank(torch.nn.Module):
         self.means.add_((batch_sums - batch_counts_f * self.means) / new_counts_f)
         self.counts.copy_(new_counts)
 
-    @torch.no_grad()
+    @no_grad
     def replace_means(self, means: torch.Tensor) -> None:
         """New class means ``[C, D']`` for the same classes and counts: the classifier now reads
         features of width ``D'`` (a method grew its network; the adapter mapped the old means)."""

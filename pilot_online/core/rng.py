@@ -26,7 +26,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import torch
+
+from .lazy import torch
 
 
 def _cuda_device(device: torch.device | str | None) -> torch.device | None:

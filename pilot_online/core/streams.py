@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import numpy as np
-import torch
 
 from .checks import check_choice, check_int
+from .lazy import torch
 
 logger = logging.getLogger(__name__)
 

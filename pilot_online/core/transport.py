@@ -15,8 +15,7 @@ as POT does, and each check reads a value back: run it on CPU tensors.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from .lazy import F, torch
 
 #: POT's ``ot.sinkhorn`` defaults.
 MAX_ITERATIONS = 1000

@@ -29,9 +29,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from .checks import check_choice, check_int
+from .lazy import torch
 from .lora import LossPlateauDetector
 
 #: The trigger names a config may give, ``never`` first.

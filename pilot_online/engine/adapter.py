@@ -28,10 +28,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
+from ..core.lazy import F, nn, torch
 from ..core.masks import mask_logits
 from ..core.rng import run_seed
 from .options import ConfigKey  # a port declares its config_keys with it, from here

@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..core.files import write_atomic_with
+from ..core.lazy import torch
 from ..core.results import RESULTS_SUFFIX, load_results, to_jsonable
 from ..core.scale_backbone import shipped_name
 from ..version import __version__

@@ -12,9 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ..core.checks import integer
+from ..core.lazy import torch
 from ..core.progress import progress_line
 from .events import RunClock, RunListener, StepEvent
 from .options import ConfigKey, Options, option

@@ -24,9 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-from torch import nn
 
+from ..core.lazy import nn, torch
 from .options import ConfigKey, Options, option
 
 logger = logging.getLogger(__name__)

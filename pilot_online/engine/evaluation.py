@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..core import metrics
 from ..core.checks import integer, optional
+from ..core.lazy import torch
 from ..core.streams import Stream
 from .events import RunClock, RunListener, StepEvent
 from .loop import OnlineLoop

@@ -20,8 +20,7 @@ import resource
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from ..core.lazy import torch
 from .loop import StepStats
 
 

@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ..core.checks import optional, string
 from ..core.fgh_stats import alpha_statistics
+from ..core.lazy import torch
 from ..core.metrics import task_gradient_norms
 from .console import ConsoleOptions
 from .events import RunListener, StepEvent

@@ -21,12 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
-from torch import nn
-from torch.utils import deterministic as torch_deterministic
 
 from ..core.checks import boolean, check_choice, integer
 from ..core.grad_norms import class_grad_norms
+from ..core.lazy import nn, no_grad, torch
 from ..core.masks import LOGIT_MASKS, classes_present, mask_logits, training_mask
 from ..core.realtime import scores_online
 from ..core.rng import capture_rng_state, restore_rng_state
@@ -40,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 
 #: Loads training samples by dataset index through the training transforms (``DataSource``).
-SampleLoader = Callable[[np.ndarray], tuple[torch.Tensor, torch.Tensor]]
+SampleLoader = Callable[[np.ndarray], tuple["torch.Tensor", "torch.Tensor"]]
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -129,12 +127,13 @@ class LoopOptions(Options):
     )
 
 
-#: The constant-LR optimisers of online training, by config name (the ``optimizer`` choices),
-#: with their fixed extra arguments.
-OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
-    "adam": (torch.optim.Adam, {}),
-    "adamw": (torch.optim.AdamW, {}),
-    "sgd": (torch.optim.SGD, {"momentum": 0.9}),
+#: The constant-LR optimisers of online training, by config name (the ``optimizer`` choices):
+#: the ``torch.optim`` class's name (looked up when one is made, so the key table needs no torch)
+#: and its fixed extra arguments.
+OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "adam": ("Adam", {}),
+    "adamw": ("AdamW", {}),
+    "sgd": ("SGD", {"momentum": 0.9}),
 }
 
 
@@ -151,7 +150,8 @@ def make_optimizer(
     parameters of each distinct scale in one group at ``lr * scale`` (SLCA's slow backbone), in
     order of first appearance; the group's ``lr_scale`` entry records it. All scales equal: one
     group, so that a method that trains nothing (SimpleCIL) gets an empty one."""
-    optimizer_cls, extra = OPTIMIZERS[check_choice("optimizer", name, OPTIMIZERS)]
+    class_name, extra = OPTIMIZERS[check_choice("optimizer", name, OPTIMIZERS)]
+    optimizer_cls = getattr(torch.optim, class_name)
     params = list(params)
     scales = [1.0] * len(params) if lr_scales is None else [float(s) for s in lr_scales]
     if len(scales) != len(params):
@@ -657,7 +657,7 @@ class OnlineLoop:
         _synchronize(self.device)
         return correct, time.perf_counter() - start
 
-    @torch.no_grad()
+    @no_grad
     def predict_online(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """How many of the stream batch's samples the model as it stands predicts right, as
         evaluation would (eval mode, the evaluation view, classes seen before the batch): the
@@ -737,7 +737,7 @@ class OnlineLoop:
         detached = _detached(terms)
         return StepStats(loss.detach(), correct, samples, skipped=True, terms=detached)
 
-    @torch.no_grad()
+    @no_grad
     def _record_gradient_norms(self) -> None:
         """Per-class gradient norm of the classifier rows, after reweighting (paper Sec. 5.1)."""
         fc = self.adapter.classifier(self.network)
@@ -782,7 +782,7 @@ class OnlineLoop:
             "teacher": None if self.teacher is None else self.teacher.state_dict(self.network),
         }
 
-    @torch.no_grad()
+    @no_grad
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` into a loop built from the same config and network.
 
@@ -827,7 +827,7 @@ class OnlineLoop:
         self.query_cache.load_state_dict(state["query_cache"], self._query_parameters())
 
     # -- evaluation ------------------------------------------------------------------------------
-    @torch.no_grad()
+    @no_grad
     def predict(
         self,
         batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
@@ -975,6 +975,8 @@ def deterministic_on_cpu(device: torch.device) -> Iterator[None]:
     if device.type != "cpu":
         yield
         return
+    from torch.utils import deterministic as torch_deterministic
+
     before = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),

@@ -11,19 +11,18 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch import nn
 
 from ..core.fgh import FineGrainedHypergradients
 from ..core.fgh_options import validate_options
 from ..core.fgh_stats import AlphaStream
+from ..core.lazy import nn, torch
 from ..core.memory import ClassBalancedMemory, ReservoirMemory, make_memory
-from ..core.prototypes import PrototypeBank
 from ..core.rng import run_seed
 from .loop import OnlineLoop, ParameterChange
 from .replay import ReplayOptions
 
 if TYPE_CHECKING:
+    from ..core.prototypes import PrototypeBank
     from .adapter import MethodAdapter, StepOutput
 
 
@@ -34,6 +33,8 @@ class PrototypeMixin:
     prototypes: PrototypeBank
 
     def __init__(self: OnlineLoop, *args: Any, **kwargs: Any) -> None:
+        from ..core.prototypes import PrototypeBank
+
         super().__init__(*args, **kwargs)
         layer = self.adapter.classifier(self.network)
         self.prototypes = PrototypeBank(

@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
+from ..core.lazy import torch
 from .eval_cache import CACHE_MODES, cache_placement
 from .options import ConfigKey, Options, option
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..core.checks import closest, described
+from ..core.lazy import torch
 from ..core.realtime import DEFAULT_REFERENCE, RealtimeSchedule, check_realtime, realtime_on
 from ..core.rng import capture_rng_state, restore_rng_state
 from .events import RunClock, RunListener, StepEvent, reset_peak_memory

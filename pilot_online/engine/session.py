@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-import torch
 
+from ..core.lazy import torch
 from ..core.realtime import realtime_on
 from ..core.rng import capture_rng_state, restore_rng_state
 from ..core.streams import Stream

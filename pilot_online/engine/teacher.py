@@ -20,9 +20,7 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
+from ..core.lazy import nn, no_grad, torch
 from .backbone_names import VIT_B16_PARAMETERS, VIT_B16_WIDTH
 
 if TYPE_CHECKING:
@@ -46,7 +44,7 @@ class Teacher:
         ``copy().freeze()``). The whole network, as upstream keeps it: no port keeps less."""
         return cls(_frozen_copy(network), classes, firing)
 
-    @torch.no_grad()
+    @no_grad
     def forward(self, adapter: MethodAdapter, inputs: torch.Tensor) -> StepOutput:
         """The snapshot's outputs on a training batch: the method's :meth:`~MethodAdapter.forward`
         with ``train=False``, in eval mode, without gradients, as upstream calls
@@ -57,7 +55,7 @@ class Teacher:
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.module.parameters())
 
-    @torch.no_grad()
+    @no_grad
     def state_dict(self, network: nn.Module) -> dict[str, Any]:
         """The snapshot's tensors that differ from ``network``'s same-named ones now, the names
         of those that equal them, its classes and firing."""
@@ -77,7 +75,7 @@ class Teacher:
         return {"differs": differs, "same": same, "classes": self.classes, "firing": self.firing}
 
     @classmethod
-    @torch.no_grad()
+    @no_grad
     def from_state(cls, network: nn.Module, state: dict[str, Any]) -> Teacher:
         """Rebuild the snapshot from :meth:`state_dict` and ``network`` as restored from the same
         checkpoint (which holds the tensors the snapshot shared with it)."""

@@ -11,9 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from torch import nn
-
 from ..core.checks import integer, real
+from ..core.lazy import nn
 from ..engine.adapter import ConfigKey
 from ..engine.backbone_names import pilot_backbones
 from ..engine.registry import register_method

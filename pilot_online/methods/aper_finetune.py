@@ -21,9 +21,7 @@ from __future__ import annotations
 import functools
 from typing import ClassVar
 
-import torch
-from torch import nn
-
+from ..core.lazy import nn, no_grad, torch
 from ..engine.adapter import QueryPass, StepOutput
 from ..engine.backbone_names import PLAIN_VIT
 from ..engine.card import MethodCard, UpstreamDifference
@@ -85,7 +83,7 @@ class AperFinetuneOnline(FinetuneOnline):
             functools.partial(self._forward_from_query, network),
         )
 
-    @torch.no_grad()
+    @no_grad
     def _query_features(self, network: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The frozen pre-trained branch's features (a function of the image alone)."""
         return network.backbones[0](x)

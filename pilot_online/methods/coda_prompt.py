@@ -16,10 +16,8 @@ from __future__ import annotations
 import functools
 from typing import Any, ClassVar
 
-import torch
-from torch import nn
-
 from ..core.checks import integer, real
+from ..core.lazy import nn, no_grad, torch
 from ..engine.adapter import ConfigKey, MethodAdapter, QueryPass, StepOutput
 from ..engine.backbone_names import pilot_backbones
 from ..engine.card import MethodCard, UpstreamDifference
@@ -103,7 +101,7 @@ class CodaOnline(MethodAdapter):
             functools.partial(self._forward_from_query, network),
         )
 
-    @torch.no_grad()
+    @no_grad
     def _query_features(self, network: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The CLS token of the frozen backbone's prompt-free pass."""
         tokens, _ = network.backbone(x)

@@ -32,10 +32,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-import torch
-from torch import nn
-
 from ..core.checks import boolean, real
+from ..core.lazy import nn, no_grad, torch
 from ..engine.adapter import Autocast, ConfigKey, Consolidated, Consolidation, trained_parameters
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, VIT_B16_WIDTH
 from ..engine.card import MethodCard, UpstreamDifference
@@ -45,7 +43,7 @@ from .slca import CARD as SLCA_CARD
 from .slca import SLCAOnline
 
 
-@torch.no_grad()
+@no_grad
 def fisher_average(
     theta0: Sequence[torch.Tensor],
     fisher0: Sequence[torch.Tensor],
@@ -161,7 +159,7 @@ class CoFiMAOnline(SLCAOnline):
         self.merges: list[int] = []
 
     # -- the Fisher, accumulated online --------------------------------------------------------
-    @torch.no_grad()
+    @no_grad
     def after_backward(self, network: nn.Module, autocast: Autocast) -> dict[str, torch.Tensor]:
         """Adds the step's squared gradient (the full loss's, before FGH reweights it) to the
         period's Fisher sum. The loop calls this hook only for finite steps, so a skipped step
@@ -194,7 +192,7 @@ class CoFiMAOnline(SLCAOnline):
         return fisher
 
     # -- the merge, the firing and the evaluation view ----------------------------------------
-    @torch.no_grad()
+    @no_grad
     def merged(self, network: nn.Module, fisher: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Upstream's ``interpolate_weights`` of the kept model (``t0``: the anchor, with the last
         period's Fisher) and the current weights (``t1``, with ``fisher``), in the order of the
@@ -252,7 +250,7 @@ class CoFiMAOnline(SLCAOnline):
         self.aligned(network, values, self.sessions_closed)
         return values
 
-    @torch.no_grad()
+    @no_grad
     def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
         """Upstream's task end for training. The first firing keeps the weights and the period's
         Fisher as the previous model (no merge, no CA). Each later firing makes upstream's task

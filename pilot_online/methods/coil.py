@@ -19,22 +19,18 @@ retrospective branch never runs (its weight is 0 at epoch 0). The teacher is the
 read ahead at a firing: a class's mean exists from the step that first brings it, so after that
 step the transport runs over every class arrived since the firing (:meth:`COILOnline.observe`),
 sets the arrivals' rows and replaces the new branch's rows of all of them. Class means are
-running means of the stream's L2-normalised features (:class:`CoTransportState`). The Sinkhorn
-solver is ``core/transport.py``'s, equal to POT's ``ot.sinkhorn``.
+running means of the stream's L2-normalised features
+(:class:`~pilot_online.core.networks.CoTransportState`). The Sinkhorn solver is
+``core/transport.py``'s, equal to POT's ``ot.sinkhorn``.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
-import torch
-import torch.nn.functional as F
-from torch import nn
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..core.checks import real
-from ..core.cosine_head import CosineHead, attach_cosine_head
+from ..core.lazy import F, nn, no_grad, torch
 from ..core.masks import classes_present
-from ..core.prototypes import PrototypeBank
 from ..core.transport import prospective_rows
 from ..engine.adapter import (
     ConfigKey,
@@ -56,6 +52,10 @@ from ..engine.differences import (
 from ..engine.registry import register_method
 from ..engine.teacher import distillation_loss
 
+if TYPE_CHECKING:
+    from ..core.cosine_head import CosineHead
+
+
 #: Upstream's ``exps/coil.json``: ``memory_size`` 2000 (``fixed_memory`` false), ``sinkhorn``
 #: 0.464, ``norm_term`` 3, ``T`` 2.
 COIL_MEMORY_SIZE = 2000
@@ -64,31 +64,13 @@ COIL_MEMORY_SIZE = 2000
 NEW_BRANCH_WEIGHT = 1e-3
 
 
-class CoTransportState(nn.Module):
-    """COIL's state, as buffers of the network (the loop checkpoints and restores them).
-
-    ``class_means``: running means of each class's L2-normalised stream features (upstream's
-    ``_extract_class_means`` averages normalised vectors too; it normalises the mean when it uses
-    it, as :meth:`COILOnline.observe` does). ``seen``: the loop's ``batch.seen`` as of the last
-    step, so that ``known`` (set at a firing) is the loop's ``known``. At a firing the old classes'
-    means and head rows are kept (``anchor_means``, ``anchor_rows``: upstream's task-end means and
-    ``fc.weight``); ``transported`` marks the classes arrived since, whose rows the transport set,
-    and ``new_branch`` holds the transported rows (upstream's ``_ot_new_branch``)."""
-
-    def __init__(self, num_classes: int, feature_dim: int) -> None:
-        super().__init__()
-        self.class_means = PrototypeBank(num_classes, feature_dim)
-        for name in ("seen", "known", "transported"):
-            self.register_buffer(name, torch.zeros(num_classes, dtype=torch.bool))
-        for name in ("anchor_means", "anchor_rows", "new_branch"):
-            self.register_buffer(name, torch.zeros(num_classes, feature_dim))
-        self.register_buffer("calibration", torch.ones(()))  # the last transport's gamma
-        self.register_buffer("transports", torch.zeros((), dtype=torch.int64))
-
-
 def attach_coil_head(network: nn.Module, feature_dim: int, num_classes: int) -> CosineHead:
     """Give ``network`` COIL's online head, a cosine head over every class (``fc``, its sigma
-    ``fc_sigma``: upstream's ``CosineLinear`` draw), and its :class:`CoTransportState`."""
+    ``fc_sigma``: upstream's ``CosineLinear`` draw), and its transport state
+    (:class:`~pilot_online.core.networks.CoTransportState`)."""
+    from ..core.cosine_head import attach_cosine_head
+    from ..core.networks import CoTransportState
+
     head = attach_cosine_head(network, feature_dim, num_classes)
     network.co_transport = CoTransportState(num_classes, feature_dim)
     return head
@@ -255,7 +237,7 @@ class COILOnline(MethodAdapter):
         }
 
     # -- the co-transport ---------------------------------------------------------------------
-    @torch.no_grad()
+    @no_grad
     def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
         """Upstream's ``after_task``: the loop has taken the teacher and moved ``known``; keep
         the old classes' means and rows for the transports of the period that starts. Nothing
@@ -268,7 +250,7 @@ class COILOnline(MethodAdapter):
         state.new_branch.zero_()
         return Consolidated()
 
-    @torch.no_grad()
+    @no_grad
     def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
         """Fold the stream batch's normalised features into the class means; after a firing,
         transport when the batch brought classes not known at it and not transported yet (one

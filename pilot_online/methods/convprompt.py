@@ -29,69 +29,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import torch
-from torch import nn
-
 from ..core.checks import boolean, check_blocks, integer, list_of, text
-from ..core.conv_prompt import ConvPromptGenerator
+from ..core.lazy import nn, torch
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
 from ..engine.backbone_names import pilot_backbones
 from ..engine.card import MethodCard
 from ..engine.registry import register_method
-
-
-class ConvPromptNet(nn.Module):
-    """A frozen prefix-attention ViT, the prompt generator, and a LayerNorm + linear classifier.
-
-    ``forward`` returns ``(logits, features)``; ``features`` (the normalised CLS token) feed ``fc``.
-    """
-
-    def __init__(
-        self,
-        backbone: nn.Module,
-        prompt: ConvPromptGenerator,
-        prompt_layers: list[int],
-        num_classes: int,
-    ) -> None:
-        super().__init__()
-        depth = len(backbone.blocks)
-        if len(set(prompt_layers)) != len(prompt_layers) or not all(
-            isinstance(i, int) and 0 <= i < depth for i in prompt_layers
-        ):
-            raise ValueError(
-                f"prompt_layers {prompt_layers!r} must be distinct block indices in [0, {depth})"
-            )
-        if len(prompt_layers) != prompt.num_layers:
-            raise ValueError(
-                f"the generator has {prompt.num_layers} layers, prompt_layers {len(prompt_layers)}"
-            )
-        self.backbone = backbone
-        self.prompt = prompt
-        self.layer_slot = {block: slot for slot, block in enumerate(sorted(prompt_layers))}
-        dim = backbone.embed_dim
-        self.fc_norm = nn.LayerNorm(dim)
-        self.fc = nn.Linear(dim, num_classes)
-        nn.init.trunc_normal_(self.fc.weight, std=0.02)
-        nn.init.zeros_(self.fc.bias)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        vit = self.backbone
-        x = vit.patch_embed(x)
-        x = torch.cat((vit.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
-        x = vit.pos_drop(x + vit.pos_embed)
-        prefixes = self.prompt.prefixes()  # input-independent: once per pass
-        previous = None
-        for index, block in enumerate(vit.blocks):
-            slot = self.layer_slot.get(index)
-            if slot is None:
-                x = block(x, prompt=None)
-                continue
-            current = self.prompt.layer_prefix(prefixes, slot, x[:, 0])
-            x = block(x, prompt=current if previous is None else current + previous)
-            previous = current
-        features = self.fc_norm(vit.norm(x)[:, 0])
-        return self.fc(features), features
-
 
 CARD = MethodCard(
     paper_name="ConvPrompt",
@@ -143,6 +86,9 @@ class ConvPromptOnline(MethodAdapter):
     def build_network(self, args: dict) -> nn.Module:
         import timm
         from backbone import vit_dualprompt  # PILOT: registers its ViTs with timm
+
+        from ..core.conv_prompt import ConvPromptGenerator
+        from ..core.networks import ConvPromptNet
 
         # Prefix attention (PreT_Attention) in every block, and no prompt module of PILOT's own.
         vit = timm.create_model(

@@ -28,10 +28,7 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any, ClassVar
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
+from ..core.lazy import F, nn, no_grad, torch
 from ..core.masks import mask_logits, training_mask
 from ..engine.adapter import (
     Consolidated,
@@ -102,7 +99,7 @@ def linear_from(layer: nn.Module) -> nn.Linear:
     return linear
 
 
-@torch.no_grad()
+@no_grad
 def widened_head(head: nn.Linear, in_features: int, generator: torch.Generator) -> nn.Linear:
     """Upstream's ``update_fc`` for a head over every class: a new head over ``in_features``
     inputs drawn as ``SimpleLinear`` draws one, with the old weight in its first columns and the
@@ -115,7 +112,7 @@ def widened_head(head: nn.Linear, in_features: int, generator: torch.Generator) 
     return wide
 
 
-@torch.no_grad()
+@no_grad
 def restart_linear(layer: nn.Linear, generator: torch.Generator) -> None:
     """``SimpleLinear.reset_parameters`` in place: a fresh weight from ``generator``, zero bias
     (upstream builds a new auxiliary head at each task)."""

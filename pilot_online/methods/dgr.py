@@ -33,11 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
 from ..core.checks import real
+from ..core.lazy import F, nn, no_grad, torch
 from ..engine.adapter import (
     Autocast,
     ConfigKey,
@@ -279,7 +276,7 @@ class DGROnline(FinetuneOnline):
         )
         return {"ce": ce, "kd": scale * distillation_loss(held, teacher, batch.known, temperature)}
 
-    @torch.no_grad()
+    @no_grad
     def after_backward(self, network: nn.Module, autocast: Autocast) -> dict[str, torch.Tensor]:
         """Upstream's head gradient: the loss's (the cross-entropy's, and L_P's with + P; the
         distillation's reaches the backbone only, :meth:`loss_terms`) joins ``G`` by its row

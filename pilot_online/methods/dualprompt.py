@@ -23,9 +23,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from torch import nn
-
 from ..core.checks import boolean, check_blocks, integer, list_of
+from ..core.lazy import nn
 from ..engine.adapter import ConfigKey
 from ..engine.backbone_names import pilot_backbones
 from ..engine.card import MethodCard, UpstreamDifference

@@ -33,12 +33,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
 from ..core.checks import boolean, real
-from ..core.prototypes import PrototypeBank
+from ..core.lazy import F, nn, no_grad, torch
 from ..engine.adapter import ConfigKey, Consolidated, Consolidation, StepOutput
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, VIT_B16_WIDTH
 from ..engine.card import MethodCard, UpstreamDifference
@@ -103,7 +99,7 @@ def sinkhorn(
     return plan
 
 
-@torch.no_grad()
+@no_grad
 def transported_rows(
     weight: torch.Tensor,
     current: torch.Tensor,
@@ -251,6 +247,8 @@ class DUCTOnline(FinetuneOnline):
 
     def setup_state(self, network: nn.Module, args: Mapping[str, Any]) -> None:
         """The method's state, fresh: called by ``build_network`` (tests call it on tiny nets)."""
+        from ..core.prototypes import PrototypeBank
+
         self._named = [
             (n, p) for n, p in self.backbone(network).named_parameters() if p.requires_grad
         ]
@@ -267,7 +265,7 @@ class DUCTOnline(FinetuneOnline):
         self.transports = 0
 
     # -- online accumulation -------------------------------------------------------------------
-    @torch.no_grad()
+    @no_grad
     def after_step(
         self,
         network: nn.Module,
@@ -308,7 +306,7 @@ class DUCTOnline(FinetuneOnline):
         return float(cos.mean())
 
     # -- the firing and the evaluation view ----------------------------------------------------
-    @torch.no_grad()
+    @no_grad
     def consolidated(
         self, network: nn.Module, current: torch.Tensor, firing: int
     ) -> tuple[float, int, dict[str, torch.Tensor]]:
@@ -356,7 +354,7 @@ class DUCTOnline(FinetuneOnline):
                 transports += 1
         return weight, transports
 
-    @torch.no_grad()
+    @no_grad
     def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
         """Merges the period's task vector into the anchor and transports the head rows of the
         period's classes to each older group's classes (:meth:`consolidated`); the merged

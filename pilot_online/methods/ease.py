@@ -35,18 +35,17 @@ Online, task-free (the choices are in docs/methods.md, "EASE"):
 from __future__ import annotations
 
 import logging
-from typing import Any, ClassVar
-
-import torch
-import torch.nn.functional as F
-from torch import nn
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..core.checks import integer, real
-from ..core.cosine_head import CosineHead, attach_cosine_head
-from ..core.prototypes import PrototypeBank
+from ..core.lazy import F, nn, no_grad, torch
 from ..engine.adapter import ConfigKey, Consolidated, Consolidation, MethodAdapter, StepOutput
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
+
+if TYPE_CHECKING:
+    from ..core.cosine_head import CosineHead
+
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +170,8 @@ class EaseOnline(MethodAdapter):
     def build_network(self, args: dict) -> nn.Module:
         from utils.inc_net import EaseNet  # PILOT, imported lazily
 
+        from ..core.cosine_head import attach_cosine_head
+
         # Built on the CPU (PILOT moves its adapters to args["device"][0]); the loop moves it.
         pilot_args = self.pilot_args(args, use_init_ptm=False, beta=0.0, device=["cpu"])
         network = EaseNet(pilot_args, True)
@@ -188,6 +189,8 @@ class EaseOnline(MethodAdapter):
         """Add a fresh adapter set (PILOT's ``get_new_adapter``) and its class-mean bank, on the
         network's device, trainable. After the first (``firing`` None: PILOT's own draw at build),
         the set is drawn under a forked RNG seeded by the run's seed and the firing."""
+        from ..core.prototypes import PrototypeBank
+
         backbone = network.backbone
         if firing is None:
             adapters = backbone.cur_adapter  # the set PILOT built with the backbone
@@ -270,7 +273,7 @@ class EaseOnline(MethodAdapter):
                 adapters.eval()  # frozen ones: features without dropout
 
     # -- learning without gradients: the class means ------------------------------------------
-    @torch.no_grad()
+    @no_grad
     def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
         active = len(network.subspaces) - 1
         network.class_means[active].update(out.features, labels, validate=False)

@@ -25,11 +25,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
 from ..core.checks import real
+from ..core.lazy import F, nn, torch
 from ..engine.adapter import ConfigKey
 from ..engine.backbone_names import VIT_B16_WIDTH
 from ..engine.card import UpstreamDifference

@@ -24,9 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import torch
-from torch import nn
-
+from ..core.lazy import nn, torch
 from ..engine.adapter import MethodAdapter, Replay, StepOutput
 from ..engine.backbone_names import PLAIN_VIT
 from ..engine.card import MethodCard

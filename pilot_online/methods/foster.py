@@ -38,13 +38,9 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any, ClassVar
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
 from ..core.checks import real
+from ..core.lazy import F, nn, no_grad, torch
 from ..core.masks import classes_present, mask_logits, training_mask
-from ..core.prototypes import PrototypeBank
 from ..engine.adapter import (
     Autocast,
     ConfigKey,
@@ -240,6 +236,8 @@ class FosterOnline(MethodAdapter):
         student; the class statistics as buffers (checkpointed with the network)."""
         from utils.inc_net import FOSTERNet  # PILOT, imported lazily
 
+        from ..core.prototypes import PrototypeBank
+
         classes = int(args["nb_classes"])
         network = FOSTERNet(self.pilot_args(args), True)
         network.update_fc(classes)
@@ -341,7 +339,7 @@ class FosterOnline(MethodAdapter):
             ),
         }
 
-    @torch.no_grad()
+    @no_grad
     def after_backward(self, network: nn.Module, autocast: Autocast) -> dict[str, torch.Tensor]:
         """``oofc: az``: the new classes' rows of the old-feature block get no gradient."""
         if self.args["oofc"] == "az" and self.boosting(network):
@@ -350,7 +348,7 @@ class FosterOnline(MethodAdapter):
                 grad[:, : network.out_dim].masked_fill_(~network.known_classes[:, None], 0.0)
         return {}
 
-    @torch.no_grad()
+    @no_grad
     def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
         """The stream batch joins the class counts and the lineage's class means."""
         network.stream_counts.index_add_(0, labels, torch.ones_like(labels))

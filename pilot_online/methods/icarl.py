@@ -20,10 +20,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
-from torch import nn
-
 from ..core.checks import real
+from ..core.lazy import nn, torch
 from ..engine.adapter import (
     ConfigKey,
     Consolidated,

@@ -16,10 +16,8 @@ import functools
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import torch
-from torch import nn
-
 from ..core.checks import boolean, integer, list_of, real, text
+from ..core.lazy import nn, no_grad, torch
 from ..engine.adapter import ConfigKey, MethodAdapter, QueryPass, StepOutput
 from ..engine.backbone_names import pilot_backbones
 from ..engine.card import MethodCard
@@ -107,7 +105,7 @@ class L2POnline(MethodAdapter):
             functools.partial(self._forward_from_query, network),
         )
 
-    @torch.no_grad()
+    @no_grad
     def _query_features(self, network: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The frozen original ViT's pre-logits, which select the prompts."""
         return network.original_backbone(x)["pre_logits"]

@@ -34,11 +34,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
 from ..core.checks import boolean, integer, real
+from ..core.lazy import F, nn, no_grad, torch
 from ..engine.adapter import ConfigKey, Consolidated, Consolidation, MethodAdapter, StepOutput
 from ..engine.backbone_names import pilot_backbones
 from ..engine.card import MethodCard, UpstreamDifference
@@ -206,7 +203,7 @@ class LAEOnline(MethodAdapter):
         finally:
             network.pets.requires_grad_(True)
 
-    @torch.no_grad()
+    @no_grad
     def after_step(
         self,
         network: nn.Module,
@@ -245,7 +242,7 @@ class LAEOnline(MethodAdapter):
             "segment_samples": self.segment_samples,
         }
 
-    @torch.no_grad()
+    @no_grad
     def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
         offline = list(network.pets_emas.parameters())
         if len(state["offline_pet"]) != len(offline):

@@ -13,9 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import torch
-from torch import nn
-
+from ..core.lazy import nn, torch
 from ..engine.adapter import Replay, StepOutput
 from ..engine.registry import register_method
 from .finetune import CARD as FINETUNE_CARD

@@ -25,10 +25,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import torch
-from torch import nn
-
 from ..core.checks import boolean, real
+from ..core.lazy import nn, torch
 from ..engine.adapter import ConfigKey
 from ..engine.backbone_names import pilot_backbones
 from ..engine.card import UpstreamDifference

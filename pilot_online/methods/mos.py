@@ -53,13 +53,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
 from ..core.checks import boolean, integer, real
-from ..core.class_stats import ClassGaussians, align_classifier
-from ..core.prototypes import PrototypeBank
+from ..core.lazy import F, nn, no_grad, torch
 from ..core.rng import key_seed
 from ..engine.adapter import ConfigKey, Consolidated, Consolidation, MethodAdapter, StepOutput
 from ..engine.card import MethodCard, UpstreamDifference
@@ -266,6 +261,9 @@ class MOSOnline(MethodAdapter):
         """Give a network whose ``backbone`` is PILOT's ``vit_mos`` ViT the online state: its
         initial adapter set becomes set 0 of ``adapter_list`` (the only one until a firing), the
         rest frozen but the head, and the statistics buffers."""
+        from ..core.class_stats import ClassGaussians
+        from ..core.prototypes import PrototypeBank
+
         backbone = network.backbone
         first = backbone.cur_adapter  # PILOT's initial adapter set (LoRA-style init)
         del backbone.cur_adapter
@@ -382,7 +380,7 @@ class MOSOnline(MethodAdapter):
         torch._foreach_copy_(adapter_tensors(scratch), mean)
         return scratch
 
-    @torch.no_grad()
+    @no_grad
     def retrieve(self, network: nn.Module, x: torch.Tensor) -> StepOutput:
         """Upstream's ``_eval_cnn`` over every set, sample by sample."""
         head, used = network.backbone.head, len(network.backbone.adapter_list)
@@ -409,7 +407,7 @@ class MOSOnline(MethodAdapter):
             network.backbone.adapter_list[-1].train()
 
     # -- what MOS learns beyond gradients ------------------------------------------------------
-    @torch.no_grad()
+    @no_grad
     def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
         n = len(labels)
         network.class_stats.update(out.extras["statistics_features"][:n], labels)
@@ -417,7 +415,7 @@ class MOSOnline(MethodAdapter):
         ones = torch.ones_like(labels, dtype=torch.long)
         network.class_slot_counts[:, -1].index_add_(0, labels, ones)
 
-    @torch.no_grad()
+    @no_grad
     def after_step(
         self,
         network: nn.Module,
@@ -445,6 +443,8 @@ class MOSOnline(MethodAdapter):
         """Upstream's ``classifer_align`` on ``head`` as firing ``firing`` runs it (from the
         second on, once a class was seen), seeded by the run's seed and the firing; whether it
         ran."""
+        from ..core.class_stats import align_classifier
+
         if firing == 0 or self.args["ca_epochs"] == 0:
             return False
         stats = network.class_stats

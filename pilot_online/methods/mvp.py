@@ -52,14 +52,11 @@ Differences from upstream, and why:
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
 from ..core.checks import boolean, check_blocks, integer, list_of, real
+from ..core.lazy import F, nn, torch
 from ..core.masks import mask_logits
 from ..core.mvp_losses import (
     KEY_LOSS_MASSES,
@@ -120,83 +117,6 @@ MVP_KEYS: dict[str, ConfigKey] = {
 }
 
 
-class MVPNet(nn.Module):
-    """PILOT's ViT (frozen but for its head) with MVP's key pool, per-key class masks and prompts.
-
-    The prompts, keys and masks live here, registered on the network, so the optimiser, FGH and
-    checkpoints see them like any other parameter.
-    """
-
-    def __init__(
-        self,
-        vit: nn.Module,
-        num_classes: int,
-        pool_size: int = 10,
-        g_positions: Sequence[int] = (0, 1),
-        g_length: int = 5,
-        e_positions: Sequence[int] = (2, 3, 4),
-        e_length: int = 20,
-        use_last_layer: bool = False,
-    ) -> None:
-        super().__init__()
-        depth = len(vit.blocks)
-        for name, positions in (("pos_g_prompt", g_positions), ("pos_e_prompt", e_positions)):
-            if any(p >= depth for p in positions):
-                raise ValueError(
-                    f"{name}={list(positions)} names blocks beyond the ViT's {depth} blocks"
-                )
-        self.backbone = vit
-        self.backbone.requires_grad_(False)
-        self.backbone.head.requires_grad_(True)
-        dim = vit.embed_dim
-        self.g_positions, self.e_positions = tuple(g_positions), tuple(e_positions)
-        self.query_depth = depth if use_last_layer else depth - 1
-        self.keys = nn.Parameter(torch.randn(pool_size, dim))
-        self.class_masks = nn.Parameter(torch.full((pool_size, num_classes), -1.0))
-        self.g_prompts = nn.Parameter(torch.randn(len(g_positions), g_length, dim))
-        self.e_prompts = nn.Parameter(torch.randn(pool_size, len(e_positions), e_length, dim))
-        self.register_buffer("key_counts", torch.zeros(pool_size))
-
-    def embed(self, images: torch.Tensor) -> torch.Tensor:
-        """Patch tokens with the CLS token and position embeddings (frozen)."""
-        vit = self.backbone
-        x = vit.patch_embed(images)
-        x = torch.cat((vit.cls_token.expand(len(x), -1, -1), x), dim=1)
-        return vit.pos_drop(x + vit.pos_embed)
-
-    @torch.no_grad()
-    def query(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The prompt-free CLS token after ``query_depth`` blocks (no final norm, as upstream)."""
-        for block in self.backbone.blocks[: self.query_depth]:
-            tokens = block(tokens)
-        return tokens[:, 0]
-
-    def key_distances(self, query: torch.Tensor) -> torch.Tensor:
-        """``1 - cos(q_i, k_j)``, ``[B, pool]``."""
-        return 1.0 - F.cosine_similarity(query[:, None], self.keys[None], dim=-1)
-
-    def prompted_features(self, tokens: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """The normed CLS token of the prompt-tuned pass, with sample ``i`` using E-prompt
-        ``chosen[i]``: prompt tokens join the sequence before their block and leave after it."""
-        length = tokens.shape[1]
-        # index_select, not self.e_prompts[chosen]: indexing's backward is index_put_ with
-        # accumulate, which on the CPU adds duplicate indices with parallel atomics (run-to-run
-        # different float sums); index_select's backward (index_add_) sums in index order.
-        e_prompts = self.e_prompts.index_select(0, chosen)  # [B, E layers, len, D]
-        x = tokens
-        for index, block in enumerate(self.backbone.blocks):
-            extra = []
-            if index in self.g_positions:
-                g_prompt = self.g_prompts[self.g_positions.index(index)]
-                extra.append(g_prompt.expand(len(x), -1, -1))
-            if index in self.e_positions:
-                extra.append(e_prompts[:, self.e_positions.index(index)])
-            if extra:
-                x = torch.cat((x, *extra), dim=1)
-            x = block(x)[:, :length]
-        return self.backbone.norm(x)[:, 0]
-
-
 CARD = MethodCard(
     paper_name="MVP",
     upstream_model="",  # KHU-AGI/Si-Blurry, not a PILOT model
@@ -218,6 +138,8 @@ class MVPOnline(MethodAdapter):
     def build_network(self, args: dict) -> nn.Module:
         import timm
         from backbone import vit_l2p  # noqa: F401  (PILOT: registers its ViTs with timm)
+
+        from ..core.networks import MVPNet
 
         vit = timm.create_model(
             args["backbone_type"],

@@ -59,11 +59,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
 from ..core.checks import boolean, check_blocks, integer, list_of, optional, real
+from ..core.lazy import F, nn, no_grad, torch
 from ..core.lora import (
     BUFFER_PAIRINGS,
     IMPORTANCE_LABELS,
@@ -71,9 +68,7 @@ from ..core.lora import (
     BufferEntry,
     HardBuffer,
     ImportanceRegularizer,
-    LoRAQKV,
     LossPlateauDetector,
-    add_lora,
     hard_buffer_candidates,
     importance_loss,
 )
@@ -89,20 +84,6 @@ MERGE_OPTIMIZER_STATES = ("upstream", "reset")
 IMPORTANCE_BATCHES = ("upstream", "all")
 #: ``olora_window_loss``: the unmasked stream CE, or the loop's masked one.
 WINDOW_LOSSES = ("upstream", "masked")
-
-
-class OLoRANet(nn.Module):
-    """A frozen ViT with LoRA adapters on q and v, and a linear head over its pooled features."""
-
-    def __init__(self, backbone: nn.Module, num_classes: int, adapters: list[LoRAQKV]) -> None:
-        super().__init__()
-        self.backbone = backbone
-        self.fc = nn.Linear(backbone.num_features, num_classes)
-        self.adapters = adapters  # a plain list: the modules are registered inside backbone
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        features = self.backbone(x)
-        return self.fc(features), features
 
 
 #: Upstream's loss-window thresholds (mean, variance) per stream, from its run scripts rather
@@ -226,7 +207,9 @@ class OLoRAOnline(MethodAdapter):
         check_blocks(cfg, "lora_layer")
 
     def build_network(self, args: dict) -> nn.Module:
-        import timm  # lazily: methods/ imports no timm when imported
+        import timm  # lazily: methods/ imports no timm (and no torch) when imported
+
+        from ..core.networks import OLoRANet, add_lora
 
         backbone = timm.create_model(
             args["backbone_type"],
@@ -360,7 +343,7 @@ class OLoRAOnline(MethodAdapter):
             state["merged_qkv"] = [adapter.qkv.weight.detach() for adapter in network.adapters]
         return state
 
-    @torch.no_grad()
+    @no_grad
     def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
         self.detector.load_state_dict(state["detector"])
         device = network.fc.weight.device

@@ -44,12 +44,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
 from ..core.checks import boolean, integer
-from ..core.cosine_head import attach_cosine_head
+from ..core.lazy import F, nn, no_grad, torch
 from ..engine.adapter import ConfigKey, Consolidated, Consolidation, StepOutput
 from ..engine.backbone_names import PLAIN_VIT, pilot_backbones
 from ..engine.card import MethodCard, UpstreamDifference
@@ -71,7 +67,7 @@ TUNED_PARAMETERS: dict[str, tuple[str, ...]] = {
 RIDGES: tuple[float, ...] = tuple(10.0**k for k in range(-8, 9))
 
 #: Named tensors: a method's statistics, or a solved head.
-Tensors = dict[str, torch.Tensor]
+Tensors = dict[str, "torch.Tensor"]
 
 #: The logit offset of a class without statistics: below any logit of a class with some
 #: (RanPAC's sigma x cosines, FeCAM's minus distances). Evaluation never allows such a class; the
@@ -148,6 +144,8 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
     def build_network(self, args: dict) -> nn.Module:
         from utils.inc_net import SimpleVitNet
 
+        from ..core.cosine_head import attach_cosine_head
+
         network = SimpleVitNet(self.pilot_args(args), True)
         # The first session's head: upstream's CosineLinear with its learnable sigma.
         attach_cosine_head(network, int(network.feature_dim), int(args["nb_classes"]))
@@ -203,7 +201,7 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
         network.train(train and not self.first_session_done)
 
     # -- learning --------------------------------------------------------------------------------
-    @torch.no_grad()
+    @no_grad
     def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
         features = out.extras.get("observed", out.features)[: len(labels)].detach()
         self.stats = {k: v.to(features.device) for k, v in self.stats.items()}

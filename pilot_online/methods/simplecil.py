@@ -19,11 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-from ..core.prototypes import PrototypeBank
+from ..core.lazy import F, nn, no_grad, torch
 from ..engine.adapter import StepOutput
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
@@ -59,6 +55,8 @@ class SimpleCILOnline(LinearProbeOnline):
             )
 
     def build_network(self, args: dict) -> nn.Module:
+        from ..core.prototypes import PrototypeBank
+
         network = super().build_network(args)
         network.fc = nn.Linear(network.feature_dim, int(args["nb_classes"]), bias=False)
         network.requires_grad_(False)
@@ -66,17 +64,17 @@ class SimpleCILOnline(LinearProbeOnline):
         network.class_means = PrototypeBank(int(args["nb_classes"]), network.feature_dim)
         return network
 
-    @torch.no_grad()
+    @no_grad
     def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
         features = network.backbone(x)
         return StepOutput(network.fc(F.normalize(features, dim=1)), features)
 
-    @torch.no_grad()
+    @no_grad
     def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
         network.class_means.update(out.features, labels, validate=False)
         self.refresh_head(network)  # the network predicts with the new means at once
 
-    @torch.no_grad()
+    @no_grad
     def refresh_head(self, network: nn.Module) -> None:
         """Head rows = the L2-normalised class means (zero rows for classes not seen yet)."""
         network.fc.weight.copy_(F.normalize(network.class_means.means, dim=1))

@@ -40,11 +40,8 @@ import copy
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import torch
-from torch import nn
-
 from ..core.checks import integer, real
-from ..core.class_stats import ClassGaussians, align_classifier
+from ..core.lazy import nn, torch
 from ..core.rng import key_seed
 from ..engine.adapter import ConfigKey, Consolidated, Consolidation, StepOutput
 from ..engine.card import MethodCard, UpstreamDifference
@@ -147,6 +144,8 @@ class SLCAOnline(FinetuneOnline):
         return network
 
     def _setup_state(self, args: Mapping[str, Any], dim: int) -> None:
+        from ..core.class_stats import ClassGaussians
+
         self.stats = ClassGaussians(int(args["nb_classes"]), dim)
         self.sessions_closed = 0  # firings so far: the session a newly seen class belongs to
 
@@ -182,6 +181,8 @@ class SLCAOnline(FinetuneOnline):
         ``_stage2_compact_classifier``) of ``head`` in place on the seen classes, their means
         decayed by session age (``firing``: the current session), logits normalised over
         sessions. Its draws are seeded by the run's seed, ``firing`` and ``samples``."""
+        from ..core.class_stats import align_classifier
+
         args = self.args
         self.stats.to(head.weight.device)
         classes = self.stats.seen()
