@@ -294,10 +294,10 @@ def table(args: argparse.Namespace) -> list[dict[str, Any]]:
     return records
 
 
-def gamma_sweep(args: argparse.Namespace) -> None:
+def gamma_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Fig. 3 on the proxy: + P + FGH against gamma, every form of :data:`FORMS`, Si-Blurry,
     LR 5e-5 (the paper's Fig. 3 setting), ``args.sweep_seeds`` seeds, plus the + P row
-    (gamma = 0) as the level."""
+    (gamma = 0) as the level. Returns one record per (form, gamma), ``"sweep": true``."""
     kind, lr = "si_blurry", 5e-5
     print(f"\n## gamma sweep: {kind}, LR {lr:g}, + P + FGH ({args.sweep_seeds} seeds)")
     print("| form | gamma | AP | mean alpha | at lo | at hi | max alpha |")
@@ -307,6 +307,7 @@ def gamma_sweep(args: argparse.Namespace) -> None:
     for seed in range(args.sweep_seeds):
         data = make_data(args, seed)
         seeds[seed] = data, make_stream(kind, data.train_y, args, seed)
+    records: list[dict[str, Any]] = []
     level = []  # the + P level (gamma = 0), printed and drawn
     for seed, (data, stream) in seeds.items():
         run = run_one(data, stream, lr=lr, prototypes=True, fgh_options=None, seed=seed)
@@ -328,6 +329,11 @@ def gamma_sweep(args: argparse.Namespace) -> None:
             stats = _alpha_cells([r["alpha_bounds"]["stream"] for r in runs])
             aps = [r["metrics"]["AP"] for r in runs]
             print(f"| {form} | {gamma:g} | {_cell(aps)} | {stats} |")
+            records.append(
+                {"sweep": True, "stream": kind, "lr": lr, "row": "+ P + FGH", "form": form,
+                 "gamma": gamma, "AP": aps}
+            )  # fmt: skip
+    return records
 
 
 def main() -> None:
@@ -346,7 +352,9 @@ def main() -> None:
     parser.add_argument("--sweep-seeds", type=int, default=5)
     parser.add_argument("--no-table", action="store_true", help="skip the ablation table")
     parser.add_argument("--out", type=Path, default=None, help="write results files here")
-    parser.add_argument("--json", type=Path, default=None, help="write the table's records")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="write the table's (and the sweep's) records"
+    )
     args = parser.parse_args()
     for name in ("seeds", "classes", "tasks", "dim", "train_per_class", "test_per_class", "batch"):
         if getattr(args, name) < 1:
@@ -355,12 +363,11 @@ def main() -> None:
         parser.error("--classes must be a multiple of --tasks (the clear split's increment)")
     torch.set_num_threads(1)
     start = time.perf_counter()
-    if not args.no_table:
-        records = table(args)
-        if args.json:
-            args.json.write_text(json.dumps(records, indent=1))
+    records = [] if args.no_table else table(args)
     if args.gamma_sweep:
-        gamma_sweep(args)
+        records += gamma_sweep(args)
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=1))
     print(f"\ntotal {time.perf_counter() - start:.1f} s")
 
 

@@ -255,3 +255,38 @@ def test_the_report_has_table_2_the_reviewers_questions_and_the_overhead(tmp_pat
     # The overhead table, read from the measurement's file.
     assert "| coda +P+FGH | 550 | 1.100 | 200.0 | 2.0 |" in text
     assert "upstream PILOT's own training step on the same network: 2.000 (250 ms upstream)" in text
+
+
+def test_claims_1_to_3_read_the_feature_proxy_s_paired_seeds(tmp_path):
+    folder = tmp_path / "results"
+    folder.mkdir()
+    records = [
+        {"stream": "si_blurry", "lr": 5e-5, "row": "base", "form": "-", "AP": [50, 52, 54]},
+        {"stream": "si_blurry", "lr": 5e-5, "row": "+ P", "form": "-", "AP": [55, 58, 57]},
+        # another FGH form than the paper configs' is not read
+        {"stream": "si_blurry", "lr": 5e-5, "row": "+ P + FGH", "form": "eq8", "AP": [0, 0, 0]},
+        *(
+            {"sweep": True, "stream": "si_blurry", "lr": 5e-5, "row": "+ P + FGH",
+             "form": form, "gamma": gamma, "AP": aps}
+            for form, gamma, aps in (
+                ("nobound", 1e-6, [50, 52, 54]), ("nobound", 1.0, [55, 58, 57]),
+                ("nobound", 10.0, [55, 58, 57]), ("clamp10", 1.0, [0, 0, 0]),
+            )
+        ),
+    ]  # fmt: skip
+    (folder / scale_model.PROXY_FILE).write_text(json.dumps(records))
+    doc = tmp_path / "docs" / "scale-model.md"
+    scale_model.write_report(folder, doc)
+    text = doc.read_text()
+    # Differences 5, 6, 3, as worked by hand in the first test.
+    assert (
+        "- on the feature proxy, si_blurry, 5e-05: + P − base +4.67 [+0.87, +8.46], n=3: holds"
+        in text
+    )
+    assert "- on the feature proxy, si_blurry, 5e-05: + P + FGH − + P no paired seeds yet" in text
+    # Claim 6 on the proxy's sweep of the paper's form (the clamped form's records are not read):
+    # gamma 1 − 1e-6 is the same 5, 6, 3; gamma 10 − 1 is 0, 0, 0 (no further gain: sd 0).
+    assert (
+        "- on the feature proxy: gamma 1 − gamma 1e-06 +4.67 [+0.87, +8.46], n=3: holds; "
+        "gamma 10 − gamma 1 +0.00 [+0.00, +0.00], n=3: inconclusive"
+    ) in text
