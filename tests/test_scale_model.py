@@ -286,7 +286,14 @@ def test_claims_1_to_3_read_the_feature_proxy_s_paired_seeds(tmp_path):
     assert "- on the feature proxy, si_blurry, 5e-05: + P + FGH − + P no paired seeds yet" in text
     # Claim 6 on the proxy's sweep of the paper's form (the clamped form's records are not read):
     # gamma 1 − 1e-6 is the same 5, 6, 3; gamma 10 − 1 is 0, 0, 0 (no further gain: sd 0).
+    assert "- on the feature proxy: gamma 1 − gamma 1e-06 +4.67 [+0.87, +8.46], n=3: holds" in text
     assert (
-        "- on the feature proxy: gamma 1 − gamma 1e-06 +4.67 [+0.87, +8.46], n=3: holds; "
-        "gamma 10 − gamma 1 +0.00 [+0.00, +0.00], n=3: inconclusive"
+        "- on the feature proxy: gamma 10 − gamma 1 (no further gain) +0.00 [+0.00, +0.00], n=3: "
+        "inconclusive"
     ) in text
+    # The summary table counts each claim's lines by verdict: claim 1 has one proxy line that
+    # holds (si_blurry 5e-5) and three with no seeds; claim 6 one of each proxy kind.
+    assert "| 1. + P improves each base method | 0 / 0 / 0 / 0 / 10 | 1 / 0 / 0 / 0 / 3 |" in text
+    assert (
+        "| 6. A larger gamma helps, up to about 1 | 0 / 0 / 0 / 0 / 2 | 1 / 0 / 1 / 0 / 0 |" in text
+    )

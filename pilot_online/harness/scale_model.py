@@ -312,7 +312,7 @@ def write_report(results_folder: Path, doc: Path) -> None:
     ]
     lines += _backbone_section()
     lines += _ablation_section(grid)
-    lines += _claims_section(grid, load_proxy(results_folder / PROXY_FILE))
+    lines += summarised(_claims_section(grid, load_proxy(results_folder / PROXY_FILE)))
     lines += _figures_section(grid, doc)
     lines += _methods_section(grid)
     lines += _reviewers_section(grid, results_folder)
@@ -494,6 +494,49 @@ def _proxy_lines(proxy: dict, a: str, b: str) -> list[str]:
     return lines
 
 
+#: How a verdict line ends, in the order the summary counts them.
+VERDICT_KINDS = ("holds", "does not hold", "inconclusive", "pending", "not run yet")
+
+
+def verdict_kind(line: str) -> str | None:
+    """The kind of the verdict a claim's line ends with (``- ...: <verdict>``), or None."""
+    if not line.startswith("- "):
+        return None
+    tail = line.rsplit(": ", 1)[-1]
+    if tail.endswith("(fewer than two paired seeds)"):
+        return "not run yet"
+    return next((kind for kind in VERDICT_KINDS if tail.startswith(kind)), None)
+
+
+def summarised(section: list[str]) -> list[str]:
+    """``section`` (the claims' lines) with a table after its introduction: per claim, how many
+    of its lines hold, do not hold, are inconclusive or pending, on the scale model and on the
+    feature proxy."""
+    rows: dict[str, dict[str, list[int]]] = {}
+    claim = None
+    for line in section:
+        if line.startswith("**") and line[2:3].isdigit():
+            claim = line[2:].split("**", 1)[0].rstrip(".")
+            rows[claim] = {where: [0] * len(VERDICT_KINDS) for where in ("scale", "proxy")}
+        elif claim is not None and (kind := verdict_kind(line)) is not None:
+            where = "proxy" if line.startswith("- on the feature proxy") else "scale"
+            rows[claim][where][VERDICT_KINDS.index(kind)] += 1
+        elif line.startswith("### "):
+            claim = None  # the notes after the claims are not claims
+    if not rows:
+        return section
+    table = [
+        "| claim | scale model: " + " / ".join(VERDICT_KINDS) + " | feature proxy |",
+        "|---|---|---|",
+    ]
+    for name, counts in rows.items():
+        proxy = " / ".join(map(str, counts["proxy"])) if any(counts["proxy"]) else "-"
+        table.append(f"| {name} | {' / '.join(map(str, counts['scale']))} | {proxy} |")
+    start = section.index("") + 1  # after the heading
+    start = section.index("", start) + 1  # and the introduction
+    return [*section[:start], *table, "", *section[start:]]
+
+
 def _claims_section(grid: dict, proxy: dict) -> list[str]:
     ap = functools.partial(run_ap, grid)
 
@@ -588,8 +631,11 @@ def _claims_section(grid: dict, proxy: dict) -> list[str]:
         beyond = paired(swept[GAMMAS[-1]], swept[1.0])
         lines.append(
             f"- on the feature proxy: gamma 1 − gamma {GAMMAS[0]:g} {rises.text()}: "
-            f"{verdict(rises)}; gamma {GAMMAS[-1]:g} − gamma 1 {beyond.text()}: "
-            + verdict(beyond, "<")
+            + verdict(rises)
+        )
+        lines.append(
+            f"- on the feature proxy: gamma {GAMMAS[-1]:g} − gamma 1 (no further gain) "
+            f"{beyond.text()}: " + verdict(beyond, "<")
         )
     lines += [
         "",
