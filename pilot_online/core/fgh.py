@@ -17,14 +17,12 @@ Example (plain PyTorch, no PILOT)::
     loss = model(x).logsumexp(1).mean(); opt.zero_grad(); loss.backward()
     fgh.step(); opt.step()
 
-Code shape (STYLE rules 1-2, after ``torch/optim/adam.py`` and ``optimizer.py``): ``_collect``
-gathers the params that have a gradient and creates their state lazily; the step itself is
-``core/fgh_functional.py``'s (a single-tensor specification and its ``torch._foreach_*`` twin);
-the options and their checks are ``core/fgh_options.py``'s. State is keyed by parameter and saved
-by position, as in ``torch.optim``. The forms are those the paper and its reviewers'
-ablation need: element-wise (Eq. 8), class-wise (the appendix) and one global coefficient
-(Baydin et al.'s HD), each pairing raw gradients or Adam's directions. What the coefficients do
-over a run is observed from outside (``core/fgh_stats.py``).
+Shaped after ``torch/optim/adam.py``: ``_collect`` gathers the params that have a gradient and
+creates their state lazily; the step is ``core/fgh_functional.py``'s (a single-tensor reference
+and its ``torch._foreach_*`` twin); options are checked in ``core/fgh_options.py``; state is keyed
+by parameter and saved by position. Forms: element-wise (Eq. 8), class-wise (appendix) and one
+global coefficient (Baydin et al.'s HD), each on raw gradients or Adam's directions. What the
+coefficients do over a run is observed from outside (``core/fgh_stats.py``).
 """
 
 from __future__ import annotations
@@ -83,9 +81,6 @@ class FineGrainedHypergradients:
     unchanged and the raw gradient is stored. Params whose ``.grad`` is None are
     skipped, state untouched. Non-finite hypergradient entries are skipped (treated as 0) and
     counted in ``num_skipped``, a device tensor read without a host sync; alpha never becomes NaN.
-
-    What the coefficients do over a run (their mean and the fractions at each clamp bound, step
-    by step) is observed from outside, by ``core/fgh_stats.py``'s :class:`AlphaStream`.
 
     Where alphas live: ``state[p]["alpha"]`` for element; the classifier weight's
     state holds the class alphas (shape [C], shared with the bias); the group's first
@@ -425,11 +420,8 @@ class FineGrainedHypergradients:
                     continue
                 expected = self._expected_shape(group, options, p, field)
                 if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected:
-                    got = (
-                        tuple(value.shape)
-                        if isinstance(value, torch.Tensor)
-                        else type(value).__name__
-                    )
+                    is_tensor = isinstance(value, torch.Tensor)
+                    got = tuple(value.shape) if is_tensor else type(value).__name__
                     raise ValueError(
                         f"state_dict entry state[{position}][{field!r}] has shape {got}, "
                         f"expected {expected}"
@@ -459,8 +451,4 @@ class FineGrainedHypergradients:
             raise ValueError(
                 f"state_dict has an alpha for a {granularity!r} parameter that shares another's"
             )
-        if granularity == "element":
-            return tuple(p.shape)
-        if granularity == "class":
-            return (p.shape[0],)
-        return ()
+        return {"element": tuple(p.shape), "class": (p.shape[0],)}.get(granularity, ())
