@@ -26,12 +26,21 @@ def test_paired_interval_worked_by_hand():
     wide = scale_model.paired({0: 51, 1: 49, 2: 53}, {0: 50, 1: 50, 2: 50})
     assert wide.mean == pytest.approx(1.0)
     assert scale_model.verdict(wide).startswith("inconclusive (these seeds detect effects beyond")
-    assert "fewer than two" in scale_model.verdict(scale_model.paired({0: 1.0}, {0: 0.0}))
+    # One paired seed has no interval: pending, not a verdict; no paired seed: not run yet.
+    one = scale_model.verdict(scale_model.paired({0: 1.0}, {0: 0.0}))
+    assert one == "pending, 1 of 3 seeds (so far: one seed gives no interval)"
+    assert scale_model.verdict_kind(f"- a − b +1.00 (one seed), n=1: {one}") == "pending"
+    assert scale_model.verdict(scale_model.paired({}, {0: 0.0})) == "not run yet"
+    assert scale_model.verdict_kind("- a − b (no paired seeds): not run yet") == "not run yet"
     # Differences 5 and 5.2: mean 5.1, sd 0.1 * sqrt(2), t(0.975, 1) = 12.7062: [3.83, 6.37]
     # excludes 0, but two seeds are under the floor of three.
     two = scale_model.paired({0: 55.0, 1: 57.2}, {0: 50.0, 1: 52.0})
     assert two.half_width == pytest.approx(12.7062 * 0.1, rel=1e-4)
     assert scale_model.verdict(two) == "pending, 2 of 3 seeds (so far: holds)"
+    # Counted as pending, not as the verdict so far.
+    assert scale_model.verdict_kind(f"- a − b {two.text()}: {scale_model.verdict(two)}") == (
+        "pending"
+    )
     # Only seeds both sides have are paired.
     assert scale_model.paired({0: 1.0, 1: 2.0}, {1: 0.0, 2: 5.0}).n == 1
 
@@ -98,7 +107,7 @@ def test_the_report_gives_each_claim_its_verdict(tmp_path, monkeypatch):
     )
     assert "| + P | - | 56.67 ± 1.53 | - |" in text  # the ablation table
     assert "6 seeded runs, 0.20 h of training and evaluation in all." in text
-    assert "inconclusive (fewer than two paired seeds)" in text  # the claims without runs yet
+    assert "(no paired seeds): not run yet" in text  # the claims without runs yet
     assert "Fig. 2" in text and "no results yet" in text
 
 
@@ -210,7 +219,7 @@ def test_matches_or_beats_is_claim_7_s_reading():
     assert scale_model.matches_or_beats(above) == "holds (beats)"
     below = scale_model.paired({0: 50, 1: 52, 2: 54}, {0: 55, 1: 58, 2: 57})
     assert scale_model.matches_or_beats(below) == "does not hold"
-    assert "fewer than two" in scale_model.matches_or_beats(scale_model.paired({0: 1}, {0: 0}))
+    assert scale_model.matches_or_beats(scale_model.paired({0: 1}, {0: 0})).startswith("pending")
 
 
 def test_the_report_has_table_2_the_reviewers_questions_and_the_overhead(tmp_path):
@@ -283,7 +292,7 @@ def test_claims_1_to_3_read_the_feature_proxy_s_paired_seeds(tmp_path):
         "- on the feature proxy, si_blurry, 5e-05: + P − base +4.67 [+0.87, +8.46], n=3: holds"
         in text
     )
-    assert "- on the feature proxy, si_blurry, 5e-05: + P + FGH − + P no paired seeds yet" in text
+    assert "- on the feature proxy, si_blurry, 5e-05: + P + FGH − + P (no paired seeds)" in text
     # Claim 6 on the proxy's sweep of the paper's form (the clamped form's records are not read):
     # gamma 1 − 1e-6 is the same 5, 6, 3; gamma 10 − 1 is 0, 0, 0 (no further gain: sd 0).
     assert "- on the feature proxy: gamma 1 − gamma 1e-06 +4.67 [+0.87, +8.46], n=3: holds" in text

@@ -172,7 +172,7 @@ class Paired:
 
     def text(self) -> str:
         if not self.n:
-            return "no paired seeds yet"
+            return "(no paired seeds)"
         interval = f"[{self.low:+.2f}, {self.high:+.2f}]" if self.n > 1 else "(one seed)"
         return f"{self.mean:+.2f} {interval}, n={self.n}"
 
@@ -196,8 +196,10 @@ MIN_SEEDS = 3
 
 def verdict(difference: Paired, claimed: str = ">") -> str:
     """Whether ``a - b`` is on the claimed side (``>``: positive) beyond the seeds' spread."""
-    if difference.n < 2:
-        return "inconclusive (fewer than two paired seeds)"
+    if difference.n == 0:
+        return "not run yet"
+    if difference.n == 1:
+        return f"pending, 1 of {MIN_SEEDS} seeds (so far: one seed gives no interval)"
     sign = 1 if claimed == ">" else -1
     low, high = sorted((sign * difference.low, sign * difference.high))
     if low > 0:
@@ -499,13 +501,12 @@ VERDICT_KINDS = ("holds", "does not hold", "inconclusive", "pending", "not run y
 
 
 def verdict_kind(line: str) -> str | None:
-    """The kind of the verdict a claim's line ends with (``- ...: <verdict>``), or None."""
+    """The kind of the verdict a claim's line ends with (``- ...: <verdict>``), or None. The
+    first ``": <kind>"`` is the verdict's: a pending one names its verdict so far after it."""
     if not line.startswith("- "):
         return None
-    tail = line.rsplit(": ", 1)[-1]
-    if tail.endswith("(fewer than two paired seeds)"):
-        return "not run yet"
-    return next((kind for kind in VERDICT_KINDS if tail.startswith(kind)), None)
+    found = [(line.find(f": {kind}"), kind) for kind in VERDICT_KINDS if f": {kind}" in line]
+    return min(found)[1] if found else None
 
 
 def summarised(section: list[str]) -> list[str]:
@@ -596,7 +597,7 @@ def _claims_section(grid: dict, proxy: dict) -> list[str]:
         falls = paired(zero, slopes["base"])
         steeper = paired(slopes["base"], slopes["p"])
         reverses = paired(slopes["fgh"], zero)
-        lines.append(f"- {lr:g}: base falls with k: slope {falls.text()} below 0: {verdict(falls)}")
+        lines.append(f"- {lr:g}: base falls with k, −slope {falls.text()}: {verdict(falls)}")
         lines.append(f"- {lr:g}: + P falls more steeply: {steeper.text()}: {verdict(steeper)}")
         lines.append(f"- {lr:g}: + P + FGH reverses it: {reverses.text()}: {verdict(reverses)}")
     lines += ["", "**5. With P, G^2 goes on after task 2 ends, and FGH enlarges it** (Fig. 3).", ""]
