@@ -26,6 +26,8 @@ def test_paired_interval_worked_by_hand():
     wide = scale_model.paired({0: 51, 1: 49, 2: 53}, {0: 50, 1: 50, 2: 50})
     assert wide.mean == pytest.approx(1.0)
     assert scale_model.verdict(wide).startswith("inconclusive (these seeds detect effects beyond")
+    assert scale_model.verdict(wide).endswith(" points)")  # AP points, unless told otherwise
+    assert scale_model.verdict(wide, unit="").endswith(f"±{wide.half_width:.2f})")  # a slope
     # One paired seed has no interval: pending, not a verdict; no paired seed: not run yet.
     one = scale_model.verdict(scale_model.paired({0: 1.0}, {0: 0.0}))
     assert one == "pending, 1 of 3 seeds (so far: one seed gives no interval)"

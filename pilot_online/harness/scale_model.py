@@ -194,8 +194,9 @@ def paired(a: dict[int, float], b: dict[int, float]) -> Paired:
 MIN_SEEDS = 3
 
 
-def verdict(difference: Paired, claimed: str = ">") -> str:
-    """Whether ``a - b`` is on the claimed side (``>``: positive) beyond the seeds' spread."""
+def verdict(difference: Paired, claimed: str = ">", unit: str = " points") -> str:
+    """Whether ``a - b`` is on the claimed side (``>``: positive) beyond the seeds' spread;
+    ``unit`` names what the difference counts (AP points; "" for a slope or a gradient norm)."""
     if difference.n == 0:
         return "not run yet"
     if difference.n == 1:
@@ -208,7 +209,7 @@ def verdict(difference: Paired, claimed: str = ">") -> str:
         found = "does not hold"
     else:
         found = (
-            f"inconclusive (these seeds detect effects beyond ±{difference.half_width:.2f} points)"
+            f"inconclusive (these seeds detect effects beyond ±{difference.half_width:.2f}{unit})"
         )
     if difference.n < MIN_SEEDS:
         return f"pending, {difference.n} of {MIN_SEEDS} seeds (so far: {found})"
@@ -597,9 +598,15 @@ def _claims_section(grid: dict, proxy: dict) -> list[str]:
         falls = paired(zero, slopes["base"])
         steeper = paired(slopes["base"], slopes["p"])
         reverses = paired(slopes["fgh"], zero)
-        lines.append(f"- {lr:g}: base falls with k, −slope {falls.text()}: {verdict(falls)}")
-        lines.append(f"- {lr:g}: + P falls more steeply: {steeper.text()}: {verdict(steeper)}")
-        lines.append(f"- {lr:g}: + P + FGH reverses it: {reverses.text()}: {verdict(reverses)}")
+        lines.append(
+            f"- {lr:g}: base falls with k, −slope {falls.text()}: {verdict(falls, unit='')}"
+        )
+        lines.append(
+            f"- {lr:g}: + P falls more steeply: {steeper.text()}: {verdict(steeper, unit='')}"
+        )
+        lines.append(
+            f"- {lr:g}: + P + FGH reverses it: {reverses.text()}: {verdict(reverses, unit='')}"
+        )
     lines += ["", "**5. With P, G^2 goes on after task 2 ends, and FGH enlarges it** (Fig. 3).", ""]
     after = {
         v: {
@@ -612,7 +619,8 @@ def _claims_section(grid: dict, proxy: dict) -> list[str]:
     for a, b in (("p", "base"), ("fgh", "p")):
         diff = paired(after[a], after[b])
         lines.append(
-            f"- mean G^2 after task 2, {LABELS[a]} − {LABELS[b]}: {diff.text()}: {verdict(diff)}"
+            f"- mean G^2 after task 2, {LABELS[a]} − {LABELS[b]}: {diff.text()}: "
+            + verdict(diff, unit="")
         )
     lines += ["", "**6. A larger gamma helps, up to about 1** (Fig. 4; CODA, 5e-5).", ""]
     by_gamma = {
