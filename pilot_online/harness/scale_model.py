@@ -890,8 +890,12 @@ def _figures_section(grid: dict, doc: Path) -> list[str]:
             continue
         try:  # a figure needs more than some of its runs (Fig. 4: two gammas at least)
             draw(runs_, folder / stem)
-        except FigureSkipped as skipped:
-            lines += [f"- {title}: not drawn yet ({skipped})", ""]
+        except FigureSkipped:  # its message names a sweep; here the grid runs the cells
+            done = sum(1 for name in names if grid.get(name))
+            lines += [
+                f"- {title}: not drawn yet ({done} of its {len(names)} runs have results)",
+                "",
+            ]
             continue
         lines += [f"**{title}**", "", f"![{title}](img/scale/{stem}.png)", ""]
     return lines
