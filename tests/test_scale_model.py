@@ -145,7 +145,7 @@ def test_dry_run_lists_the_runs_it_would_start(tmp_path, capsys):
         (exps / f"{run.name}.json").write_text((source / f"{run.name}.json").read_text())
     code = main(
         ["scale-model", "--out", str(tmp_path / "out"), "--part", "figures", "--exps", str(exps),
-         "--dry-run"]
+         "--results", str(tmp_path / "results"), "--dry-run"]
     )  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0
@@ -157,7 +157,8 @@ def test_only_picks_runs_by_name_and_refuses_unknown_ones(tmp_path, capsys):
     from pilot_online.cli.main import main
 
     name = next(r.name for r in runs() if r.part == "figures")
-    args = ["scale-model", "--out", str(tmp_path / "out"), "--dry-run", "--only"]
+    args = ["scale-model", "--out", str(tmp_path / "out"), "--results", str(tmp_path / "results"),
+            "--dry-run", "--only"]  # fmt: skip
     assert main([*args, name]) == 0
     out = capsys.readouterr().out
     assert "1 run of 3 seeds; 0 finished already" in out and f"to run: {name}" in out
