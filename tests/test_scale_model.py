@@ -47,6 +47,37 @@ def test_paired_interval_worked_by_hand():
     assert scale_model.paired({0: 1.0, 1: 2.0}, {1: 0.0, 2: 5.0}).n == 1
 
 
+def test_identical_runs_have_no_interval_and_hold_only_a_no_gain_claim():
+    """gamma 10 and gamma 1 gave the same AP at every seed: a width-0 interval is no evidence
+    of a detectable effect, and 'no further gain' is the one reading it supports."""
+    same = scale_model.paired({0: 60.5, 1: 61.0, 2: 59.0}, {0: 60.5, 1: 61.0, 2: 59.0})
+    assert same.identical and same.text() == "0 at every seed (the same value), n=3"
+    assert scale_model.verdict(same) == "does not hold (no difference at any seed)"
+    assert scale_model.verdict(same, "<") == "does not hold (no difference at any seed)"
+    assert scale_model.verdict(same, "<=") == "holds"
+    assert scale_model.verdict_kind(f"- a − b {same.text()}: {scale_model.verdict(same)}") == (
+        "does not hold"
+    )
+    # "<=" on a spread: differences -5, -6, -3 lie below 0 (holds); -1, 0, +1 straddle it.
+    below = scale_model.paired({0: 50, 1: 52, 2: 54}, {0: 55, 1: 58, 2: 57})
+    assert not below.identical and scale_model.verdict(below, "<=") == "holds"
+    level = scale_model.paired({0: 49, 1: 50, 2: 51}, {0: 50, 1: 50, 2: 50})
+    assert scale_model.verdict(level, "<=").startswith("inconclusive")
+    above = scale_model.paired({0: 55, 1: 58, 2: 57}, {0: 50, 1: 52, 2: 54})
+    assert scale_model.verdict(above, "<=") == "does not hold"
+
+
+def test_final_alpha_weights_each_group_by_its_coefficients():
+    # Groups of 10 and 30 coefficients, final means 2 and 6: (20 + 180) / 40 = 5.
+    groups = [
+        {"coefficients": 10, "final": {"mean": 2.0}},
+        {"coefficients": 30, "final": {"mean": 6.0}},
+    ]
+    results = {"extra": {"diagnostics": {"fgh": {"alpha_bounds": groups}}}}
+    assert scale_model.final_alpha(results) == pytest.approx(5.0)
+    assert scale_model.final_alpha({"extra": {}}) is None
+
+
 def test_the_grid_is_the_issue_s_minimum():
     grid = runs()
     names = [r.name for r in grid]
@@ -304,12 +335,12 @@ def test_claims_1_to_3_read_the_feature_proxy_s_paired_seeds(tmp_path):
     # gamma 1 − 1e-6 is the same 5, 6, 3; gamma 10 − 1 is 0, 0, 0 (no further gain: sd 0).
     assert "- on the feature proxy: gamma 1 − gamma 1e-06 +4.67 [+0.87, +8.46], n=3: holds" in text
     assert (
-        "- on the feature proxy: gamma 10 − gamma 1 (no further gain) +0.00 [+0.00, +0.00], n=3: "
-        "inconclusive"
+        "- on the feature proxy: gamma 10 − gamma 1 (no further gain) 0 at every seed (the same "
+        "value), n=3: holds"
     ) in text
     # The summary table counts each claim's lines by verdict: claim 1 has one proxy line that
-    # holds (si_blurry 5e-5) and three with no seeds; claim 6 one of each proxy kind.
+    # holds (si_blurry 5e-5) and three with no seeds; claim 6's two proxy lines hold.
     assert "| 1. + P improves each base method | 0 / 0 / 0 / 0 / 10 | 1 / 0 / 0 / 0 / 3 |" in text
     assert (
-        "| 6. A larger gamma helps, up to about 1 | 0 / 0 / 0 / 0 / 2 | 1 / 0 / 1 / 0 / 0 |" in text
+        "| 6. A larger gamma helps, up to about 1 | 0 / 0 / 0 / 0 / 2 | 2 / 0 / 0 / 0 / 0 |" in text
     )
