@@ -249,14 +249,27 @@ def test_newest_task_reads_the_diagonal():
 
 
 def test_matches_or_beats_is_claim_7_s_reading():
-    # Differences -1, 0, +1: mean 0, the interval reaches both sides: ours matches ER.
+    """Non-inferiority with a 3-point margin; t(0.975, 2) = 4.303 throughout."""
+    assert scale_model.MATCH_MARGIN == 3.0
+    # Differences -1, 0, +1: mean 0, half-width 4.303 * 1 / sqrt(3) = 2.48: [-2.48, +2.48]
+    # lies above -3: ours matches ER.
     level = scale_model.paired({0: 49, 1: 50, 2: 51}, {0: 50, 1: 50, 2: 50})
     assert scale_model.matches_or_beats(level).startswith("holds (matches")
-    # Differences 5, 6, 3 (worked above: [+0.87, +8.46]): beats.
+    # Differences -10, 0, +10: [-24.84, +24.84] reaches 0 but also -3: no reading either way.
+    wide = scale_model.paired({0: 40, 1: 50, 2: 60}, {0: 50, 1: 50, 2: 50})
+    assert scale_model.matches_or_beats(wide).startswith("inconclusive (the interval spans -3;")
+    assert "beyond ±24.84 points" in scale_model.matches_or_beats(wide)
+    # Differences 5, 6, 3: mean 4.67, sd 1.53, half-width 3.79: [+0.87, +8.46]: beats.
     above = scale_model.paired({0: 55, 1: 58, 2: 57}, {0: 50, 1: 52, 2: 54})
     assert scale_model.matches_or_beats(above) == "holds (beats)"
+    # The mirror, [-8.46, -0.87]: worse, yet not beyond the margin: inconclusive.
     below = scale_model.paired({0: 50, 1: 52, 2: 54}, {0: 55, 1: 58, 2: 57})
-    assert scale_model.matches_or_beats(below) == "does not hold"
+    assert scale_model.matches_or_beats(below).startswith("inconclusive")
+    # Differences -10, -11, -9: [-12.48, -7.52] lies below -3: does not hold.
+    far_below = scale_model.paired({0: 40, 1: 40, 2: 40}, {0: 50, 1: 51, 2: 49})
+    assert scale_model.matches_or_beats(far_below) == "does not hold"
+    same = scale_model.paired({0: 50, 1: 51, 2: 52}, {0: 50, 1: 51, 2: 52})
+    assert scale_model.matches_or_beats(same).startswith("holds (matches")
     assert scale_model.matches_or_beats(scale_model.paired({0: 1}, {0: 0})).startswith("pending")
 
 
@@ -265,7 +278,7 @@ def test_the_report_has_table_2_the_reviewers_questions_and_the_overhead(tmp_pat
     cells = {
         Run(*blurry, "l2p", "base", 5e-3): (40, 42, 44),
         Run(*blurry, "l2p", "fgh", 5e-3): (45, 48, 47),
-        Run(*blurry, "er", "base", 5e-3): (50, 52, 54),
+        Run(*blurry, "er", "base", 5e-3): (55, 57, 59),
         Run(*blurry, "coda", "fgh", 5e-3, tag="fgh_global"): (60, 61, 62),
         Run(*blurry, "coda", "fgh", 5e-3): (62, 64, 63),
     }
@@ -293,9 +306,9 @@ def test_the_report_has_table_2_the_reviewers_questions_and_the_overhead(tmp_pat
     assert "| L2P + ours | - | 46.67 ± 1.53 | - | 36.67 ± 1.53 |" in text
     # L2P + ours − base: differences 5, 6, 3, as worked in the first test.
     assert "- L2P, 0.005: +4.67 [+0.87, +8.46], n=3: holds" in text
-    # Claim 7: L2P + ours − ER: differences -5, -4, -7: the interval lies below 0.
-    assert "- 0.005: L2P + ours − ER -5.33" in text
-    assert text.split("- 0.005: L2P + ours − ER", 1)[1].split("\n")[0].endswith("does not hold")
+    # Claim 7: L2P + ours − ER: differences -10, -9, -12: mean -10.33, half-width
+    # 4.303 * 1.53 / sqrt(3) = 3.79: [-14.13, -6.54] lies below the -3 margin.
+    assert "- 0.005: L2P + ours − ER -10.33 [-14.13, -6.54], n=3: does not hold" in text
     # The granularity question: class-wise − global, differences 2, 3, 1.
     assert "| global | 61.00 ± 1.00 |" in text
     assert "- class-wise − global: +2.00 [-0.48, +4.48], n=3: inconclusive" in text

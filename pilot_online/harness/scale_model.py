@@ -15,7 +15,8 @@ three figures and a verdict for each of the paper's claims, from the results fil
 Verdicts rest on paired differences (same seed, same stream): the mean difference and its 95%
 interval (Student's t over the seeds). "holds" when the interval lies on the claimed side of
 zero, "does not hold" when it lies on the other, else "inconclusive", with the smallest effect
-these seeds could have detected (the interval's half-width).
+these seeds could have detected (the interval's half-width). Claim 7 ("similar or superior" to
+ER) is read as non-inferiority within ``MATCH_MARGIN`` points instead.
 """
 
 from __future__ import annotations
@@ -665,8 +666,9 @@ def _claims_section(grid: dict, proxy: dict) -> list[str]:
     lines += [
         "",
         "**7. Memory-free + ours matches or beats ER at each LR** (Si-Blurry Fashion-MNIST; ER "
-        f'keeps {ER_MEMORY} images). "Matches" is a difference whose interval reaches 0 or '
-        "above.",
+        f'keeps {ER_MEMORY} images). "Matches" is a difference whose 95% interval lies above '
+        f'-{MATCH_MARGIN:g} points (the paper\'s "similar"; `MATCH_MARGIN` says why), "beats" '
+        "one whose interval lies above 0.",
         "",
     ]
     for lr in LRS:
@@ -740,16 +742,34 @@ def _gamma_alpha_lines(grid: dict, blurry: tuple[str, str]) -> list[str]:
     ]
 
 
+#: Claim 7's margin, in AP points: "similar" performance is a difference whose 95% interval
+#: lies above -MATCH_MARGIN. The paper calls ours "similar or superior" to ER ("Memory-Free Can
+#: Surpass Memory-Based") without a number; its ER rows' standard deviations over seeds reach
+#: 3.21 points (the blurry and clear tables), so a gap inside one such spread is what "similar"
+#: can mean there.
+MATCH_MARGIN = 3.0
+
+
 def matches_or_beats(difference: Paired) -> str:
-    """Claim 7's verdict: ``a`` matches or beats ``b`` unless ``a - b``'s interval lies below 0."""
+    """Claim 7's verdict, a non-inferiority reading of ``a - b``: "holds (beats)" when the
+    interval lies above 0, "holds (matches)" when it lies above -MATCH_MARGIN, "does not hold"
+    when it lies below -MATCH_MARGIN, else inconclusive. An interval that merely reaches 0
+    matches nothing: wide enough, it would reach 0 for any gap."""
     if difference.n < 2:
         return verdict(difference)
-    if difference.high < 0:
-        found = "does not hold"
+    if difference.identical:
+        found = "holds (matches: the same value at every seed)"
     elif difference.low > 0:
         found = "holds (beats)"
+    elif difference.low > -MATCH_MARGIN:
+        found = f"holds (matches: the interval lies above -{MATCH_MARGIN:g})"
+    elif difference.high < -MATCH_MARGIN:
+        found = "does not hold"
     else:
-        found = f"holds (matches: the interval reaches 0, ±{difference.half_width:.2f})"
+        found = (
+            f"inconclusive (the interval spans -{MATCH_MARGIN:g}; these seeds detect effects "
+            f"beyond ±{difference.half_width:.2f} points)"
+        )
     if difference.n < MIN_SEEDS:
         return f"pending, {difference.n} of {MIN_SEEDS} seeds (so far: {found})"
     return found
