@@ -273,6 +273,24 @@ def test_matches_or_beats_is_claim_7_s_reading():
     assert scale_model.matches_or_beats(scale_model.paired({0: 1}, {0: 0})).startswith("pending")
 
 
+def test_claim_7_is_read_against_the_paper_s_own_table():
+    """The paper's Si-Blurry table, read by hand from its LaTeX: at 5e-5 ER (81.33 CIFAR100,
+    52.45 CUB, 55.06 Imagenet-R) is above every + ours row (best: ConvPrompt 44.23, DualPrompt
+    5.43 and 10.11); at 5e-3 and Best HP + ours is above (ConvPrompt 86.34, ...)."""
+    (text, blank) = scale_model._paper_er_lines()
+    assert blank == ""
+    assert "5e-05: ER 81.33 / 52.45 / 55.06 against 44.23 / 5.43 / 10.11, ER ahead" in text
+    assert "0.005: ER 3.14 / 1.56 / 2.00 against 86.34 / 74.89 / 62.62, ours ahead" in text
+    assert "Best HP: ER 81.33 / 52.45 / 55.06 against 86.34 / 73.88 / 62.62, ours ahead" in text
+    assert "holds in its table at 0.005 and Best HP, not at 5e-05." in text
+
+
+def test_better_lr_waits_for_every_seed_and_takes_the_higher_mean():
+    full = {5e-5: {0: 70, 1: 80, 2: 90}, 5e-3: {0: 78, 1: 79, 2: 80}}  # means 80 and 79
+    assert scale_model.better_lr(full) == 5e-5
+    assert scale_model.better_lr({**full, 5e-3: {0: 90, 1: 91}}) is None  # 2 of 3 seeds
+
+
 def test_the_report_has_table_2_the_reviewers_questions_and_the_overhead(tmp_path):
     blurry = ("rest", "fashion_mnist", "si_blurry")
     cells = {
