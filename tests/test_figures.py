@@ -39,6 +39,8 @@ def make_results(
     task_samples: tuple[int, ...] = (250, 200, 100),
     batch_size: int = 100,
     at_hi: float | None = None,
+    final_alpha: float | None = None,
+    clamp_hi: float | None = 10.0,
 ) -> dict:
     """A valid results dict (schema of core/results.py) holding only the given numbers."""
     tasks = len(task_samples)
@@ -72,7 +74,13 @@ def make_results(
         extra["periodic_evaluations"] = [{"samples_seen": s, "accuracy": a} for s, a in periodic]
     if at_hi is not None:  # FGHMixin.report's alpha_bounds, one group of 10 coefficients
         stream_stats = {"mean": 5.0, "at_lo": 0.0, "at_hi": at_hi, "steps": 6}
-        bounds = {"clamp": [0.0, 10.0], "coefficients": 10, "final": {}, "stream": stream_stats}
+        final = {} if final_alpha is None else {"mean": final_alpha, "at_hi": 0.0}
+        bounds = {
+            "clamp": [0.0, clamp_hi],
+            "coefficients": 10,
+            "final": final,
+            "stream": stream_stats,
+        }
         extra["diagnostics"] = {"fgh": {"alpha_bounds": [bounds]}}
     results = build_results(
         config=config,
@@ -244,6 +252,31 @@ def test_gamma_sensitivity_separates_the_two_fgh_forms(tmp_path) -> None:
     (bound,) = data.panels[clamp + APPENDIX]
     np.testing.assert_allclose(bound.y, [0.05, 0.6])  # seeds averaged: (0 + 0.1) / 2
     np.testing.assert_allclose(bound.std, [0.05, 0.0])
+
+
+def test_a_form_without_an_upper_bound_shows_its_final_alpha_below(tmp_path) -> None:
+    """The paper's form clamps alpha only below, so no coefficient is ever at an upper bound: its
+    lower panel shows the mean alpha at the stream's end instead (seeds averaged), while a
+    bounded form keeps the fraction at its bound."""
+    appendix = {"granularity": "class", "direction": "adam", "clamp": [0, None]}
+    unbounded = {"at_hi": 0.0, "clamp_hi": None}
+    runs = [
+        make_results(seed=0, fgh={**appendix, "gamma": 1e-4}, final_alpha=2.0, **unbounded),
+        make_results(seed=1, fgh={**appendix, "gamma": 1e-4}, final_alpha=4.0, **unbounded),
+        make_results(seed=0, fgh={**appendix, "gamma": 1.0}, final_alpha=100.0, **unbounded),
+        make_results(seed=0, fgh={"gamma": 1e-4}, at_hi=0.0, final_alpha=1.0),
+        make_results(seed=0, fgh={"gamma": 1.0}, at_hi=0.5, final_alpha=10.0),
+    ]
+    data = figures.gamma_sensitivity_figure(runs, tmp_path / "fig3")
+    assert_written(data, tmp_path / "fig3")
+    alpha, clamp = figures.ALPHA_PANEL, figures.CLAMP_PANEL
+    assert list(data.panels) == [APPENDIX, EQ8, alpha + APPENDIX, clamp + EQ8]
+    (final,) = data.panels[alpha + APPENDIX]
+    np.testing.assert_allclose(final.x, [1e-4, 1.0])
+    np.testing.assert_allclose(final.y, [3.0, 100.0])
+    np.testing.assert_allclose(final.std, [1.0, 0.0])
+    (bound,) = data.panels[clamp + EQ8]
+    np.testing.assert_allclose(bound.y, [0.0, 0.5])
 
 
 def test_gamma_default_of_the_direction_counts_as_its_value() -> None:

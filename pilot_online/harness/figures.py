@@ -23,7 +23,8 @@ figure (``--which``)      what it shows                                paper
 ``gamma``                 AP against the FGH gamma, one panel per FGH  Fig. 3
                           form and one curve per method/variant/stream
                           (a ``fgh.gamma`` sweep); below, the fraction
-                          of coefficients at the clamp's upper bound
+                          of coefficients at the clamp's upper bound,
+                          or the final mean alpha if it has none
 ``accuracy``              accuracy on the seen classes against         the A_auc curve
                           stream samples (periodic evaluations)        (Si-Blurry)
 ``heatmap``               accuracy matrix: after task l (rows), on     appendix tables
@@ -398,8 +399,12 @@ FORM_TITLES = {
     "appendix_clamp10": "appendix algorithm, clamp [0, 10]",
     "eq8": "Eq. 8: element-wise, raw gradients",
 }
-#: Fig. 3's lower panels (alpha against the clamp) are keyed by this prefix + the form's title.
+#: Fig. 3's lower panels are keyed by one of these prefixes + the form's title: for a form whose
+#: clamp has an upper bound, the fraction of coefficients at it; for one without (the paper's
+#: alpha >= 0 alone), where that fraction is 0 by construction, the mean alpha at the stream's end.
 CLAMP_PANEL = "at the clamp: "
+ALPHA_PANEL = "alpha at the end: "
+LOWER_PANELS = (CLAMP_PANEL, ALPHA_PANEL)
 
 
 def fgh_form_title(fgh: dict[str, Any]) -> str:
@@ -425,17 +430,35 @@ def _sweep_form(fgh: dict[str, Any]) -> dict[str, Any]:
     return {**fgh, "gamma": PAPER_FGH["gamma"]}
 
 
-def _at_upper_bound(results: dict[str, Any]) -> float | None:
-    """Fraction of FGH coefficients at the clamp's upper bound, averaged over the stream's steps
-    (``extra.diagnostics.fgh.alpha_bounds``, all groups weighted by size); None if not recorded."""
-    groups = results.get("extra", {}).get("diagnostics", {}).get("fgh", {}).get("alpha_bounds")
-    if not groups:
+def _alpha_groups(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """``extra.diagnostics.fgh.alpha_bounds``: one entry per FGH group, [] if not recorded."""
+    fgh = results.get("extra", {}).get("diagnostics", {}).get("fgh", {})
+    return [g for g in fgh.get("alpha_bounds") or () if g.get("coefficients")]
+
+
+def _weighted(groups: list[dict[str, Any]], values: list[float | None]) -> float | None:
+    """The groups' ``values`` averaged with each group weighted by its coefficient count."""
+    if not groups or any(v is None for v in values):
         return None
     count = sum(g["coefficients"] for g in groups)
-    values = [g["stream"].get("at_hi") for g in groups]
-    if not count or any(v is None for v in values):
-        return None
     return sum(v * g["coefficients"] for v, g in zip(values, groups)) / count
+
+
+def _at_upper_bound(results: dict[str, Any]) -> float | None:
+    """Fraction of FGH coefficients at the clamp's upper bound, averaged over the stream's steps
+    (all groups weighted by size); None if not recorded or if no group's clamp has an upper
+    bound, where the fraction is 0 by construction."""
+    groups = _alpha_groups(results)
+    if not any(g.get("clamp", [None, None])[1] is not None for g in groups):
+        return None
+    return _weighted(groups, [g["stream"].get("at_hi") for g in groups])
+
+
+def final_alpha(results: dict[str, Any]) -> float | None:
+    """The mean FGH coefficient at the stream's end over every group (weighted by size); None if
+    not recorded."""
+    groups = _alpha_groups(results)
+    return _weighted(groups, [g.get("final", {}).get("mean") for g in groups])
 
 
 def _sweep_series(label: str, points: dict[float, list[float]]) -> Series:
@@ -453,10 +476,11 @@ def gamma_sensitivity_data(runs: Sequence[dict[str, Any]], metric: str = "AP") -
     (the appendix algorithm the paper configs run, the main text's Eq. 8, or other options), one
     curve per method, variant, dataset, stream and LR. The same configuration without FGH
     (gamma = 0 disables it, Sec. 5.2), when present, is a series at x = 0 in each panel. Where the
-    runs recorded alpha against the clamp, a panel ``CLAMP_PANEL + title`` holds the fraction of
-    coefficients at the upper bound (stream mean) against gamma."""
+    runs recorded alpha, a panel below each form's holds, against gamma, the fraction of
+    coefficients at the clamp's upper bound (stream mean; ``CLAMP_PANEL + title``) or, for a form
+    with no upper bound, the mean alpha at the stream's end (``ALPHA_PANEL + title``)."""
     sweeps: dict[tuple, dict[float, list[float]]] = {}
-    at_hi: dict[tuple, dict[float, list[float]]] = {}
+    lower: dict[tuple, tuple[str, dict[float, list[float]]]] = {}  # key -> (prefix, points)
     title_of: dict[tuple, str] = {}
     baseline_of: dict[tuple, tuple] = {}  # sweep -> the same configuration without FGH
     baselines: dict[tuple, list[float]] = {}
@@ -476,8 +500,11 @@ def gamma_sensitivity_data(runs: Sequence[dict[str, Any]], metric: str = "AP") -
         sweeps.setdefault(key, {}).setdefault(gamma, []).append(value)
         used.setdefault(("FGH", key), []).append(results)
         bound = _at_upper_bound(results)
-        if bound is not None:
-            at_hi.setdefault(key, {}).setdefault(gamma, []).append(bound)
+        prefix, value = (
+            (CLAMP_PANEL, bound) if bound is not None else (ALPHA_PANEL, final_alpha(results))
+        )
+        if value is not None:
+            lower.setdefault(key, (prefix, {}))[1].setdefault(gamma, []).append(value)
         baseline_of[key] = _key(_fields(results, {**config, "fgh": None}))
     sweeps = {key: points for key, points in sweeps.items() if len(points) > 1}
     if not sweeps:
@@ -488,7 +515,7 @@ def gamma_sensitivity_data(runs: Sequence[dict[str, Any]], metric: str = "AP") -
     paper_title = fgh_form_title(PAPER_FGH)
     titles = sorted({title_of[key] for key in sweeps}, key=lambda t: (t != paper_title, t))
     panels: dict[str, list[Series]] = {title: [] for title in titles}
-    clamp_panels: dict[str, list[Series]] = {}
+    lower_panels: dict[str, list[Series]] = {}
     for key, label in _labels(sorted(sweeps, key=lambda k: tuple(map(str, k)))).items():
         title = title_of[key]
         panels[title].append(_sweep_series(label, sweeps[key]))
@@ -498,16 +525,16 @@ def gamma_sensitivity_data(runs: Sequence[dict[str, Any]], metric: str = "AP") -
             panels[title].append(
                 Series(f"{label} (γ=0: no FGH)", np.zeros(1), mean_b, std_b, len(base))
             )
-        if key in at_hi and len(at_hi[key]) > 1:
-            clamp_panels.setdefault(CLAMP_PANEL + title, []).append(
-                _sweep_series(label, at_hi[key])
-            )
+        if key in lower and len(lower[key][1]) > 1:
+            prefix, points = lower[key]
+            lower_panels.setdefault(prefix + title, []).append(_sweep_series(label, points))
     ordered = {
         **panels,
         **{
-            CLAMP_PANEL + t: clamp_panels[CLAMP_PANEL + t]
+            p + t: lower_panels[p + t]
             for t in titles
-            if CLAMP_PANEL + t in clamp_panels
+            for p in LOWER_PANELS
+            if p + t in lower_panels
         },
     }
     drawn = {("FGH", key): used[("FGH", key)] for key in sweeps} | {
@@ -754,20 +781,28 @@ def _draw_trace(data: FigureData, stem: Path) -> list[Path]:
 
 def _draw_gamma(data: FigureData, stem: Path) -> list[Path]:
     """One column per FGH form: the metric against gamma on top, and below it (when recorded) the
-    fraction of coefficients at the clamp's upper bound."""
+    fraction of coefficients at the clamp's upper bound, or the final mean alpha of a form with
+    no upper bound."""
     plt = _pyplot()
     metric = data.meta.get("metric", "AP")
-    tops = [t for t in data.panels if not t.startswith(CLAMP_PANEL)]
-    has_clamp = any(CLAMP_PANEL + t in data.panels for t in tops)
-    rows = 2 if has_clamp else 1
+    tops = [t for t in data.panels if not t.startswith(LOWER_PANELS)]
+    lowers = {t: [p for p in LOWER_PANELS if p + t in data.panels] for t in tops}
+    rows = 2 if any(lowers.values()) else 1
     fig, axes = plt.subplots(
         rows,
         len(tops),
         figsize=(6 * len(tops), 4 + 2.5 * (rows - 1)),
         squeeze=False,
         sharex="col",
-        sharey="row",  # the forms side by side on one scale
     )
+    for column in range(1, len(tops)):  # the forms side by side on one scale
+        axes[0][column].sharey(axes[0][0])
+    first_of: dict[str, Any] = {}  # lower panels of one kind share theirs
+    for column, title in enumerate(tops):
+        for prefix in lowers[title]:
+            if prefix in first_of:
+                axes[1][column].sharey(first_of[prefix])
+            first_of.setdefault(prefix, axes[1][column])
     for column, title in enumerate(tops):
         ax = axes[0][column]
         for s in data.panels[title]:
@@ -779,13 +814,17 @@ def _draw_gamma(data: FigureData, stem: Path) -> list[Path]:
         ax.set_ylabel(f"{metric} (%)")
         ax.set_title(title, fontsize="medium")
         ax.legend(fontsize="x-small")
-        if rows == 2:
-            below = axes[1][column]
-            for s in data.panels.get(CLAMP_PANEL + title, []):
+        below = axes[1][column] if rows == 2 else None
+        for prefix in lowers[title]:
+            for s in data.panels[prefix + title]:
                 below.errorbar(s.x, s.y, yerr=s.std, marker="s", capsize=3, label=s.label)
-            below.set_ylim(-0.02, 1.02)
             below.set_xscale("log")
-            below.set_ylabel("α at clamp's upper bound\n(fraction, stream mean)")
+            if prefix == CLAMP_PANEL:
+                below.set_ylim(-0.02, 1.02)
+                below.set_ylabel("α at clamp's upper bound\n(fraction, stream mean)")
+            else:
+                below.set_yscale("log")
+                below.set_ylabel("mean α at the stream's end\n(no upper bound)")
         axes[rows - 1][column].set_xlabel("FGH γ")
     fig.suptitle(_heading(data, f"Sensitivity to γ ({metric}), by FGH form"))
     return _save(fig, stem, data)

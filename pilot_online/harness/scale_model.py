@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..core.progress import plural
+from .figures import final_alpha
 from .scale.grid import ER_MEMORY, GAMMAS, LRS, PARTS, SGD_LR, Run, runs
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -722,16 +723,6 @@ def _claims_section(grid: dict, proxy: dict) -> list[str]:
                         "float32); which rows is not recorded."
                     )
     return [*lines, ""]
-
-
-def final_alpha(results: dict[str, Any]) -> float | None:
-    """The mean FGH coefficient at the stream's end over every group (weighted by size), from
-    ``extra.diagnostics.fgh.alpha_bounds``; None if not recorded."""
-    groups = results.get("extra", {}).get("diagnostics", {}).get("fgh", {}).get("alpha_bounds")
-    if not groups or not all(g.get("final", {}).get("mean") is not None for g in groups):
-        return None
-    count = sum(g["coefficients"] for g in groups)
-    return sum(g["final"]["mean"] * g["coefficients"] for g in groups) / count if count else None
 
 
 def _gamma_alpha_lines(grid: dict, blurry: tuple[str, str]) -> list[str]:
