@@ -130,8 +130,9 @@ def test_memory_and_settings_default_to_nothing():
 TRAINING_LAYERS = ("core", "engine", "methods", "pilot")
 #: The only training-side modules that name the card lookup: the registry keeps the cards and the
 #: card module defines them; the FLOP model reads one field, ``flops``, an outside method's counts
-#: (real-time evaluation prices its steps by them, as by the package table's for the others).
-CARD_KEEPERS = {"engine/registry.py", "engine/card.py", "engine/flops.py"}
+#: (real-time evaluation prices its steps by them, as by the package table's for the others);
+#: config validation reads one, ``removed_keys``, and can only refuse a config with it.
+CARD_KEEPERS = {"engine/registry.py", "engine/card.py", "engine/flops.py", "engine/config.py"}
 
 
 def test_training_code_never_reads_a_card():

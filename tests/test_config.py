@@ -12,6 +12,7 @@ from typing import ClassVar
 import pytest
 
 from pilot_online.engine.adapter import ConfigKey, MethodAdapter
+from pilot_online.engine.card import MethodCard
 from pilot_online.engine.config import ConfigError, key_reference, load_json, resolve_config
 from pilot_online.engine.registry import get_method, list_methods, register_method
 from pilot_online.harness.protocol import HP_GRID
@@ -153,6 +154,7 @@ def test_a_method_key_with_choices_is_checked_like_the_online_ones(monkeypatch):
         }
 
     monkeypatch.setitem(registry._METHODS, "choosy_online", Choosy)
+    monkeypatch.setitem(registry._CARDS, "choosy_online", MethodCard())
     with pytest.raises(
         ConfigError, match=r"'privat' \(did you mean 'private'\?\).*shared, private"
     ):

@@ -157,6 +157,8 @@ RETIRED_MEMBERS: Mapping[str, str] = {
     "with its factor on init_lr",
     "lr_scale": "override lr_scales(network): the trained parameters' names, each with its "
     "factor on init_lr",
+    "removed_keys": "move it to the method's card: MethodCard(removed_keys=...) (a key's history "
+    "is a tooling fact; resolve_config reads it there)",
     "backbone_kwargs": "delete it: the engine forces the config's pretrained, drop and drop_path "
     "on what PILOT's get_backbone branch hard-codes (engine/backbone_names.py: factory_overrides)",
 }
@@ -178,9 +180,6 @@ class MethodAdapter:
     #: The replay memory the engine keeps for the method, with its defaults (:class:`Replay`), or
     #: None: a memory-free method refuses replay unless the config says ``allow_memory: true``.
     replay: ClassVar[Replay | None] = None
-    #: Keys the method once had, each with what to do instead: a config that still sets one is
-    #: refused by name with that fix (``resolve_config``), not as an unknown key.
-    removed_keys: ClassVar[Mapping[str, str]] = {}
     #: Keys of the method's own config, with defaults; see :class:`ConfigKey`. As read from the
     #: class, it starts with the declared :class:`Replay`'s keys (``__init_subclass__`` puts them
     #: there), so every reader of a method's keys sees one table.

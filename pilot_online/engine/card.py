@@ -3,11 +3,13 @@
 The adapter (``adapter.py``) is what the online loop calls. The card is what ``make_exps``,
 ``docs``, ``doctor``, the FLOP model, the paper's tables and the upstream tests read: the row name
 in the paper, the ablation rows it can run, its smoke and paper settings, its memory and FLOP
-facts, and the upstream file it reproduces with every deliberate difference. A method passes its
+facts, the keys it once had, and the upstream file it reproduces with every deliberate
+difference. A method passes its
 card when it registers (``@register_method("foo_online", card=MethodCard(...))``), and
 :func:`~pilot_online.engine.registry.method_card` hands it to the tooling. The training loop and
 the session never read a card (``tests/test_layers.py`` holds them to it), so nothing in a card
-can change a run's numbers.
+can change a run's numbers: config validation reads its removed keys and FLOP counts, and can
+only refuse a config.
 
 A card is not inherited: a subclass registered under another name is another method, with its own
 card (``dataclasses.replace(PARENT_CARD, paper_name=...)`` when it shares most of one).
@@ -89,6 +91,9 @@ class MethodCard:
     #: and pastes them here, so that ``doctor``, the FLOP model and real-time evaluation price it.
     #: None: the package table's counts.
     flops: Mapping[str, Any] | None = None
+    #: Keys the method once had, each with what to do instead: ``resolve_config`` refuses a
+    #: config that still sets one by name, with that fix, rather than as an unknown key.
+    removed_keys: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = [row for row in self.variants if row not in ABLATION_ROWS]

@@ -474,7 +474,7 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
 
     Needs no PILOT: ``pilot-online check-config`` and the tests call it directly.
     """
-    from .registry import get_method
+    from .registry import get_method, method_card
 
     if not raw.get("model_name"):
         raise ConfigError('the config needs "model_name" (e.g. "coda_online")')
@@ -483,13 +483,14 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     except ValueError:
         raise ConfigError(unknown_method(str(raw["model_name"]))) from None
     schema: dict[str, ConfigKey] = {**PILOT_KEYS, **ONLINE_KEYS, **adapter.config_keys}
+    removed = method_card(str(raw["model_name"])).removed_keys
 
     for key in raw:
         if key in OFFLINE_KEYS:
             raise ConfigError(f"{key!r} is an offline-only key: {OFFLINE_KEYS[key]}")
-        if key in adapter.removed_keys:
+        if key in removed:
             raise ConfigError(
-                f"{key!r} was removed from {raw['model_name']}: {adapter.removed_keys[key]}; "
+                f"{key!r} was removed from {raw['model_name']}: {removed[key]}; "
                 "delete the key from the config"
             )
         if key not in schema and key not in INJECTED_KEYS:

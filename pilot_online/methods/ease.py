@@ -141,6 +141,10 @@ CARD = MethodCard(
             "A resumed run rebuilds the same sets, and evaluation timing cannot change the draws.",
         ),
     ),
+    removed_keys={
+        "adapter_num": "EASE adds one adapter subspace per consolidation firing, without a cap "
+        "(upstream: one per task)"
+    },
 )
 
 
@@ -153,10 +157,6 @@ class EaseOnline(MethodAdapter):
         "vit_base_patch16_224_in21k_ease",
     )
     consolidation: ClassVar[Consolidation] = Consolidation(trigger="new_classes")
-    removed_keys: ClassVar[dict[str, str]] = {
-        "adapter_num": "EASE adds one adapter subspace per consolidation firing, without a cap "
-        "(upstream: one per task)"
-    }
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "ffn_num": ConfigKey(64, "adapter bottleneck width (PILOT: 64)", check=integer(minimum=1)),
         "alpha": ConfigKey(

@@ -170,6 +170,11 @@ CARD = MethodCard(
             "every method with Adam, and `optimizer: sgd` is one key away.",
         ),
     ),
+    removed_keys={
+        "boosting_epochs": "online training makes one pass: boosting trains on each step",
+        "compression_epochs": "online training makes one pass: the student trains on each step",
+        "lr": "online training has one learning rate, init_lr: set that",
+    },
 )
 
 
@@ -213,11 +218,6 @@ class FosterOnline(MethodAdapter):
             False, "weight aligning is not ported (upstream's config: false)", forced=True
         ),
         "wa_value": ConfigKey(1, "weight aligning is not ported", forced=True),
-    }
-    removed_keys: ClassVar[dict[str, str]] = {
-        "boosting_epochs": "online training makes one pass: boosting trains on each step",
-        "compression_epochs": "online training makes one pass: the student trains on each step",
-        "lr": "online training has one learning rate, init_lr: set that",
     }
 
     @classmethod

@@ -92,6 +92,10 @@ CARD = MethodCard(
             "classes.",
         ),
     ),
+    removed_keys={
+        "lae_freeze_samples": "the PET's freeze window is now a share of the segment each firing "
+        "closes (lae_freeze_fraction, upstream's 3 of 5 epochs) and lae_first_freeze_samples"
+    },
 )
 
 
@@ -104,10 +108,6 @@ class LAEOnline(MethodAdapter):
     frozen_left: ClassVar[int] = 0
     #: Stream samples since the last firing (the stream's start): the open segment's length.
     segment_samples: ClassVar[int] = 0
-    removed_keys: ClassVar[dict[str, str]] = {
-        "lae_freeze_samples": "the PET's freeze window is now a share of the segment each firing "
-        "closes (lae_freeze_fraction, upstream's 3 of 5 epochs) and lae_first_freeze_samples"
-    }
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "pet_cls": ConfigKey("Prefix", "the PET module (upstream Prefix)", choices=PET_CLASSES),
         "pet_length": ConfigKey(10, "prefix tokens per block (upstream 10)", check=integer(1)),

@@ -193,6 +193,10 @@ CARD = MethodCard(
             "A task-free stream has no task ids; in a clear stream the two agree.",
         ),
     ),
+    removed_keys={
+        "mos_max_adapters": "MOS adds one adapter set per consolidation firing, without a cap "
+        "(upstream: one per task)"
+    },
 )
 
 
@@ -204,10 +208,6 @@ class MOSOnline(MethodAdapter):
         "vit_base_patch16_224_in21k_mos",
     )
     consolidation: ClassVar[Consolidation] = Consolidation(trigger="new_classes")
-    removed_keys: ClassVar[dict[str, str]] = {
-        "mos_max_adapters": "MOS adds one adapter set per consolidation firing, without a cap "
-        "(upstream: one per task)"
-    }
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "ffn_num": ConfigKey(
             16, "adapter bottleneck width (upstream mos.json: 16)", check=integer(1)
