@@ -29,7 +29,12 @@ TORCH_REFUSED = textwrap.dedent("""
             return None
 
     sys.meta_path.insert(0, RefuseTorch())
+    from pilot_online.engine import registry
     from pilot_online.cli.main import main
+
+    # The plugin's own code is held to it; a method from another package may import torch
+    # (docs/porting.md), so installed entry points are not loaded here.
+    registry._entry_points_loaded = True
     try:
         code = main(sys.argv[1:])
     except SystemExit as stop:

@@ -89,6 +89,8 @@ def format_methods(records: list[dict[str, Any]], with_keys: bool = False) -> st
             for key, spec in specs.items():
                 out.append(f"    {key:<24} default {json.dumps(spec.default):<14} {spec.doc}")
     outside = [r for r in records if not r["module"].startswith("pilot_online.")]
+    if outside:
+        out.append("")  # below the table: where each outside method comes from
     for record in outside:
         out.append(
             f"{record['name']}: from {record['module']} (a pilot_online.methods entry point)"
