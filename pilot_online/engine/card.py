@@ -4,9 +4,9 @@ The adapter (``adapter.py``) is what the online loop calls. The card is what ``m
 ``docs``, ``doctor``, the FLOP model, the paper's tables and the upstream tests read: the row name
 in the paper, the ablation rows it can run, its smoke and paper settings, its memory and FLOP
 facts, the keys it once had, and the upstream file it reproduces with every deliberate
-difference. A method passes its
-card when it registers (``@register_method("foo_online", card=MethodCard(...))``), and
-:func:`~pilot_online.engine.registry.method_card` hands it to the tooling. The training loop and
+difference. A method passes its card when it registers (``@register_method("foo_online",
+card=MethodCard(...))``), and :func:`~pilot_online.engine.registry.method_card` hands it to the
+tooling. The training loop and
 the session never read a card (``tests/test_layers.py`` holds them to it), so nothing in a card
 can change a run's numbers: config validation reads its removed keys and FLOP counts, and can
 only refuse a config.
@@ -110,7 +110,8 @@ class MethodCard:
         keys = [d.key for d in self.upstream_differences]
         if len(set(keys)) != len(keys):
             raise ValueError(f"MethodCard.upstream_differences repeats a key: {keys}")
-        object.__setattr__(self, "smoke_overrides", dict(self.smoke_overrides))  # a private copy
+        for name in ("smoke_overrides", "removed_keys"):  # private copies
+            object.__setattr__(self, name, dict(getattr(self, name)))
 
     @property
     def upstream_file(self) -> str | None:
