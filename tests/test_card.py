@@ -154,3 +154,29 @@ def test_training_code_never_reads_a_card():
             if names & {"method_card", "_CARDS"}:
                 readers.append(where)
     assert readers == []
+
+
+def test_a_key_the_card_removed_is_refused_by_name_with_its_fix(monkeypatch):
+    """A method's removed keys live on its card: a config that still sets one is refused with the
+    card's fix, not as an unknown key; the adapter class may no longer declare them."""
+    from conftest import raw_smoke_config
+
+    from pilot_online.engine.config import ConfigError, resolve_config
+
+    class Renamed(FinetuneOnline):
+        pass
+
+    monkeypatch.setitem(registry._METHODS, "renamed_online", Renamed)
+    card = MethodCard(removed_keys={"old_width": "set new_width, in pixels"})
+    monkeypatch.setitem(registry._CARDS, "renamed_online", card)
+    config = {**raw_smoke_config("finetune_online"), "model_name": "renamed_online"}
+    resolve_config(config)
+    with pytest.raises(
+        ConfigError,
+        match=r"'old_width' was removed from renamed_online: set new_width, in pixels; delete",
+    ):
+        resolve_config({**config, "old_width": 3})
+    with pytest.raises(TypeError, match=r"defines removed_keys.*MethodCard\(removed_keys=\.\.\.\)"):
+
+        class Old(FinetuneOnline):
+            removed_keys = ("old_width",)
