@@ -248,6 +248,16 @@ def test_newest_task_reads_the_diagonal():
     assert scale_model.newest_task(by_seed) == {0: 60.0}
 
 
+def test_the_lowest_newest_task_names_its_seed_and_task():
+    by_seed = {
+        0: {"metrics": {"accuracy_matrix": [[90.0, 10.0], [None, 30.0]]}},
+        1: {"metrics": {"accuracy_matrix": [[0.7, None], [50.0, 95.0]]}},
+        2: {"metrics": {"accuracy_matrix": [[None, None], [1.0, None]]}},  # no diagonal cell
+    }
+    assert scale_model.lowest_newest_task(by_seed) == (0.7, 1, 1)
+    assert scale_model.lowest_newest_task({}) is None
+
+
 def test_matches_or_beats_is_claim_7_s_reading():
     """Non-inferiority with a 3-point margin; t(0.975, 2) = 4.303 throughout."""
     assert scale_model.MATCH_MARGIN == 3.0

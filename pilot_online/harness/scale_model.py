@@ -279,6 +279,20 @@ def newest_task(by_seed: dict[int, dict[str, Any]]) -> dict[int, float]:
     return found
 
 
+def lowest_newest_task(by_seed: dict[int, dict[str, Any]]) -> tuple[float, int, int] | None:
+    """The lowest accuracy on a task just trained, over every seed and task end: (accuracy,
+    seed, task, 1-based); None without finished seeds. A newest task at 0 is what the issue saw
+    on random features."""
+    cells = [
+        (float(matrix[k][k]), seed, k + 1)
+        for seed, results in by_seed.items()
+        for matrix in [results["metrics"]["accuracy_matrix"]]
+        for k in range(len(matrix))
+        if matrix[k][k] is not None
+    ]
+    return min(cells) if cells else None
+
+
 def imbalance_slope(results: dict[str, Any]) -> float | None:
     """The least-squares slope of G^k_n against k: negative when earlier tasks get larger
     gradients (the paper's imbalance)."""
@@ -704,7 +718,18 @@ def _claims_section(grid: dict, proxy: dict) -> list[str]:
         "",
     ]
     for lr in LRS:
-        for variant in ("base", "fgh"):
+        for variant in LABELS:
+            plain = grid.get(_name("fashion_mnist", "clear", "coda", variant, lr), {})
+            lowest = lowest_newest_task(plain)
+            if lowest is not None:
+                accuracy, seed, task = lowest
+                lines.append(
+                    f"- is the task just trained learned? {LABELS[variant]}, {lr:g}: newest task "
+                    f"{mean_std(newest_task(plain))}; the lowest, {accuracy:.1f} (seed {seed}, "
+                    f"task {task})"
+                )
+    for lr in LRS:
+        for variant in STILL_VARIANTS:
             plain = grid.get(_name("fashion_mnist", "clear", "coda", variant, lr), {})
             still = grid.get(_name("fashion_mnist", "clear", "coda", variant, lr, "still"), {})
             for what, values in (("AP", metric), ("newest task", newest_task)):
