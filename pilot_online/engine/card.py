@@ -6,10 +6,9 @@ in the paper, the ablation rows it can run, its smoke and paper settings, its me
 facts, the keys it once had, and the upstream file it reproduces with every deliberate
 difference. A method passes its card when it registers (``@register_method("foo_online",
 card=MethodCard(...))``), and :func:`~pilot_online.engine.registry.method_card` hands it to the
-tooling. The training loop and
-the session never read a card (``tests/test_layers.py`` holds them to it), so nothing in a card
-can change a run's numbers: config validation reads its removed keys and FLOP counts, and can
-only refuse a config.
+tooling. The training loop and the session never read a card (``tests/test_card.py`` holds them
+to it), so nothing in a card can change a run's numbers: config validation reads its removed keys
+and FLOP counts, and can only refuse a config.
 
 A card is not inherited: a subclass registered under another name is another method, with its own
 card (``dataclasses.replace(PARENT_CARD, paper_name=...)`` when it shares most of one).

@@ -34,7 +34,14 @@ from typing import Any
 import numpy as np
 
 from ..core.progress import plural
-from .figures import final_alpha
+from .figures import (
+    FigureSkipped,
+    final_alpha,
+    gamma_sensitivity_figure,
+    gradient_imbalance_figure,
+    gradient_trace_figure,
+    task_end_steps,
+)
 from .scale.grid import ER_MEMORY, GAMMAS, LRS, PARTS, SGD_LR, Run, runs
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -267,15 +274,20 @@ def mean_std(values: dict[int, float]) -> str:
     return f"{array.mean():.2f}{std}{count}"
 
 
+def _newest_task_cells(results: dict[str, Any]) -> list[tuple[int, float]]:
+    """(task, 1-based; accuracy) on the task just trained, at each task end: the accuracy
+    matrix's recorded diagonal."""
+    matrix = results["metrics"]["accuracy_matrix"]
+    return [(k + 1, float(matrix[k][k])) for k in range(len(matrix)) if matrix[k][k] is not None]
+
+
 def newest_task(by_seed: dict[int, dict[str, Any]]) -> dict[int, float]:
     """Mean accuracy on the task just trained, at each task end (the accuracy matrix's
     diagonal): what Adam's momentum on masked rows costs."""
     found = {}
     for seed, results in by_seed.items():
-        matrix = results["metrics"]["accuracy_matrix"]
-        diagonal = [matrix[k][k] for k in range(len(matrix)) if matrix[k][k] is not None]
-        if diagonal:
-            found[seed] = float(np.mean(diagonal))
+        if cells := _newest_task_cells(results):
+            found[seed] = float(np.mean([accuracy for _, accuracy in cells]))
     return found
 
 
@@ -284,11 +296,9 @@ def lowest_newest_task(by_seed: dict[int, dict[str, Any]]) -> tuple[float, int, 
     seed, task, 1-based); None without finished seeds. A newest task at 0 is what the issue saw
     on random features."""
     cells = [
-        (float(matrix[k][k]), seed, k + 1)
+        (accuracy, seed, task)
         for seed, results in by_seed.items()
-        for matrix in [results["metrics"]["accuracy_matrix"]]
-        for k in range(len(matrix))
-        if matrix[k][k] is not None
+        for task, accuracy in _newest_task_cells(results)
     ]
     return min(cells) if cells else None
 
@@ -306,8 +316,6 @@ def imbalance_slope(results: dict[str, Any]) -> float | None:
 
 def after_task_gradient(results: dict[str, Any], task: int = 2) -> float | None:
     """Mean of G^task over the steps after its task ended (Fig. 3's right part)."""
-    from .figures import task_end_steps
-
     values = (results.get("extra") or {}).get("gradient_imbalance", {})
     trace = values.get("task_grad_norm_trace")
     ends = task_end_steps(results)
@@ -998,13 +1006,6 @@ def _overhead_lines(path: Path) -> list[str]:
 
 
 def _figures_section(grid: dict, doc: Path) -> list[str]:
-    from .figures import (
-        FigureSkipped,
-        gamma_sensitivity_figure,
-        gradient_imbalance_figure,
-        gradient_trace_figure,
-    )
-
     folder = doc.parent / "img" / "scale"
     folder.mkdir(parents=True, exist_ok=True)
     lines = ["## Figures", ""]
