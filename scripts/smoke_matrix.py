@@ -4,11 +4,16 @@
 
 Each method's smoke config (synthetic data, 32 px, random weights, CPU) is swept with
 ``pilot-online sweep``; one AP/A_T table of all runs is printed at the end.
+
+``--vit-depth 5`` builds shallower ViTs (deeper where a config places prompts in a later block:
+ConvPrompt's ``prompt_layers``), as the suite's runs through ``main.py`` do: about twice as fast,
+for a before/after comparison of two commits (``scripts/same_results.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -25,9 +30,15 @@ def main() -> int:
     parser.add_argument("--methods", default=",".join(every))
     parser.add_argument("--variants", default="base,p,fgh_only,fgh")
     parser.add_argument("--streams", default="clear,si_blurry")
+    parser.add_argument("--vit-depth", type=int, default=None, help="default: the configs' own")
     args = parser.parse_args()
     status = 0
     for method in args.methods.split(","):
+        config = EXPS / f"smoke_{method}_online.json"
+        depth = []
+        if args.vit_depth is not None:
+            layers = json.loads(config.read_text(encoding="utf-8")).get("prompt_layers") or []
+            depth = ["--grid", f"vit_depth={max([args.vit_depth, *(i + 1 for i in layers)])}"]
         status |= subprocess.call(
             [
                 sys.executable,
@@ -35,11 +46,12 @@ def main() -> int:
                 "pilot_online.cli",
                 "sweep",
                 "--config",
-                str(EXPS / f"smoke_{method}_online.json"),
+                str(config),
                 "--grid",
                 f"variant={args.variants}",
                 "--grid",
                 f"stream={args.streams}",
+                *depth,
                 "--out",
                 str(args.out / method),
             ]
