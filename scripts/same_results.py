@@ -71,8 +71,9 @@ def main() -> int:
     parser.add_argument("new", type=Path)
     args = parser.parse_args()
     if args.old.is_dir():
-        olds = {p.name: p for p in find_results([args.old])}
-        news = {p.name: p for p in find_results([args.new])}
+        # By the path under each folder: methods' runs share file names (a matrix's folders).
+        olds = {str(p.relative_to(args.old)): p for p in find_results([args.old])}
+        news = {str(p.relative_to(args.new)): p for p in find_results([args.new])}
         pairs = [(olds[n], news[n]) for n in sorted(olds) if n in news]
         missing = sorted(set(olds) ^ set(news))
     else:
@@ -83,9 +84,11 @@ def main() -> int:
     for old, new in pairs:
         lines = compare_files(old, new)
         failed |= bool(lines)
-        print(f"{new.name}: {'identical' if not lines else f'{len(lines)} differences'}")
+        where = new.relative_to(args.new) if args.new.is_dir() else new.name
+        print(f"{where}: {'identical' if not lines else f'{len(lines)} differences'}")
         for line in lines[:20]:
             print(f"  {line}")
+    print(f"{len(pairs)} pairs compared, {'some differ' if failed else 'all identical'}")
     return 1 if failed or not pairs else 0
 
 
