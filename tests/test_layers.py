@@ -3,6 +3,7 @@ no method borrowing from another method's file (``core/layers.py``)."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pilot_online
@@ -117,3 +118,34 @@ def test_scripts_and_benchmarks_import_names_that_exist():
                     except ModuleNotFoundError:
                         missing.append(f"{path.name}: {node.module}.{alias.name}")
     assert missing == []
+
+
+#: The library's layers: they log (a reader chooses what shows); only the harness and the CLI,
+#: which answer a command, print.
+LIBRARY = ("core", "engine", "methods", "pilot")
+#: The one print below the harness: the excepthook PILOT's patched main.py installs is that
+#: program's top level, where a user error is shown as its line alone (as the CLI's main does).
+TOP_LEVEL_PRINTS = {"pilot_online.pilot.errors"}
+
+
+def _prints(source: str) -> list[int]:
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "print"
+    ]
+
+
+def test_library_code_logs_and_never_prints():
+    sources = module_sources(ROOT)
+    printing = {
+        f"{module}:{line}"
+        for module, source in sources.items()
+        if module.split(".")[1:2] and module.split(".")[1] in LIBRARY
+        if module not in TOP_LEVEL_PRINTS
+        for line in _prints(source)
+    }
+    assert printing == set()
+    assert _prints(sources["pilot_online.pilot.errors"]), "TOP_LEVEL_PRINTS names a stale module"

@@ -234,6 +234,9 @@ def test_cli_run_trains_each_seed_once_and_a_rerun_trains_none(pilot, tmp_path):
     printed = [line for line in done.stdout.splitlines() if line.startswith("Average Accuracy")]
     assert len(first) == 2 and len(printed) == 4  # 2 tasks x 2 seed turns
     assert printed[:2] == first
+    # pilot-online run logs warnings only, yet the trained seed's closing line reaches stdout.
+    closing = [line for line in alone.stdout.splitlines() if line.startswith("AP ")]
+    assert len(closing) == 1 and "the paper's metric" in closing[0]
     assert (workdir / "logs").is_dir()  # PILOT's log folder follows the working directory
 
     # The same command again: every seed is complete, nothing is trained or written.

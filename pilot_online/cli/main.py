@@ -29,6 +29,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(root))
     from trainer import train  # PILOT's
 
+    from ..pilot.learner import show_run_summary
+
+    show_run_summary()
     train(config)
     return 0
 

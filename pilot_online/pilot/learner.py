@@ -10,6 +10,7 @@ model never learns where segments end: no prompt masks, no prompt freezing or co
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,21 @@ from .backbones import run_overrides
 from .data import PilotDataSource
 
 logger = logging.getLogger(__name__)
+#: The run's closing line (AP, named beside PILOT's other average), on a logger of its own: under
+#: PILOT's main.py it reaches PILOT's handlers as every INFO line does; ``pilot-online run``, which
+#: logs warnings only, shows this one on stdout (``show_run_summary``), as PILOT prints its line.
+summary_logger = logging.getLogger(f"{__name__}.summary")
+
+
+def show_run_summary() -> None:
+    """Send the closing line to stdout when nothing at INFO would show it."""
+    if summary_logger.isEnabledFor(logging.INFO) or summary_logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    summary_logger.addHandler(handler)
+    summary_logger.setLevel(logging.INFO)
+    summary_logger.propagate = False
 
 
 def pilot_log_dir(args: dict[str, Any]) -> Path:
@@ -165,11 +181,9 @@ class OnlineLearner(BaseLearner):
         if self._cur_task == self.data_manager.nb_tasks - 1:
             results = self.session.finish()
             # PILOT's trainer logs its "Average Accuracy (CNN)" right after: say which is which.
-            summary = run_summary_line(results["metrics"], self.session.written_path)
-            if logger.isEnabledFor(logging.INFO):
-                logger.info("%s", summary)
-            else:  # pilot-online run logs warnings only: print it, as PILOT prints its line
-                print(summary, flush=True)
+            summary_logger.info(
+                "%s", run_summary_line(results["metrics"], self.session.written_path)
+            )
         return cnn_accy, None
 
     def after_task(self) -> None:
