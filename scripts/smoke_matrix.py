@@ -66,7 +66,11 @@ def main() -> int:
                 str(args.out / method),
             ]
         )
-    subprocess.call([sys.executable, "-m", "pilot_online.cli", "report", str(args.out)])
+    if args.out.is_dir():
+        subprocess.call([sys.executable, "-m", "pilot_online.cli", "report", str(args.out)])
+    else:
+        print(f"no run was made, so {args.out} holds no table", file=sys.stderr)
+        status = 1
     return status
 
 

@@ -202,3 +202,15 @@ def test_pilot_main_py_imports_silence_timms_torch_jit_warning(pilot, tmp_path):
     said = stderr_of(code, env=offline_env(tmp_path), cwd=tmp_path)
     assert "torch.jit.script" not in said
     assert "FutureWarning: another FutureWarning" in said
+
+
+@pytest.mark.parametrize("command", ["report", "tables", "figures", "best"])
+def test_a_results_path_that_names_nothing_ends_in_one_line(command, tmp_path, capsys):
+    """A mistyped results folder is a user error: its line alone and exit status 2, before any
+    table or figure is made (it was a traceback)."""
+    missing = tmp_path / "runs" / "smoke_matrx"
+    extra = {"tables": ["--out", str(tmp_path / "t")], "figures": ["--out", str(tmp_path / "f")]}
+    assert main([command, str(missing), *extra.get(command, [])]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pilot-online {command}: {missing} does not exist: give results files")
+    assert err.count("\n") == 1

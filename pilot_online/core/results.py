@@ -318,6 +318,11 @@ def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:
     return results
 
 
+class ResultsNotFoundError(FileNotFoundError):
+    """A results path that names nothing: a user error (``report``, ``tables``, ``figures``,
+    ``best``), which the CLI ends in its line alone."""
+
+
 def find_results(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
     """The complete results files in ``paths`` (files, or folders searched deeply), sorted per
     folder; ``*.partial.results.json`` (failed runs) are left out."""
@@ -328,7 +333,10 @@ def find_results(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
         elif path.is_file():
             files.append(path)
         else:
-            raise FileNotFoundError(f"{path} is neither a results file nor a folder")
+            raise ResultsNotFoundError(
+                f"{path} does not exist: give results files (*{RESULTS_SUFFIX}) or folders of "
+                "them (a run writes its file into results_dir, else into PILOT's logs/)"
+            )
     return [file for file in files if ".partial" not in file.name]
 
 

@@ -32,6 +32,7 @@ def show_tracebacks(verbose: bool = False) -> bool:
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
     # Imported when an error is shown, not before: this module must stay cheap to import.
+    from ..core.results import ResultsNotFoundError
     from ..engine.checkpoint import CheckpointError
     from ..engine.config import ConfigError
     from .backbones import WeightsUnavailableError
@@ -43,6 +44,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         DatasetUnavailableError,
         WeightsUnavailableError,
         PatchError,
+        ResultsNotFoundError,
     )
 
 
