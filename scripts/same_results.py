@@ -5,8 +5,9 @@
 Compares every field of the results files (the accuracy matrix, the metrics, the counters, the
 FGH and prototype diagnostics, the stream) and the gradient-trace arrays beside them, except
 what differs between two runs of the same code on the same machine: when and how fast it ran
-(``created_utc``, ``timing``) and where its files lie (the config's path, ``results_dir``, an
-absolute ``pretrained_path``). Floats compare exactly. Prints each difference; exits 1 on any.
+(``created_utc``, ``timing``), where its files lie (the config's path, ``results_dir``, an
+absolute ``pretrained_path``) and the library versions beside it (``environment``). Floats
+compare exactly. Prints each difference; exits 1 on any.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import numpy as np
 
 from pilot_online.core.results import find_results, load_results
 
-#: Fields that vary between identical runs: the clock, and the paths of the machine.
+#: Fields that vary between identical runs: the clock, the paths and the libraries of the machine
+#: (a run on another torch or thread count that gives the same numbers is the same run).
 VOLATILE = {
     ("created_utc",),
     ("timing",),
+    ("environment",),
     ("config", "config"),
     ("config", "results_dir"),
     ("config", "pretrained_path"),
@@ -38,6 +41,8 @@ def differences(old: Any, new: Any, path: tuple[str, ...] = ()) -> list[str]:
     if isinstance(old, dict) and isinstance(new, dict):
         lines = []
         for key in sorted(set(old) | set(new), key=str):
+            if (*path, str(key)) in VOLATILE:  # older files may lack one (``environment``)
+                continue
             if key not in old or key not in new:
                 side = "new" if key in new else "old"
                 lines.append(f"{where}.{key}: only in {side}")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import copy_pilot, offline_env, raw_smoke_config, requires_pilot, vit_depth_for_tests
 
 from pilot_online.core.results import load_results
@@ -269,6 +270,12 @@ def test_pilot_smoke_run_on_the_test_device(pilot_main_run, pilot, tmp_path, dev
         report, results = run_driver(pilot, config, tmp_path)
     check_online_run(report, results, "coda", "p_fgh", "si_blurry")
     assert f"type='{device.type}'" in results["config"]["device"]
+    # What the numbers depend on beyond config and code (docs/gpu.md: the CPU's thread count).
+    environment = results["environment"]
+    assert environment["torch"] == torch.__version__ and environment["numpy"] == np.__version__
+    assert isinstance(environment["threads"], int) and environment["threads"] >= 1
+    assert environment["device"].split(":")[0] == device.type
+    assert (environment["accelerator"] is None) == (device.type == "cpu")
     if device.type == "cuda":
         assert results["timing"]["peak_memory_bytes"] > 0
         trace = results["extra"]["gradient_imbalance"]["trace_file"]

@@ -58,6 +58,7 @@ def test_the_clock_and_the_paths_may_differ(tmp_path, capsys):
         results["timing"]["train_seconds"] += 5
         results["created_utc"] = "2030-01-01T00:00:00Z"
         results["config"]["results_dir"] = "/somewhere/else"
+        results["environment"] = {"torch": "2.99.0", "threads": 16}
 
     code, out = _compare(tmp_path, capsys, elsewhere)
     assert code == 0, out

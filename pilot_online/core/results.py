@@ -36,6 +36,10 @@ timing.online_eval_seconds                 num           A_online's eval-mode pa
                                                          train_seconds nor eval_seconds)
 timing.samples_per_second                  num           training throughput
 timing.peak_memory_bytes                   int|null      peak accelerator memory; null if unknown
+environment                                object        what the numbers depend on beyond config
+                                                         and code: python, torch, numpy and timm
+                                                         versions, threads (CPU intra-op threads),
+                                                         device, accelerator (a GPU's name)
 counters.optimizer_steps                   int           optimizer steps taken
 counters.samples_seen                      int           stream samples consumed
 counters.online_scored_samples             int           stream samples scored for A_online
@@ -76,7 +80,8 @@ The classes of task k are those first exposed in task k (``stream.tasks[k].new_c
 ``metrics.F_last`` follows upstream Si-Blurry: the mean, over classes whose best earlier
 end-of-task accuracy is above zero, of that best minus the final accuracy.
 
-Required keys: all top-level keys above, the four ``timing`` and four ``counters`` keys, and
+Required keys: all top-level keys above but ``environment`` (older files lack it), the
+four ``timing`` and four ``counters`` keys, and
 ``metrics.accuracy_matrix``, ``metrics.A_k``, ``metrics.AP``, ``metrics.A_T``. Readers must
 ignore keys they do not know; adding keys does not change ``schema_version``.
 
@@ -255,6 +260,7 @@ def build_results(
     timing: dict[str, Any],
     counters: dict[str, Any],
     extra: dict[str, Any] | None = None,
+    environment: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Assemble one run's results dict and validate it (ValueError names missing keys)."""
     results = {
@@ -268,6 +274,7 @@ def build_results(
         "timing": timing,
         "counters": counters,
         "extra": {} if extra is None else extra,
+        **({"environment": environment} if environment is not None else {}),
     }
     validate_results(results)
     return results

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import io
 import logging
+import platform
 import weakref
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +19,33 @@ import numpy as np
 
 from ..core import metrics
 from ..core.files import write_atomic
+from ..core.lazy import torch
 from ..core.results import build_results, to_jsonable, write_results
 from .events import RunListener, peak_memory_bytes
 
 logger = logging.getLogger(__name__)
+
+
+def run_environment(device: Any) -> dict[str, Any]:
+    """What a run's numbers depend on beyond its config and code: the library versions, the
+    CPU's intra-op thread count (a reduction's order follows it, so on the CPU another count
+    changes the last bits, and FGH can grow them: ``docs/gpu.md``) and the accelerator."""
+
+    def version(package: str) -> str | None:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.version.__version__,
+        "numpy": np.__version__,
+        "timm": version("timm"),
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+        "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    }
 
 
 class ResultsFile(RunListener):
@@ -102,6 +127,7 @@ class ResultsFile(RunListener):
                     "skipped_nonfinite", 0
                 ),
             },
+            environment=run_environment(loop.device),
             extra={
                 **({"resumed_from": session.resumed_from} if session.resumed_from else {}),
                 **({"realtime": realtime} if realtime is not None else {}),
