@@ -21,6 +21,12 @@ from pathlib import Path
 EXPS = Path(__file__).resolve().parent.parent / "exps"
 
 
+def vit_depth_for(config: dict, minimum: int) -> int:
+    """``minimum`` blocks, or deeper where ``config`` places prompts in a later block
+    (ConvPrompt's ``prompt_layers``: 0-6). The suite's runs through main.py use it too."""
+    return max([minimum, *(layer + 1 for layer in config.get("prompt_layers") or [])])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/smoke_matrix"))
@@ -35,8 +41,9 @@ def main() -> int:
     status = 0
     for method in args.methods.split(","):
         config = EXPS / f"smoke_{method}_online.json"
-        # The rows the method runs are those it has paper configs for (its card's variants:
-        # SimpleCIL, RanPAC and FeCAM, which P and FGH cannot act on, have base alone).
+        # The rows the method runs are those it has paper configs for: its card's variants as
+        # make_exps wrote them (SimpleCIL, RanPAC and FeCAM: base alone). Read from exps/, not
+        # the card, so that the script also drives an older checkout's package.
         variants = [
             v for v in args.variants.split(",") if (EXPS / f"{method}_online_{v}.json").is_file()
         ]
@@ -47,8 +54,8 @@ def main() -> int:
             continue
         depth = []
         if args.vit_depth is not None:
-            layers = json.loads(config.read_text(encoding="utf-8")).get("prompt_layers") or []
-            depth = ["--grid", f"vit_depth={max([args.vit_depth, *(i + 1 for i in layers)])}"]
+            smoke = json.loads(config.read_text(encoding="utf-8"))
+            depth = ["--grid", f"vit_depth={vit_depth_for(smoke, args.vit_depth)}"]
         status |= subprocess.call(
             [
                 sys.executable,

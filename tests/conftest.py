@@ -162,8 +162,8 @@ TEST_VIT_DEPTH = 5
 
 def vit_depth_for_tests(config: dict[str, Any]) -> int:
     """:data:`TEST_VIT_DEPTH`, or deeper where the config places prompts in a later block
-    (ConvPrompt's ``prompt_layers``: 0-6)."""
-    return max([TEST_VIT_DEPTH, *(layer + 1 for layer in config.get("prompt_layers") or [])])
+    (ConvPrompt's ``prompt_layers``: 0-6): ``scripts/smoke_matrix.py``'s rule."""
+    return load_script("smoke_matrix").vit_depth_for(config, TEST_VIT_DEPTH)
 
 
 def raw_smoke_config(method: str) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 import pilot_online
-from pilot_online.core.layers import LAYERS, circles, module_sources, violations
+from pilot_online.core.layers import LAYERS, circles, layer_of, module_sources, violations
 
 ROOT = Path(pilot_online.__file__).resolve().parent
 
@@ -143,7 +143,7 @@ def test_library_code_logs_and_never_prints():
     printing = {
         f"{module}:{line}"
         for module, source in sources.items()
-        if module.split(".")[1:2] and module.split(".")[1] in LIBRARY
+        if layer_of(module) is not None and LAYERS[layer_of(module)] in LIBRARY
         if module not in TOP_LEVEL_PRINTS
         for line in _prints(source)
     }
