@@ -12,9 +12,16 @@ from typing import ClassVar
 import pytest
 from conftest import raw_smoke_config
 
+from pilot_online.core.checks import integer
 from pilot_online.engine.adapter import ConfigKey, MethodAdapter
 from pilot_online.engine.card import MethodCard
-from pilot_online.engine.config import ConfigError, key_reference, load_json, resolve_config
+from pilot_online.engine.config import (
+    VARIANTS,
+    ConfigError,
+    key_reference,
+    load_json,
+    resolve_config,
+)
 from pilot_online.engine.registry import get_method, list_methods, register_method
 from pilot_online.harness.protocol import HP_GRID
 
@@ -168,6 +175,67 @@ def test_a_method_key_with_choices_is_checked_like_the_online_ones(monkeypatch):
     )
     with pytest.raises(ConfigError, match=r"did you mean 'si_blurry'"):
         resolve_config(smoke(stream="si_blury"))
+
+
+def test_a_rule_that_reads_other_keys_sits_on_its_key_and_runs_after_every_own_check(
+    monkeypatch,
+):
+    """A key's ``cross_check`` sees the resolved config (defaults filled in, the trigger's
+    default set) only once every value passed its own check, and its error names the method."""
+    from pilot_online.engine import registry
+
+    seen: list[dict] = []
+
+    def rule(cfg):
+        seen.append(dict(cfg))
+        if cfg["pool_size"] > cfg["batch_size"]:
+            raise ValueError("pool_size must not exceed batch_size: set pool_size <= batch_size")
+
+    class Ruled(get_method("coda_online")):
+        config_keys: ClassVar[dict[str, ConfigKey]] = {
+            **get_method("coda_online").config_keys,
+            "pool_size": ConfigKey(2, "a pool", check=integer(1), cross_check=rule),
+        }
+
+    monkeypatch.setitem(registry._METHODS, "ruled_online", Ruled)
+    monkeypatch.setitem(registry._CARDS, "ruled_online", MethodCard())
+    with pytest.raises(ConfigError, match=r"^ruled_online: pool_size must not exceed batch_size"):
+        resolve_config(smoke(model_name="ruled_online", pool_size=10**6))
+    assert seen[-1]["consolidation"] == "never"  # resolved: the method's default trigger is in
+    seen.clear()
+    with pytest.raises(ConfigError, match="pool_size must be a positive integer"):
+        resolve_config(smoke(model_name="ruled_online", pool_size="ten"))  # no rule ran
+    assert seen == []
+    assert resolve_config(smoke(model_name="ruled_online"))["pool_size"] == 2
+
+
+def test_check_config_is_retired_with_the_fix():
+    with pytest.raises(TypeError, match=r"check_config.*cross_check"):
+
+        class Old(MethodAdapter):
+            @classmethod
+            def check_config(cls, cfg):
+                pass
+
+
+@pytest.mark.parametrize("variant", [VARIANTS["p"], VARIANTS["fgh_only"]], ids=["p", "fgh"])
+def test_a_method_that_takes_no_gradient_step_refuses_p_and_fgh(variant, monkeypatch):
+    """The engine refuses P and FGH for every ``trains = False`` method (SimpleCIL, an outside
+    one alike): they act on gradients, so they would run to no effect."""
+    from pilot_online.engine import registry
+
+    raw = {**raw_smoke_config("simplecil_online"), **variant}
+    with pytest.raises(ConfigError, match=r"^simplecil_online trains no parameter.*\"fgh\": null"):
+        resolve_config(raw)
+
+    class Frozen(get_method("coda_online")):
+        trains: ClassVar[bool] = False
+
+    monkeypatch.setitem(registry._METHODS, "frozen_online", Frozen)
+    monkeypatch.setitem(registry._CARDS, "frozen_online", MethodCard())
+    with pytest.raises(ConfigError, match="frozen_online trains no parameter"):
+        resolve_config(smoke(model_name="frozen_online", **variant))
+    assert resolve_config(smoke(model_name="frozen_online", **VARIANTS["base"]))["fgh"] is None
 
 
 def test_malformed_json_names_the_line(tmp_path):

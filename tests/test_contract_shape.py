@@ -16,12 +16,12 @@ ADAPTER = REPO / "pilot_online" / "engine" / "adapter.py"
 MIXINS = REPO / "pilot_online" / "engine" / "mixins.py"
 PORTING = REPO / "docs" / "porting.md"
 PHASES = ("build", "step", "boundary", "evaluation", "state")
-MAX_OPTIONAL_HOOKS = 13
+MAX_OPTIONAL_HOOKS = 12
 MAX_DECLARED_FIELDS = 6
 #: Distinct hook names a reader of the contract meets: the adapter's optional hooks and the
 #: loop-level hooks the mixins override (which share the adapter's names where they share its
 #: moment: loss_terms, after_backward, observe, report).
-MAX_HOOK_NAMES = 17
+MAX_HOOK_NAMES = 16
 
 
 def source_groups() -> dict[str, list[str]]:

@@ -282,3 +282,13 @@ def check_blocks(cfg: Any, *keys: str) -> None:
                 f"{key}={list(cfg[key])!r} names block {late[0]}, past the last block of the "
                 f"{depth}-block ViT: use indices in [0, {depth - 1}]"
             )
+
+
+def within_vit_depth(key: str) -> Callable[[Any], None]:
+    """A ``ConfigKey.cross_check`` for a key of block indices: each names a block of the ViT the
+    config builds (:func:`vit_depth`), checked once ``vit_depth`` itself has passed its check."""
+
+    def cross_check(cfg: Any) -> None:
+        check_blocks(cfg, key)
+
+    return cross_check

@@ -14,8 +14,8 @@ the classifier layer, so the loop, masking, optimiser, evaluation and logging ex
 
 What the engine keeps for a method, the method declares rather than codes: a replay memory
 (:class:`Replay`), when its task-boundary step runs and whether a teacher is kept for it
-(:class:`Consolidation`), its config keys (:class:`ConfigKey`). Beyond the three required
-methods, the optional hooks are grouped by phase in the class body (build, step, boundary,
+(:class:`Consolidation`), its config keys and their rules (:class:`ConfigKey`). Beyond the three
+required methods, the optional hooks are grouped by phase in the class body (build, step, boundary,
 evaluation, state), as ``docs/porting.md``'s table lists them (``tests/test_contract_shape.py``).
 
 Adapters import PILOT lazily (inside ``build_network``), so registering one needs no PILOT.
@@ -159,6 +159,8 @@ RETIRED_MEMBERS: Mapping[str, str] = {
     "factor on init_lr",
     "removed_keys": "move it to the method's card: MethodCard(removed_keys=...) (a key's history "
     "is a tooling fact; resolve_config reads it there)",
+    "check_config": "move each rule to the key it is about: ConfigKey(..., check=...) for the "
+    "value alone, cross_check=... for a rule that reads other keys (L2P's top_k <= size)",
     "backbone_kwargs": "delete it: the engine forces the config's pretrained, drop and drop_path "
     "on what PILOT's get_backbone branch hard-codes (engine/backbone_names.py: factory_overrides)",
 }
@@ -230,11 +232,6 @@ class MethodAdapter:
         raise NotImplementedError
 
     # -- build: once, before the first step --------------------------------------------------------
-    @classmethod
-    def check_config(cls, cfg: Mapping[str, Any]) -> None:
-        """Reject bad values of the method's own keys with a ValueError that says what to set
-        (``resolve_config`` reports it as a ConfigError)."""
-
     def lr_scales(self, network: nn.Module) -> dict[str, float]:
         """Which parameters train, and how fast: the names of the parameters the optimiser and FGH
         see (everything with ``requires_grad`` by default), in order, each with its factor on the

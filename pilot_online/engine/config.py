@@ -522,10 +522,13 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     _check_backbone(cfg, adapter)
     _check_consolidation(cfg, adapter)
     _check_fgh_bound(cfg)
-    try:
-        adapter.check_config(cfg)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"{cfg['model_name']}: {err}") from None
+    _check_gradient_free(cfg, adapter)
+    for spec in adapter.config_keys.values():  # the method's rules that read other keys
+        if spec.cross_check is not None:
+            try:
+                spec.cross_check(cfg)
+            except (TypeError, ValueError) as err:
+                raise ConfigError(f"{cfg['model_name']}: {err}") from None
     _check_replay(cfg, raw, adapter)
     try:  # online_iter / realtime / online_accuracy together (core/realtime.py, engine/flops.py)
         check_realtime_config(cfg, adapter)
@@ -556,6 +559,18 @@ def _check_fgh_bound(cfg: dict[str, Any]) -> None:
             "does not normalise a growing coefficient, so the step grows with it without limit. "
             f"Use optimizer {' or '.join(SCALE_FREE_OPTIMIZERS)}, or {fix}"
         )
+
+
+def _check_gradient_free(cfg: dict[str, Any], adapter: Any) -> None:
+    """P's loss and FGH act on gradients: a method that takes no gradient step (``trains =
+    False``: SimpleCIL's class means) refuses both, rather than run them to no effect."""
+    if adapter.trains or not (cfg["online_prototypes"] or cfg["fgh"] is not None):
+        return
+    raise ConfigError(
+        f"{cfg['model_name']} trains no parameter (it learns without gradients), so P's loss and "
+        'FGH, which act on gradients, have nothing to act on: set "online_prototypes": false and '
+        '"fgh": null'
+    )
 
 
 def _check_consolidation(cfg: dict[str, Any], adapter: Any) -> None:

@@ -24,6 +24,11 @@ class ConfigKey:
     ``check`` validates the value where the key is defined: ``check(key, value)`` raises a
     TypeError or ValueError naming the key, what it must be and what it got (``core.checks``
     builds the common ones: ``integer(minimum=1)``, ``boolean``, ``optional(...)``).
+    ``cross_check`` validates it against the rest of the resolved config, after every value has
+    passed its own check: ``cross_check(cfg)`` raises a ValueError that says what to set (L2P's
+    ``top_k`` no larger than its pool's ``size``; a block index within ``vit_depth``). A method's
+    constraint that involves engine keys sits on the method's key it is about (LAE's PET module
+    cannot run under ``sdpa``), so a method's checks are all in its key table.
     """
 
     default: Any
@@ -31,6 +36,7 @@ class ConfigKey:
     forced: bool = False  # online training needs exactly this value (a different one is an error)
     choices: tuple | None = None
     check: Callable[[str, Any], Any] | None = None
+    cross_check: Callable[[Mapping[str, Any]], None] | None = None
 
 
 def option(key: ConfigKey) -> Any:

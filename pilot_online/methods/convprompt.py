@@ -26,10 +26,9 @@ gradient-norm clipping at 1.0 (upstream's CIFAR config).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from ..core.checks import boolean, check_blocks, integer, list_of, text
+from ..core.checks import boolean, integer, list_of, text, within_vit_depth
 from ..core.lazy import nn, torch
 from ..engine.adapter import ConfigKey, MethodAdapter, StepOutput
 from ..engine.backbone_names import pilot_backbones
@@ -53,6 +52,7 @@ class ConvPromptOnline(MethodAdapter):
             check=list_of(
                 integer(0), "a list of distinct block indices", min_length=1, distinct=True
             ),
+            cross_check=within_vit_depth("prompt_layers"),
         ),
         "length": ConfigKey(
             20,
@@ -78,10 +78,6 @@ class ConvPromptOnline(MethodAdapter):
             True, "keep norm1/norm2 of frozen blocks trainable, as upstream does", check=boolean
         ),
     }
-
-    @classmethod
-    def check_config(cls, cfg: Mapping[str, Any]) -> None:
-        check_blocks(cfg, "prompt_layers")
 
     def build_network(self, args: dict) -> nn.Module:
         import timm

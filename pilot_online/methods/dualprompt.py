@@ -20,10 +20,10 @@ unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
 from typing import Any, ClassVar
 
-from ..core.checks import boolean, check_blocks, integer, list_of
+from ..core.checks import boolean, integer, list_of, within_vit_depth
 from ..core.lazy import nn
 from ..engine.adapter import ConfigKey
 from ..engine.backbone_names import pilot_backbones
@@ -44,16 +44,26 @@ DUALPROMPT_KEYS: dict[str, ConfigKey] = {
     "use_g_prompt": ConfigKey(True, "general (task-shared) prompt", check=boolean),
     "g_prompt_length": ConfigKey(5, "G-prompt length (paper: 5)", check=integer(1)),
     "g_prompt_layer_idx": ConfigKey(
-        [0, 1], "layers that get the G-prompt", check=list_of(integer(0), BLOCKS, distinct=True)
+        [0, 1],
+        "layers that get the G-prompt",
+        check=list_of(integer(0), BLOCKS, distinct=True),
+        cross_check=within_vit_depth("g_prompt_layer_idx"),
     ),
     "use_prefix_tune_for_g_prompt": ConfigKey(True, "prefix-tune the G-prompt", check=boolean),
     "use_e_prompt": ConfigKey(True, "expert prompt pool", check=boolean),
     "e_prompt_layer_idx": ConfigKey(
-        [2, 3, 4], "layers that get E-prompts", check=list_of(integer(0), BLOCKS, distinct=True)
+        [2, 3, 4],
+        "layers that get E-prompts",
+        check=list_of(integer(0), BLOCKS, distinct=True),
+        cross_check=within_vit_depth("e_prompt_layer_idx"),
     ),
     "use_prefix_tune_for_e_prompt": ConfigKey(True, "prefix-tune the E-prompts", check=boolean),
     **{key: spec for key, spec in L2POnline.config_keys.items() if key not in _HEAD},
-    "top_k": ConfigKey(1, "E-prompts selected per sample (at most size)", check=integer(1)),
+    "top_k": dataclasses.replace(  # L2P's key and its rule (top_k <= size), another default
+        L2POnline.config_keys["top_k"],
+        default=1,
+        doc="E-prompts selected per sample (at most size)",
+    ),
     "same_key_value": ConfigKey(False, "share prefix keys and values", check=boolean),
 }
 
@@ -106,11 +116,6 @@ class DualPromptOnline(L2POnline):
     base_model_name: ClassVar[str] = "dualprompt"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("dualprompt")
     config_keys: ClassVar[dict[str, ConfigKey]] = DUALPROMPT_KEYS
-
-    @classmethod
-    def check_config(cls, cfg: Mapping[str, Any]) -> None:
-        super().check_config(cfg)
-        check_blocks(cfg, "g_prompt_layer_idx", "e_prompt_layer_idx")
 
     def build_network(self, args: dict) -> nn.Module:
         """PILOT's DualPrompt network, with each sample's E-prompt prefixes laid out per sample."""

@@ -104,6 +104,15 @@ def state_bytes(args: Mapping[str, Any]) -> int:
     return 4 * 5 * VIT_B16_PARAMETERS
 
 
+def _below_one(cfg: Mapping[str, Any], key: str) -> None:
+    """An effective-number beta below 1: at 1 the effective number ``1 - beta**n`` is 0."""
+    if cfg[key] >= 1:
+        raise ValueError(
+            f"{key} must be below 1 (the effective number 1 - beta**n is 0 at 1); "
+            f"got {cfg[key]}: upstream uses 0.96 and 0.97"
+        )
+
+
 CARD = MethodCard(
     paper_name="FOSTER",
     grows=True,  # a second branch and the student from the first firing on
@@ -199,10 +208,16 @@ class FosterOnline(MethodAdapter):
     )
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "beta1": ConfigKey(
-            0.96, "effective-number beta of the boosting CE's class weights", check=real(0, 1)
+            0.96,
+            "effective-number beta of the boosting CE's class weights",
+            check=real(0, 1),
+            cross_check=lambda cfg: _below_one(cfg, "beta1"),
         ),
         "beta2": ConfigKey(
-            0.97, "effective-number beta of the compression BKD's class weights", check=real(0, 1)
+            0.97,
+            "effective-number beta of the compression BKD's class weights",
+            check=real(0, 1),
+            cross_check=lambda cfg: _below_one(cfg, "beta2"),
         ),
         "lambda_okd": ConfigKey(1.0, "weight of the old branch's distillation", check=real(0)),
         "T": ConfigKey(2.0, "distillation temperature (KD and BKD)", check=real(positive=True)),
@@ -219,15 +234,6 @@ class FosterOnline(MethodAdapter):
         ),
         "wa_value": ConfigKey(1, "weight aligning is not ported", forced=True),
     }
-
-    @classmethod
-    def check_config(cls, cfg: Mapping[str, Any]) -> None:
-        for key in ("beta1", "beta2"):
-            if cfg.get(key, 0.0) >= 1:
-                raise ValueError(
-                    f"{key} must be below 1 (the effective number 1 - beta**n is 0 at 1); "
-                    f"got {cfg[key]}: upstream uses 0.96 and 0.97"
-                )
 
     # -- the network ------------------------------------------------------------------------------
     def build_network(self, args: dict) -> nn.Module:

@@ -28,6 +28,17 @@ from ..engine.registry import register_method
 #: uninitialised or the query undefined).
 INITIALISERS = ("zero", "uniform")
 EMBEDDING_KEYS = ("mean", "max", "mean_max", "cls")
+
+
+def _top_k_within_pool(cfg: Mapping[str, Any]) -> None:
+    """The prompts a sample selects come from the pool: ``top_k`` at most ``size``."""
+    if cfg["top_k"] > cfg["size"]:
+        raise ValueError(
+            f"top_k={cfg['top_k']} prompts cannot be selected from a pool of size="
+            f"{cfg['size']}: set top_k <= size"
+        )
+
+
 BACKBONE_PREFIXES = "a list of parameter-name prefixes"
 
 PROMPT_POOL_KEYS: dict[str, ConfigKey] = {
@@ -46,7 +57,12 @@ PROMPT_POOL_KEYS: dict[str, ConfigKey] = {
     "prompt_pool": ConfigKey(True, "use a prompt pool", check=boolean),
     "size": ConfigKey(10, "prompt pool size (paper: 10)", check=integer(1)),
     "length": ConfigKey(5, "prompt length", check=integer(1)),
-    "top_k": ConfigKey(5, "prompts selected per sample (at most size)", check=integer(1)),
+    "top_k": ConfigKey(
+        5,
+        "prompts selected per sample (at most size)",
+        check=integer(1),
+        cross_check=_top_k_within_pool,
+    ),
     "initializer": ConfigKey("uniform", "prompt initialiser", choices=INITIALISERS),
     "prompt_key": ConfigKey(True, "learnable prompt keys", check=boolean),
     "prompt_key_init": ConfigKey("uniform", "prompt-key initialiser", choices=INITIALISERS),
@@ -74,14 +90,6 @@ class L2POnline(MethodAdapter):
     base_model_name: ClassVar[str] = "l2p"
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("l2p")
     config_keys: ClassVar[dict[str, ConfigKey]] = PROMPT_POOL_KEYS
-
-    @classmethod
-    def check_config(cls, cfg: Mapping[str, Any]) -> None:
-        if cfg["top_k"] > cfg["size"]:
-            raise ValueError(
-                f"top_k={cfg['top_k']} prompts cannot be selected from a pool of size="
-                f"{cfg['size']}: set top_k <= size"
-            )
 
     def build_network(self, args: dict) -> nn.Module:
         from utils.inc_net import PromptVitNet

@@ -57,6 +57,16 @@ def paper_settings(dataset: str, stream: str) -> dict[str, Any]:
     return {"init_lr": 0.0028125}
 
 
+def _pet_without_sdpa(cfg: Mapping[str, Any]) -> None:
+    """The PET module lives inside PILOT's attention, which ``sdpa`` replaces."""
+    if cfg.get("sdpa"):
+        raise ValueError(
+            "sdpa: true cannot run LAE: its attention adds the PET module's prompts, "
+            "prefixes and adapters inside PILOT's forward, which sdpa does not reproduce; "
+            'set "sdpa": false'
+        )
+
+
 CARD = MethodCard(
     paper_name="LAE",
     smoke_overrides={
@@ -109,7 +119,12 @@ class LAEOnline(MethodAdapter):
     #: Stream samples since the last firing (the stream's start): the open segment's length.
     segment_samples: ClassVar[int] = 0
     config_keys: ClassVar[dict[str, ConfigKey]] = {
-        "pet_cls": ConfigKey("Prefix", "the PET module (upstream Prefix)", choices=PET_CLASSES),
+        "pet_cls": ConfigKey(
+            "Prefix",
+            "the PET module (upstream Prefix)",
+            choices=PET_CLASSES,
+            cross_check=_pet_without_sdpa,
+        ),
         "pet_length": ConfigKey(10, "prefix tokens per block (upstream 10)", check=integer(1)),
         "down_sample_dim": ConfigKey(5, "adapter bottleneck width (upstream 5)", check=integer(1)),
         "ema_decay": ConfigKey(
@@ -142,15 +157,6 @@ class LAEOnline(MethodAdapter):
             check=boolean,
         ),
     }
-
-    @classmethod
-    def check_config(cls, cfg: Mapping[str, Any]) -> None:
-        if cfg.get("sdpa"):
-            raise ValueError(
-                "sdpa: true cannot run LAE: its attention adds the PET module's prompts, "
-                "prefixes and adapters inside PILOT's forward, which sdpa does not reproduce; "
-                'set "sdpa": false'
-            )
 
     def build_network(self, args: dict) -> nn.Module:
         from utils.inc_net import LAE  # PILOT, imported lazily

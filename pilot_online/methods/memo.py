@@ -63,6 +63,15 @@ def memo_state_bytes(args: Mapping[str, Any]) -> int:
     return factor * 4 * MEMO_BRANCH_PARAMETERS * (DEROnline.expected_branches(args) - 1)
 
 
+def _generalized_blocks_exist(cfg: Mapping[str, Any]) -> None:
+    """MEMO splits the ViT into generalized blocks and a last, specialized one: it needs two."""
+    if cfg.get("vit_depth") == 1:
+        raise ValueError(
+            "vit_depth 1 leaves MEMO no generalized block (the specialized extractor is the "
+            "last block): set it to 2 or more, or null for upstream's 12"
+        )
+
+
 CARD = dataclasses.replace(
     DER_CARD,
     paper_name="MEMO",
@@ -94,6 +103,7 @@ class MEMOOnline(DEROnline):
             False,
             "keep training the generalized blocks after the first firing (upstream's key: false)",
             check=boolean,
+            cross_check=_generalized_blocks_exist,
         ),
         "train_adaptive": ConfigKey(
             False,
@@ -104,15 +114,6 @@ class MEMOOnline(DEROnline):
             1.0, "weight of the auxiliary loss (upstream's key and value: 1.0)", check=real(0)
         ),
     }
-
-    @classmethod
-    def check_config(cls, cfg: Mapping[str, Any]) -> None:
-        super().check_config(cfg)
-        if cfg.get("vit_depth") == 1:
-            raise ValueError(
-                "vit_depth 1 leaves MEMO no generalized block (the specialized extractor is the "
-                "last block): set it to 2 or more, or null for upstream's 12"
-            )
 
     def build_network(self, args: dict) -> nn.Module:
         from utils.inc_net import AdaptiveNet  # PILOT, imported lazily

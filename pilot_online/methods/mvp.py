@@ -52,10 +52,9 @@ Differences from upstream, and why:
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from ..core.checks import boolean, check_blocks, integer, list_of, real
+from ..core.checks import boolean, integer, list_of, real, within_vit_depth
 from ..core.lazy import F, nn, torch
 from ..core.masks import mask_logits
 from ..core.mvp_losses import (
@@ -81,11 +80,17 @@ MVP_KEYS: dict[str, ConfigKey] = {
         10, "keys, E-prompts and class-mask rows (upstream: 10)", check=integer(1)
     ),
     "pos_g_prompt": ConfigKey(
-        [0, 1], "blocks that get the G-prompt (prompt tuning)", check=_BLOCKS
+        [0, 1],
+        "blocks that get the G-prompt (prompt tuning)",
+        check=_BLOCKS,
+        cross_check=within_vit_depth("pos_g_prompt"),
     ),
     "len_g_prompt": ConfigKey(5, "G-prompt tokens per block", check=integer(1)),
     "pos_e_prompt": ConfigKey(
-        [2, 3, 4], "blocks that get the selected E-prompt (prompt tuning)", check=_BLOCKS
+        [2, 3, 4],
+        "blocks that get the selected E-prompt (prompt tuning)",
+        check=_BLOCKS,
+        cross_check=within_vit_depth("pos_e_prompt"),
     ),
     "len_e_prompt": ConfigKey(20, "E-prompt tokens per block", check=integer(1)),
     "use_last_layer": ConfigKey(
@@ -130,10 +135,6 @@ class MVPOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "l2p"  # PILOT's ViT module whose plain ViT we reuse
     backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("l2p")
     config_keys: ClassVar[dict[str, ConfigKey]] = MVP_KEYS
-
-    @classmethod
-    def check_config(cls, cfg: Mapping[str, Any]) -> None:
-        check_blocks(cfg, "pos_g_prompt", "pos_e_prompt")
 
     def build_network(self, args: dict) -> nn.Module:
         import timm

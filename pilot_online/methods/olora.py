@@ -59,7 +59,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from ..core.checks import boolean, check_blocks, integer, list_of, optional, real
+from ..core.checks import boolean, integer, list_of, optional, real, within_vit_depth
 from ..core.lazy import F, nn, no_grad, torch
 from ..core.lora import (
     BUFFER_PAIRINGS,
@@ -144,6 +144,7 @@ class OLoRAOnline(MethodAdapter):
             None,
             "ViT block indices that get LoRA; null = all (upstream)",
             check=optional(list_of(integer(0), "a list of distinct block indices", distinct=True)),
+            cross_check=within_vit_depth("lora_layer"),
         ),
         "loss_window_length": ConfigKey(
             5,
@@ -202,10 +203,6 @@ class OLoRAOnline(MethodAdapter):
     }
 
     # -- network -------------------------------------------------------------------------------
-    @classmethod
-    def check_config(cls, cfg: Mapping[str, Any]) -> None:
-        check_blocks(cfg, "lora_layer")
-
     def build_network(self, args: dict) -> nn.Module:
         import timm  # lazily: methods/ imports no timm (and no torch) when imported
 

@@ -90,6 +90,21 @@ FIRST_SESSION_CARD = MethodCard(
 )
 
 
+def _first_session_ends(cfg: Mapping[str, Any]) -> None:
+    """The analytic head takes no gradient step, and a tuned first session must end for it to be
+    used: P and FGH are refused, and so is the trigger ``never`` with a first session."""
+    if cfg.get("online_prototypes") or cfg.get("fgh") is not None:
+        raise ValueError(
+            "the analytic head takes no gradient step, so P's loss and FGH have nothing to "
+            'act on: set "online_prototypes": false and "fgh": null'
+        )
+    if cfg.get("tune_first_session", True) and cfg.get("consolidation") == "never":
+        raise ValueError(
+            'consolidation "never" would never end the first session, so the analytic head '
+            "would never be used: name a trigger, or set tune_first_session false"
+        )
+
+
 class FirstSessionAnalyticOnline(FinetuneOnline):
     """First-session PETL tuning until the trigger's first firing, then an analytic head from
     feature statistics accumulated in :meth:`observe`. Subclasses define the statistics
@@ -109,6 +124,7 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
             "train the PETL module and a cosine head until the trigger's first firing (upstream: "
             "tuned_epoch epochs on the first task); false: the backbone stays as built",
             check=boolean,
+            cross_check=_first_session_ends,
         ),
         **AperAdapterOnline.config_keys,
         "vpt_type": ConfigKey(
@@ -118,20 +134,6 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
         ),
         "prompt_token_num": ConfigKey(5, "VPT prompt tokens per layer", check=integer(1)),
     }
-
-    @classmethod
-    def check_config(cls, cfg: Mapping[str, Any]) -> None:
-        if cfg.get("online_prototypes") or cfg.get("fgh") is not None:
-            raise ValueError(
-                "the analytic head takes no gradient step, so P's loss and FGH have nothing to "
-                'act on: set "online_prototypes": false and "fgh": null'
-            )
-        tune, trigger = cfg.get("tune_first_session", True), cfg.get("consolidation")
-        if tune and trigger == "never":
-            raise ValueError(
-                'consolidation "never" would never end the first session, so the analytic head '
-                "would never be used: name a trigger, or set tune_first_session false"
-            )
 
     #: The network buffers that hold the analytic head (:meth:`new_head`'s names).
     head_names: ClassVar[tuple[str, ...]] = ()

@@ -16,8 +16,7 @@ so P and FGH, which act on gradients, have nothing to act on and are refused.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from ..core.lazy import F, nn, no_grad, torch
 from ..engine.adapter import StepOutput
@@ -44,15 +43,6 @@ CARD = MethodCard(
 class SimpleCILOnline(LinearProbeOnline):
     base_model_name: ClassVar[str] = "simplecil"
     trains: ClassVar[bool] = False
-
-    @classmethod
-    def check_config(cls, cfg: Mapping[str, Any]) -> None:
-        if cfg.get("online_prototypes") or cfg.get("fgh") is not None:
-            raise ValueError(
-                "SimpleCIL trains no parameter, so P's loss and FGH (which act on gradients) have "
-                "nothing to act on; its classifier already is the class means P keeps. Set "
-                '"online_prototypes": false and "fgh": null'
-            )
 
     def build_network(self, args: dict) -> nn.Module:
         from ..core.prototypes import PrototypeBank

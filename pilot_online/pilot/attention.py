@@ -14,7 +14,8 @@ included; PILOT's files are not touched. Recognised (by class name and attribute
   FeCAM, EASE, MOS), with separate ``q_proj``, ``k_proj`` and ``v_proj``.
 
 An attention module that does more inside its forward (LAE's prompts, prefixes and adapters in
-``vit_lae``) is not recognised: such a method refuses ``sdpa: true`` in its ``check_config``.
+``vit_lae``) is not recognised: such a method refuses ``sdpa: true`` in a ``cross_check`` of one
+of its keys.
 
 fp32 results match the hand-written attention to rounding (a different summation order), not
 bit for bit; off by default.
