@@ -35,7 +35,7 @@ import pytest
 import torch
 from torch import nn
 
-from pilot_online.engine.adapter import MethodAdapter, StepOutput, TrainingBatch
+from pilot_online.engine.adapter import MethodAdapter, StepOutput, TrainedStep, TrainingBatch
 from pilot_online.engine.registry import load_builtin_methods
 
 #: tests/upstream_watch.py: a test_upstream_<stem>.py module must run the PILOT code it claims.
@@ -186,6 +186,17 @@ def classification_term(
     seen[labels] = True
     batch = TrainingBatch(out.logits, labels, len(labels), seen, torch.zeros_like(seen), mask=mask)
     return adapter.loss_terms(network, out, batch)["ce"]
+
+
+def stream_step(
+    out: StepOutput, labels: torch.Tensor, inputs: torch.Tensor | None = None
+) -> TrainedStep:
+    """The batch's own step as ``after_step`` gets it from the loop, on a stream batch with no
+    replayed rows: ``out`` its pre-update outputs, ``labels`` its labels (``inputs`` stand-ins
+    of the batch's length when the test has none)."""
+    if inputs is None:
+        inputs = torch.zeros(len(labels), 1)
+    return TrainedStep(inputs, labels, len(labels), {}, out)
 
 
 def smoke_config(method: str, num_classes: int = 8, **overrides: Any) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import torch
 from conftest import TinyNet, unit_config
 from torch import nn
 
+from pilot_online.engine.adapter import TrainedStep
 from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.registry import method_card
 from pilot_online.methods.duct import ClassPeriods, DUCTOnline, sinkhorn, transported_rows
@@ -171,7 +172,7 @@ def test_the_anchor_features_come_from_the_kept_copy():
     weight, bias = torch.randn(8, 5, generator=g), torch.randn(8, generator=g)
     adapter.anchor = [weight, bias]
     x, y = torch.randn(6, 5, generator=g), torch.tensor([0, 2, 0, 2, 2, 1])
-    adapter.after_step(network, x, y, {})
+    adapter.after_step(network, TrainedStep(x, y, len(y), {}))
     expected = torch.relu(x @ weight.T + bias)  # not the network's own weights
     assert not torch.allclose(network.body.weight, weight)
     for c in (0, 1, 2):

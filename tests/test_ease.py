@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import build_network, raw_smoke_config, requires_pilot, smoke_config
+from conftest import build_network, raw_smoke_config, requires_pilot, smoke_config, stream_step
 from torch import nn
 
 from pilot_online import get_method
@@ -224,7 +224,7 @@ def test_class_means_per_subspace_and_the_home_subspace() -> None:
     def observe(active_features, labels, frozen=None):
         extras = {} if frozen is None else {"frozen": torch.tensor(frozen).unsqueeze(0)}
         out = StepOutput(torch.zeros(len(labels), 4), torch.tensor(active_features), extras=extras)
-        adapter.observe(network, out, torch.tensor(labels))
+        adapter.after_step(network, stream_step(out, torch.tensor(labels)))
 
     observe([[1.0, 0], [3.0, 0], [0, 1.0], [0, 2.0]], [0, 0, 1, 1])
     observe([[0, 3.0]], [1])

@@ -11,6 +11,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from conftest import stream_step
 from torch import nn
 
 from pilot_online.engine.mixins import build_loop
@@ -158,7 +159,7 @@ def test_the_pet_trains_in_the_last_40_percent_of_cub_and_cifar_sized_tasks(task
             if adapter.frozen_left <= 0:
                 trained += size
             out = adapter.forward(network, torch.randn(size, 4), train=True)
-            adapter.observe(network, out, torch.zeros(size, dtype=torch.long))
+            adapter.after_step(network, stream_step(out, torch.zeros(size, dtype=torch.long)))
         if firing > 0:
             assert abs(trained / task - 0.4) <= 10 / task, (firing, trained)
         adapter.consolidate(network, firing)

@@ -84,10 +84,11 @@ class Recorder:
             {n: p.grad.clone() for n, p in self.named_parameters if p.grad is not None}
         )
 
-    def observe(self, out, labels) -> None:
-        super().observe(out, labels)
-        self.events.append("observe")
-        self.after.append((out.features.detach().clone(), labels.clone()))
+    def after_step(self, step) -> None:
+        super().after_step(step)
+        if step.stream is not None:
+            self.events.append("observe")
+            self.after.append((step.stream.features.detach().clone(), step.stream_labels.clone()))
 
 
 def make_data(seed: int = 0):

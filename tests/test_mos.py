@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import build_network, raw_smoke_config, requires_pilot, smoke_config
+from conftest import build_network, raw_smoke_config, requires_pilot, smoke_config, stream_step
 from torch import nn
 
 from pilot_online import get_method
@@ -212,7 +212,7 @@ def test_consolidation_is_upstreams_task_end_step(mos):
     assert sets[0].training and len(sets) == 1
     labels = torch.tensor([0, 1, 2, 3] * 2)
     out = adapter.forward(network, IMAGES[:8], train=True)
-    adapter.observe(network, out, labels)
+    adapter.after_step(network, stream_step(out, labels, IMAGES[:8]))
     with torch.no_grad():
         sets[0][0].up_proj.weight.add_(0.01)  # make set 0 distinguishable from a fresh init
     head = [p.detach().clone() for p in network.backbone.head.parameters()]
@@ -234,7 +234,7 @@ def test_consolidation_is_upstreams_task_end_step(mos):
     out = adapter.forward(network, IMAGES[8:16], train=True)
     for name in ("prototype_features", "statistics_features"):  # set 0, eval mode
         torch.testing.assert_close(out.extras[name], adapter.features(network, IMAGES[8:16], 0))
-    adapter.observe(network, out, torch.tensor([2, 3, 4, 5] * 2))
+    adapter.after_step(network, stream_step(out, torch.tensor([2, 3, 4, 5] * 2), IMAGES[8:16]))
     assert network.class_slot_counts[:, 1].tolist() == [0, 0, 2, 2, 2, 2]
     assert adapter.statistics_pulls(network) == 12 * 4
     set0, set1 = adapter_set(network, 0), adapter_set(network, 1)

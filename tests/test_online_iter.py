@@ -150,3 +150,63 @@ def test_online_iter_one_is_the_single_step_bit_for_bit() -> None:
     assert one_loader.draws == default_loader.draws
     for a, b in zip(one.network.parameters(), default.network.parameters()):
         assert torch.equal(a, b)
+
+
+class RecordingAdapter(LinearAdapter):
+    """Records each ``after_step``: whether it carried the stream batch, and the batch's rows."""
+
+    def after_step(self, network, step):
+        self.calls = getattr(self, "calls", [])
+        self.calls.append((step.stream is not None, len(step.inputs), step.stream_size))
+        return ()
+
+
+def test_after_step_follows_every_update_and_carries_the_stream_batch_at_its_own_step() -> None:
+    """k = 3: three calls per batch, after each update; only the last (the batch's own step)
+    carries the stream batch's outputs, so a method observes the batch once."""
+    adapter = RecordingAdapter()
+    loop = OnlineLoop(adapter, LinearNet(), {**CONFIG, "online_iter": 3}, 4)
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(1))
+    loop.train_step(x, torch.tensor([0, 1, 2, 3, 0, 1]))
+    loop.train_step(x, torch.tensor([0, 1, 2, 3, 0, 1]))
+    assert adapter.calls == [(False, 6, 6), (False, 6, 6), (True, 6, 6)] * 2
+
+
+class NonFiniteOwnStep(RecordingAdapter):
+    """The batch's third forward (its own step at k = 3) gives a NaN loss."""
+
+    def forward(self, network, x, train):
+        self.forwards = getattr(self, "forwards", 0) + 1
+        out = super().forward(network, x, train)
+        if train and self.forwards == 3:
+            return StepOutput(out.logits * float("nan"), out.features)
+        return out
+
+
+def test_a_batch_whose_own_step_is_skipped_is_not_observed() -> None:
+    """As at k = 1: a skipped step observes nothing, even when the extra steps before it were
+    finite (they update, and their after_step runs without the stream batch)."""
+    adapter = NonFiniteOwnStep()
+    loop = build_loop(
+        adapter, LinearNet(), {**CONFIG, "online_iter": 3, "online_prototypes": True}, 4
+    )
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(1))
+    stats = loop.train_step(x, torch.tensor([0, 1, 2, 3, 0, 1]))
+    assert adapter.calls == [(False, 6, 6), (False, 6, 6)]
+    assert loop.optimizer_steps == 2 and not stats.skipped
+    assert int(loop.prototypes.counts.sum()) == 0  # the prototypes did not observe it either
+    assert loop.trigger.samples == 6  # the trigger counts the batch after its finite steps
+
+
+def test_the_retired_hook_and_signature_are_refused_with_the_fix() -> None:
+    with pytest.raises(TypeError, match=r"observe.*after_step\(network, step\)"):
+
+        class Observing(LinearAdapter):
+            def observe(self, network, out, labels):
+                pass
+
+    with pytest.raises(TypeError, match=r"after_step takes \(self, network, step\)"):
+
+        class OldSignature(LinearAdapter):
+            def after_step(self, network, inputs, labels, terms):
+                return ()

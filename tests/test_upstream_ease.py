@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 import torch.nn.functional as F
-from conftest import classification_term, requires_pilot
+from conftest import classification_term, requires_pilot, stream_step
 from torch import nn
 
 from pilot_online import get_method
@@ -230,7 +230,7 @@ def test_difference_running_class_means(pilot_on_path) -> None:
     adapter.set_mode(network, train=True)
     torch.manual_seed(3)
     out = adapter.forward(network, x, train=True)
-    adapter.observe(network, out, labels)
+    adapter.after_step(network, stream_step(out, labels, x))
     active = network.class_means[2].means
     torch.testing.assert_close(active[0], out.features[:3].mean(0).detach())
     vit.eval()

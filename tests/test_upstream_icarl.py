@@ -25,7 +25,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import PILOT_ROOT, build_smoke_method, classification_term, make_exps, requires_pilot
+from conftest import (
+    PILOT_ROOT,
+    build_smoke_method,
+    classification_term,
+    make_exps,
+    requires_pilot,
+    stream_step,
+)
 from test_upstream_finetune import (
     BASE_ROW,
     NUM_CLASSES,
@@ -249,7 +256,8 @@ def test_the_herding_memory_is_upstreams_build_rehearsal_memory(icarl: Built) ->
         batch_labels = torch.tensor(labels[rows])
         loop.replay_batch(rows, batch_labels)
         features = torch.from_numpy(vectors[rows])
-        loop.observe(StepOutput(torch.zeros(len(rows), NUM_CLASSES), features), batch_labels)
+        out = StepOutput(torch.zeros(len(rows), NUM_CLASSES), features)
+        loop.after_step(stream_step(out, batch_labels))
         upstream_task_end(learner, data, classes=max(task) + 1)
         for c in range(max(task) + 1):
             assert loop.memory.stored[c].tolist() == upstream_exemplars(learner, c), (task, c)

@@ -22,12 +22,12 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import requires_pilot, smoke_config
+from conftest import requires_pilot, smoke_config, stream_step
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from pilot_online.engine.adapter import trained_parameters
+from pilot_online.engine.adapter import TrainedStep, trained_parameters
 from pilot_online.engine.loop import make_optimizer
 from pilot_online.methods.mos import MOSOnline
 
@@ -171,7 +171,7 @@ def test_training_step_is_upstreams(pilot_on_path):
         lr_scales=list(adapter.lr_scales(ours).values()),
     )
     ours_optimizer.step()
-    adapter.after_step(ours, IMAGES, LABELS, {})
+    adapter.after_step(ours, TrainedStep(IMAGES, LABELS, len(LABELS), {}))
 
     torch.testing.assert_close(out.features, theirs["features"], rtol=0, atol=1e-5)
     torch.testing.assert_close(ours.backbone.head.weight.grad, vit.head.weight.grad)
@@ -202,7 +202,7 @@ def test_merge_strength_is_upstreams_without_a_gradient(pilot_on_path):
     adapter.set_mode(ours, train=True)
     with torch.no_grad():
         adapter.forward(ours, IMAGES, train=True)
-    adapter.after_step(ours, IMAGES, LABELS, {})
+    adapter.after_step(ours, TrainedStep(IMAGES, LABELS, len(LABELS), {}))
     keep = 0.9 ** (DEPTH + 1)
     expected = [keep * a + (1 - keep) * (x + y) / 2 for a, x, y in zip(values[2], *values[:2])]
     got = [p.detach() for p in ours.backbone.adapter_list[STORED].parameters()]
@@ -252,7 +252,7 @@ def our_statistics(adapter: MOSOnline, ours: nn.Module) -> None:
     adapter.set_mode(ours, train=True)
     with torch.no_grad():
         out = adapter.forward(ours, IMAGES, train=True)
-    adapter.observe(ours, out, LABELS)
+    adapter.after_step(ours, stream_step(out, LABELS, IMAGES))
 
 
 @pytest.mark.parametrize("stored", [0, STORED])
@@ -368,7 +368,7 @@ def test_difference_running_class_statistics(pilot_on_path):
         with torch.no_grad():
             out = adapter.forward(ours, IMAGES[half], train=True)
             ours.backbone.adapter_list[0][0].up_proj.weight.add_(0.5)  # a training step
-        adapter.observe(ours, out, LABELS[half])
+        adapter.after_step(ours, stream_step(out, LABELS[half], IMAGES[half]))
         seen.append(out.extras["statistics_features"])
     vit.eval()
     with torch.no_grad():

@@ -274,7 +274,7 @@ class CoTransportState(nn.Module):
 
     ``class_means``: running means of each class's L2-normalised stream features (upstream's
     ``_extract_class_means`` averages normalised vectors too; it normalises the mean when it uses
-    it, as :meth:`COILOnline.observe` does). ``seen``: the loop's ``batch.seen`` as of the last
+    it, as :meth:`COILOnline.after_step` does). ``seen``: the loop's ``batch.seen`` as of the last
     step, so that ``known`` (set at a firing) is the loop's ``known``. At a firing the old classes'
     means and head rows are kept (``anchor_means``, ``anchor_rows``: upstream's task-end means and
     ``fc.weight``); ``transported`` marks the classes arrived since, whose rows the transport set,

@@ -174,7 +174,7 @@ def check_realtime_config(cfg: Mapping[str, Any], adapter: Any) -> None:
 
     - ``online_accuracy: false`` with ``realtime``: real-time mode scores every batch;
     - ``online_iter`` > 1 for a method that trains nothing (``trains = False``): there is no
-      optimiser step to repeat, and repeating ``observe`` would count the batch twice.
+      optimiser step to repeat, and repeating its observation would count the batch twice.
 
     The FLOP model's own check (it counts the method and the reference) is
     ``engine.flops.check_flop_counts``."""
@@ -182,7 +182,7 @@ def check_realtime_config(cfg: Mapping[str, Any], adapter: Any) -> None:
     if int(cfg.get("online_iter", 1)) > 1 and not getattr(adapter, "trains", True):
         raise ValueError(
             f"online_iter={cfg['online_iter']}, but {name} trains nothing by gradients (it "
-            "learns in observe()): there is no optimiser step to repeat. Remove online_iter"
+            "learns in after_step()): there is no optimiser step to repeat. Remove online_iter"
         )
     mode = cfg.get("realtime")
     if mode is None:

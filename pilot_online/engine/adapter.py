@@ -23,6 +23,7 @@ Adapters import PILOT lazily (inside ``build_network``), so registering one need
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -77,6 +78,27 @@ class TrainingBatch:
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` with the classes outside :attr:`mask` at ``-inf`` (unchanged without one)."""
         return logits if self.mask is None else mask_logits(logits, self.mask)
+
+
+@dataclass(frozen=True)
+class TrainedStep:
+    """One optimiser step, as :meth:`MethodAdapter.after_step` sees it after the update."""
+
+    #: The batch the step trained on: the stream batch's ``stream_size`` rows, then any replayed.
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    stream_size: int
+    #: The step's loss terms by name, detached (``"ce"``, the method's, the mixins').
+    terms: Mapping[str, torch.Tensor]
+    #: The stream batch's outputs before the update (logits and features cut to its rows;
+    #: ``extras`` as the forward returned them) at the batch's own step, its observation; None at
+    #: the extra steps ``online_iter`` > 1 takes before it.
+    stream: StepOutput | None = None
+
+    @property
+    def stream_labels(self) -> torch.Tensor:
+        """The stream batch's labels (the first ``stream_size`` of :attr:`labels`)."""
+        return self.labels[: self.stream_size]
 
 
 @dataclass(frozen=True)
@@ -142,6 +164,9 @@ RETIRED_MEMBERS: Mapping[str, str] = {
     "default_consolidation": "declare consolidation = Consolidation(trigger=...)",
     "needs_consolidation": "declare consolidation = Consolidation(required=...)",
     "keeps_teacher": "declare consolidation = Consolidation(teacher=True)",
+    "observe": "move it into after_step(network, step): at the batch's own step, step.stream "
+    "holds the stream batch's pre-update outputs and step.stream_labels its labels (None at "
+    "online_iter's extra steps)",
     "train_forward_predicts": "delete it: A_online always scores with an eval-mode pass",
     "train_mode": "override set_mode(network, train) and handle train=True",
     "eval_mode": "override set_mode(network, train) and handle train=False",
@@ -187,7 +212,7 @@ class MethodAdapter:
     #: there), so every reader of a method's keys sees one table.
     config_keys: ClassVar[Mapping[str, ConfigKey]] = {}
     #: Whether the method learns by gradient steps. False (SimpleCIL's class means): the loop
-    #: runs no backward pass and no optimiser step; the method learns in :meth:`observe`.
+    #: runs no backward pass and no optimiser step; the method learns in :meth:`after_step`.
     trains: ClassVar[bool] = True
     #: When the method's task-boundary step runs and what the engine keeps for it
     #: (:class:`Consolidation`): by default no trigger and no teacher.
@@ -201,6 +226,12 @@ class MethodAdapter:
             raise TypeError(
                 f"{cls.__name__} defines {', '.join(retired)}, which the method contract no "
                 f"longer reads: {'; '.join(f'{m}: {RETIRED_MEMBERS[m]}' for m in retired)}"
+            )
+        if "after_step" in vars(cls) and _parameter_count(vars(cls)["after_step"]) != 3:
+            raise TypeError(
+                f"{cls.__name__}.after_step takes (self, network, step) now: the batch's inputs, "
+                "labels and terms are step.inputs, step.labels and step.terms, and the stream "
+                "batch's observation (once observe) is step.stream at the batch's own step"
             )
         body = vars(cls).get("config_keys", {})
         inherited = [getattr(base, "config_keys", {}) for base in cls.__mro__[1:]]
@@ -284,22 +315,21 @@ class MethodAdapter:
         Nothing by default."""
         return {}
 
-    def after_step(
-        self,
-        network: nn.Module,
-        inputs: torch.Tensor,
-        labels: torch.Tensor,
-        terms: Mapping[str, torch.Tensor],
-    ) -> Iterable[nn.Parameter]:
-        """After the optimiser step, with the step's detached loss terms (oLoRA detects loss
-        plateaus and merges its adapter here). Returns the parameters the method restarted,
-        whose optimiser and FGH state the loop then drops; none by default."""
-        return ()
+    def after_step(self, network: nn.Module, step: TrainedStep) -> Iterable[nn.Parameter]:
+        """After each optimiser step (:class:`TrainedStep`: the batch it trained on, with its
+        replayed rows, and its detached loss terms): the method's work that follows an update
+        (LAE's EMA of the PET, MoS's adapter merge, oLoRA's plateau window and merge).
 
-    def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
-        """After each step, the stream batch's outputs (computed before the step's update) and
-        labels: a method that learns without gradients (``trains = False``) learns here, as
-        SimpleCIL folds the batch into its class means. Nothing by default."""
+        At the batch's own step, ``step.stream`` holds the stream batch's outputs as they were
+        before the update, and ``step.stream_labels`` its labels: the stream batch observed once,
+        without replayed samples (SimpleCIL folds it into its class means, SLCA and RanPAC into
+        their statistics). It is None at the extra steps ``online_iter`` > 1 takes first. A
+        method that learns without gradients (``trains = False``) gets this call once per batch,
+        after its forward, with no update before it.
+
+        Returns the parameters the method restarted, whose optimiser and FGH state the loop then
+        drops; none by default."""
+        return ()
 
     # -- boundary: when the consolidation trigger fires --------------------------------------------
     def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
@@ -401,6 +431,12 @@ class MethodAdapter:
         head = nn.Linear(int(in_features), int(args["nb_classes"]))
         setattr(network, attr, head)
         return head
+
+
+def _parameter_count(function: Any) -> int:
+    """How many parameters ``function`` declares, through decorators (``functools.wraps``): a
+    retired signature shows in it."""
+    return len(inspect.signature(function).parameters)
 
 
 def trained_parameters(

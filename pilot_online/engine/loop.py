@@ -29,7 +29,14 @@ from ..core.masks import LOGIT_MASKS, classes_present, mask_logits, training_mas
 from ..core.realtime import scores_online
 from ..core.rng import capture_rng_state, restore_rng_state
 from ..core.triggers import make_trigger
-from .adapter import Consolidated, MethodAdapter, StepOutput, TrainingBatch, parameters_named
+from .adapter import (
+    Consolidated,
+    MethodAdapter,
+    StepOutput,
+    TrainedStep,
+    TrainingBatch,
+    parameters_named,
+)
 from .eval_cache import QueryCache, QueryCacheOptions
 from .options import ConfigKey, Options, option
 from .teacher import Teacher
@@ -303,7 +310,7 @@ class OnlineLoop:
         if not self.named_parameters and adapter.trains:
             raise ValueError(
                 f"{type(adapter).__name__} exposes no trainable parameters; a method that learns "
-                "without gradients sets trains = False and learns in observe()"
+                "without gradients sets trains = False and learns in after_step()"
             )
         self.optimizer = make_optimizer(
             config.get("optimizer", "adam"),
@@ -356,7 +363,7 @@ class OnlineLoop:
     # -- hooks (mixins override and call super()) -------------------------------------------------
     # A mixin builds its component in ``__init__``, after ``super().__init__`` made the optimiser;
     # the step hooks share the adapter's names and moments (``loss_terms``, ``after_backward``,
-    # ``observe``), the state hooks torch's (``state_dict``, ``load_state_dict``).
+    # ``after_step``), the state hooks torch's (``state_dict``, ``load_state_dict``).
     def replay_batch(
         self, indices: np.ndarray | None, labels: torch.Tensor, repeat: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -376,10 +383,11 @@ class OnlineLoop:
         """Between backward and the optimiser step, on finite steps, after the adapter's
         ``after_backward`` (DGR's class reweighting): the mixins' (FGH), which see its result."""
 
-    def observe(self, out: StepOutput, labels: torch.Tensor) -> None:
-        """After the batch's last finite optimiser step, with its (pre-update) outputs on the
-        stream batch only, as the adapter's ``observe``: replayed samples are not new observations
-        of the stream."""
+    def after_step(self, step: TrainedStep) -> None:
+        """After each optimiser step, once the adapter's ``after_step`` ran and what it restarted
+        was dropped: the same :class:`TrainedStep`, whose ``stream`` (the stream batch's
+        pre-update outputs, at the batch's own step) is what the prototypes and the herding
+        memory observe; replayed samples are not new observations of the stream."""
 
     def parameters_changed(self, change: ParameterChange) -> None:
         """The one place a change of the trained parameters is applied (mixins call ``super()``
@@ -486,19 +494,21 @@ class OnlineLoop:
         Replayed samples join the stream batch in one forward pass (a ViT normalises per sample,
         so for the methods without batch-level state this equals two passes, at less cost; with
         the prompt vote of L2P/DualPrompt the replayed samples vote too, and MVP counts their key
-        use); the loss is the mean over both. Counters, accuracy and ``observe`` cover the
-        stream batch only. ``online_correct`` is scored before anything of the step changes the
-        model (A_online), by :meth:`predict_online`: an eval-mode pass under the evaluation view,
-        which the training forward is not (dropout, prompt votes, views).
+        use); the loss is the mean over both. Counters, accuracy and the observation
+        (``TrainedStep.stream``) cover the stream batch only. ``online_correct`` is scored before
+        anything of the step changes the model (A_online), by :meth:`predict_online`: an
+        eval-mode pass under the evaluation view, which the training forward is not (dropout,
+        prompt votes, views).
 
         ``online_iter`` = k (upstream Si-Blurry's ``online_step``: k ``online_train`` calls on
         the same batch) makes k optimiser steps on the batch, each a whole step (forward, loss,
-        backward, FGH, optimiser, the adapter's ``after_step``) with its own replay draw; the
-        trigger, the A_online score, the sample counters and ``_observe`` (memory insertion,
-        prototypes, the adapter's ``observe``) see the batch once: scored and triggered before
-        the first step, observed after the last finite one, with its (pre-update) outputs. The
-        step's ``loss`` and ``terms`` are the means over its finite steps, ``correct`` the
-        first step's (the prediction before any update on the batch)."""
+        backward, FGH, optimiser, ``after_step``) with its own replay draw; the trigger, the
+        A_online score, the sample counters and the observation (memory insertion, prototypes,
+        the adapter's learning from the stream) see the batch once: scored and triggered before
+        the first step, observed at the batch's own step (the last: its ``after_step`` carries
+        the stream batch's pre-update outputs), if that step is finite. The step's ``loss`` and
+        ``terms`` are the means over its finite steps, ``correct`` the first step's (the
+        prediction before any update on the batch)."""
         online_correct, online_seconds = None, 0.0
         if self.online_accuracy:
             online_correct, online_seconds = self._score_online(inputs, labels)
@@ -512,7 +522,7 @@ class OnlineLoop:
         inputs = inputs.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True).long()
         steps = self.online_iter if self.adapter.trains else 1
-        finished: list[tuple[StepOutput, torch.Tensor, dict[str, torch.Tensor]]] = []
+        finished: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
         skipped: StepStats | None = None
         for iteration in range(steps):
             # The extra steps' draws first, the batch's own draw (which offers the batch to the
@@ -531,20 +541,27 @@ class OnlineLoop:
                     "online_seconds": online_seconds,
                     "firing": firing,
                 }
-            if not self.adapter.trains:  # it learns in observe(): no backward, no optimiser step
+            # The batch's own step (the last) observes the stream batch, by its outputs as they
+            # are before this step's update.
+            stream = _stream_rows(out, stream_size) if last else None
+            if not self.adapter.trains:  # it learns in after_step(): no backward, no update
                 detached = _detached(terms)
-                self._observe(out, labels, stream_size, detached)
+                self._after_step(
+                    TrainedStep(batch_inputs, batch_labels, stream_size, detached, stream)
+                )
+                self._count_for_trigger(stream_size, detached)
                 return StepStats(loss.detach(), correct, stream_size, terms=detached, **online)
-            loss, finite = self._backward_and_step(loss, terms, batch_inputs, batch_labels)
+            loss, finite = self._backward_and_step(
+                loss, terms, batch_inputs, batch_labels, stream_size, stream
+            )
             if not finite:
                 skipped = self._skip_nonfinite(loss, correct, stream_size, terms)
                 continue
-            finished.append((out, loss.detach(), _detached(terms)))
+            finished.append((loss.detach(), _detached(terms)))
         if not finished:
             return dataclasses.replace(skipped, **online)
-        out = finished[-1][0]
-        loss, detached = _mean_step([(loss, terms) for _, loss, terms in finished])
-        self._observe(out, labels, stream_size, detached)
+        loss, detached = _mean_step(finished)
+        self._count_for_trigger(stream_size, detached)
         return StepStats(loss, correct, stream_size, terms=detached, **online)
 
     def _forward_loss(
@@ -598,10 +615,13 @@ class OnlineLoop:
         terms: dict[str, torch.Tensor],
         inputs: torch.Tensor,
         batch_labels: torch.Tensor,
+        stream_size: int,
+        stream: StepOutput | None,
     ) -> tuple[torch.Tensor, bool]:
-        """Backward, the finite check, the gradient transforms, the optimiser step and the
-        adapter's ``after_step``: (the step's loss, whether it was finite and so taken). The
-        extra backward's terms join ``terms`` in place, and the loss."""
+        """Backward, the finite check, the gradient transforms, the optimiser step and
+        ``after_step`` (with ``stream``, the observation, at the batch's own step): (the step's
+        loss, whether it was finite and so taken). The extra backward's terms join ``terms`` in
+        place, and the loss."""
         loss.backward()
         finite = self._finite(loss)
         if finite:
@@ -624,11 +644,15 @@ class OnlineLoop:
         else:
             self.optimizer.step()
         self.optimizer_steps += 1
-        detached = _detached(terms)
-        restarted = list(self.adapter.after_step(self.network, inputs, batch_labels, detached))
+        self._after_step(TrainedStep(inputs, batch_labels, stream_size, _detached(terms), stream))
+        return loss, True
+
+    def _after_step(self, step: TrainedStep) -> None:
+        """The adapter's ``after_step``, what it restarted dropped, then the mixins'."""
+        restarted = list(self.adapter.after_step(self.network, step))
         if restarted:
             self._sync_parameters(restarted)
-        return loss, True
+        self.after_step(step)
 
     def _finite(self, loss: torch.Tensor) -> bool:
         """Whether the loss and every trained gradient are finite: one host sync, as GradScaler
@@ -674,23 +698,10 @@ class OnlineLoop:
             restore_rng_state(state, self.device)
         return online_hits(logits, labels, self.seen)
 
-    def _observe(
-        self,
-        out: StepOutput,
-        labels: torch.Tensor,
-        stream_size: int,
-        terms: Mapping[str, torch.Tensor],
-    ) -> None:
-        """The step's outputs on the stream batch alone (replayed samples are not new
-        observations) go to the adapter's ``observe``, the mixins' ``observe`` and the
-        consolidation trigger (with the classification loss, if it reads it)."""
+    def _count_for_trigger(self, stream_size: int, terms: Mapping[str, torch.Tensor]) -> None:
+        """The consolidation trigger counts the batch once, after its last finite step (with its
+        steps' mean classification loss, if it reads it)."""
         self.trigger.observe(stream_size, terms["ce"] if self.trigger.needs_loss else None)
-        if out.logits.shape[0] != stream_size:
-            out = dataclasses.replace(
-                out, logits=out.logits[:stream_size], features=out.features[:stream_size]
-            )
-        self.adapter.observe(self.network, out, labels)
-        self.observe(out, labels)
 
     def _consolidate(self, firing: int) -> None:
         """Before a step, when the trigger fired (``firing``: its index): the adapter
@@ -1002,6 +1013,15 @@ def online_hits(logits: torch.Tensor, labels: torch.Tensor, seen: torch.Tensor) 
     every sample of the stream's first batch, when nothing has been seen."""
     predicted = mask_logits(logits.detach().float(), seen).argmax(1)
     return ((predicted == labels) & seen[labels]).sum()
+
+
+def _stream_rows(out: StepOutput, stream_size: int) -> StepOutput:
+    """``out`` with its logits and features cut to the stream batch's rows (``extras`` whole)."""
+    if out.logits.shape[0] == stream_size:
+        return out
+    return dataclasses.replace(
+        out, logits=out.logits[:stream_size], features=out.features[:stream_size]
+    )
 
 
 def _detached(terms: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

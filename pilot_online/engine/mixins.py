@@ -23,7 +23,7 @@ from .replay import ReplayOptions
 
 if TYPE_CHECKING:
     from ..core.prototypes import PrototypeBank
-    from .adapter import MethodAdapter, StepOutput
+    from .adapter import MethodAdapter, StepOutput, TrainedStep
 
 
 class PrototypeMixin:
@@ -49,9 +49,10 @@ class PrototypeMixin:
         terms["prototypes"] = self.prototypes.loss(self.adapter.classifier(self.network))
         return terms
 
-    def observe(self: OnlineLoop, out: StepOutput, labels: torch.Tensor) -> None:
-        super().observe(out, labels)
-        self.prototypes.update(out.features, labels, validate=False)
+    def after_step(self: OnlineLoop, step: TrainedStep) -> None:
+        super().after_step(step)
+        if step.stream is not None:  # the batch's own step: the stream batch, observed
+            self.prototypes.update(step.stream.features, step.stream_labels, validate=False)
 
     def parameters_changed(self: OnlineLoop, change: ParameterChange) -> None:
         """A firing replaced the classifier (DER's wider head): its feature map moves the class
@@ -277,13 +278,14 @@ class ReplayMixin:
             self.next_draw = self.memory.sample(self.replay_size)[0]
             load.prefetch(self.next_draw, step)
 
-    def observe(self: OnlineLoop, out: StepOutput, labels: torch.Tensor) -> None:
-        super().observe(out, labels)
-        if self._offered is not None:  # herding ranks the stream batch by its features
+    def after_step(self: OnlineLoop, step: TrainedStep) -> None:
+        super().after_step(step)
+        out = step.stream
+        if self._offered is not None and out is not None:  # herding ranks it by its features
             indices, host_labels = self._offered
             self._offered = None
             key = self.herding_features
-            features = out.features if key is None else out.extras[key][: len(labels)]
+            features = out.features if key is None else out.extras[key][: step.stream_size]
             self.memory.add(indices, host_labels, features.detach().float().cpu().numpy())
             self._draw_next(self.samples_seen)
 

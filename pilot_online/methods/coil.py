@@ -17,7 +17,7 @@ Online, one pass is upstream's first epoch: every step after a firing trains on 
 retrospective branch never runs (its weight is 0 at epoch 0). The teacher is the engine's
 (``Consolidation(teacher=True)``), replay is declared (herding, 2000). The next classes cannot be
 read ahead at a firing: a class's mean exists from the step that first brings it, so after that
-step the transport runs over every class arrived since the firing (:meth:`COILOnline.observe`),
+step the transport runs over every class arrived since the firing (:meth:`COILOnline.after_step`),
 sets the arrivals' rows and replaces the new branch's rows of all of them. Class means are
 running means of the stream's L2-normalised features
 (:class:`~pilot_online.core.networks.CoTransportState`). The Sinkhorn solver is
@@ -39,6 +39,7 @@ from ..engine.adapter import (
     MethodAdapter,
     Replay,
     StepOutput,
+    TrainedStep,
     TrainingBatch,
 )
 from ..engine.backbone_names import PLAIN_VIT
@@ -251,10 +252,13 @@ class COILOnline(MethodAdapter):
         return Consolidated()
 
     @no_grad
-    def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
+    def after_step(self, network: nn.Module, step: TrainedStep) -> tuple[nn.Parameter, ...]:
         """Fold the stream batch's normalised features into the class means; after a firing,
         transport when the batch brought classes not known at it and not transported yet (one
         host read per step)."""
+        if step.stream is None:  # an extra step of online_iter: the batch is observed once
+            return ()
+        out, labels = step.stream, step.stream_labels
         state = network.co_transport
         self._state = state
         state.class_means.update(F.normalize(out.features.float(), dim=1), labels, validate=False)
@@ -262,6 +266,7 @@ class COILOnline(MethodAdapter):
         arrivals = present & ~state.known & ~state.transported
         if bool(arrivals.any() & state.known.any()):
             self._transport(network, arrivals)
+        return ()
 
     def _transport(self, network: nn.Module, arrivals: torch.Tensor) -> None:
         """The prospective transport from the known classes to every class arrived since the

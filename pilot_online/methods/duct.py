@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 
 from ..core.checks import boolean, real
 from ..core.lazy import F, nn, no_grad, torch
-from ..engine.adapter import ConfigKey, Consolidated, Consolidation, StepOutput
+from ..engine.adapter import ConfigKey, Consolidated, Consolidation, StepOutput, TrainedStep
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, VIT_B16_WIDTH
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.checkpoint import tensors_to
@@ -266,14 +266,10 @@ class DUCTOnline(FinetuneOnline):
 
     # -- online accumulation -------------------------------------------------------------------
     @no_grad
-    def after_step(
-        self,
-        network: nn.Module,
-        inputs: torch.Tensor,
-        labels: torch.Tensor,
-        terms: Mapping[str, torch.Tensor],
-    ) -> list[nn.Parameter]:
-        """With ``duct_adjust_ratio`` and a trigger: the batch's features under the anchor."""
+    def after_step(self, network: nn.Module, step: TrainedStep) -> tuple[nn.Parameter, ...]:
+        """With ``duct_adjust_ratio`` and a trigger: the batch's features under the anchor. At
+        the batch's own step, the stream batch joins the class means."""
+        inputs, labels = step.inputs, step.labels
         if self._ratio_needed():
             device = inputs.device
             if self.anchor[0].device != device:  # built on the CPU, before the loop moved it
@@ -281,14 +277,13 @@ class DUCTOnline(FinetuneOnline):
             params = {name: value for (name, _), value in zip(self._named, self.anchor)}
             features = self.features(network, inputs, params)
             self.anchored.to(device).update(features, labels, validate=False)
-        return []
-
-    def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
-        features = out.features.detach()
-        self.means.to(features.device).update(features, labels, validate=False)
-        if self._ratio_needed():
-            self.trained.to(features.device).update(features, labels, validate=False)
-        self.periods.observe(labels)
+        if step.stream is not None:
+            features, labels = step.stream.features.detach(), step.stream_labels
+            self.means.to(features.device).update(features, labels, validate=False)
+            if self._ratio_needed():
+                self.trained.to(features.device).update(features, labels, validate=False)
+            self.periods.observe(labels)
+        return ()
 
     def _ratio_needed(self) -> bool:
         return bool(self.args["duct_adjust_ratio"]) and self.args.get("consolidation") != "never"

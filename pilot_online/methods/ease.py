@@ -39,7 +39,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..core.checks import integer, real
 from ..core.lazy import F, nn, no_grad, torch
-from ..engine.adapter import ConfigKey, Consolidated, Consolidation, MethodAdapter, StepOutput
+from ..engine.adapter import (
+    ConfigKey,
+    Consolidated,
+    Consolidation,
+    MethodAdapter,
+    StepOutput,
+    TrainedStep,
+)
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
 
@@ -274,12 +281,16 @@ class EaseOnline(MethodAdapter):
 
     # -- learning without gradients: the class means ------------------------------------------
     @no_grad
-    def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
+    def after_step(self, network: nn.Module, step: TrainedStep) -> tuple[nn.Parameter, ...]:
+        if step.stream is None:  # an extra step of online_iter: the batch is observed once
+            return ()
+        out, labels = step.stream, step.stream_labels
         active = len(network.subspaces) - 1
         network.class_means[active].update(out.features, labels, validate=False)
         for index in range(active):
             frozen = out.extras["frozen"][index, : len(labels)]
             network.class_means[index].update(frozen, labels, validate=False)
+        return ()
 
     # -- the task-boundary step ---------------------------------------------------------------
     def consolidate(self, network: nn.Module, firing: int) -> Consolidated:

@@ -49,6 +49,7 @@ from ..engine.adapter import (
     MethodAdapter,
     Replay,
     StepOutput,
+    TrainedStep,
     TrainingBatch,
 )
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS
@@ -355,11 +356,15 @@ class FosterOnline(MethodAdapter):
         return {}
 
     @no_grad
-    def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
+    def after_step(self, network: nn.Module, step: TrainedStep) -> tuple[nn.Parameter, ...]:
         """The stream batch joins the class counts and the lineage's class means."""
+        if step.stream is None:  # an extra step of online_iter: the batch is observed once
+            return ()
+        out, labels = step.stream, step.stream_labels
         network.stream_counts.index_add_(0, labels, torch.ones_like(labels))
         lineage = out.extras[HERDING_FEATURES][: len(labels)]
         network.lineage_means.update(lineage, labels, validate=False)
+        return ()
 
     # -- the firing -----------------------------------------------------------------------------
     def consolidate(self, network: nn.Module, firing: int) -> Consolidated:

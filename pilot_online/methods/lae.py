@@ -31,12 +31,19 @@ PILOT's ``models/lae.py``, network ``LAE``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ..core.checks import boolean, integer, real
 from ..core.lazy import F, nn, no_grad, torch
-from ..engine.adapter import ConfigKey, Consolidated, Consolidation, MethodAdapter, StepOutput
+from ..engine.adapter import (
+    ConfigKey,
+    Consolidated,
+    Consolidation,
+    MethodAdapter,
+    StepOutput,
+    TrainedStep,
+)
 from ..engine.backbone_names import pilot_backbones
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
@@ -210,24 +217,20 @@ class LAEOnline(MethodAdapter):
             network.pets.requires_grad_(True)
 
     @no_grad
-    def after_step(
-        self,
-        network: nn.Module,
-        inputs: torch.Tensor,
-        labels: torch.Tensor,
-        terms: Mapping[str, torch.Tensor],
-    ) -> Iterable[nn.Parameter]:
-        steps = len(labels) * float(self.args["lae_ema_steps_per_sample"])
+    def after_step(self, network: nn.Module, step: TrainedStep) -> tuple[nn.Parameter, ...]:
+        """The offline PET's EMA after each update (upstream's, per optimiser step); at the
+        batch's own step, its classes are seen and its samples counted."""
+        steps = len(step.labels) * float(self.args["lae_ema_steps_per_sample"])
         decay = float(self.args["ema_decay"]) ** steps
         offline = list(network.pets_emas.parameters())
         torch._foreach_mul_(offline, decay)
         torch._foreach_add_(offline, list(network.pets.parameters()), alpha=1 - decay)
+        if step.stream is not None:
+            labels = step.stream_labels
+            network.lae_seen[labels] = True
+            self.frozen_left = max(self.frozen_left - len(labels), 0)
+            self.segment_samples += len(labels)
         return ()
-
-    def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
-        network.lae_seen[labels] = True
-        self.frozen_left = max(self.frozen_left - len(labels), 0)
-        self.segment_samples += len(labels)
 
     def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
         """A task start: the PET frozen for ``lae_freeze_fraction`` of the segment just closed;

@@ -56,7 +56,14 @@ from typing import Any, ClassVar
 from ..core.checks import boolean, integer, real
 from ..core.lazy import F, nn, no_grad, torch
 from ..core.rng import key_seed
-from ..engine.adapter import ConfigKey, Consolidated, Consolidation, MethodAdapter, StepOutput
+from ..engine.adapter import (
+    ConfigKey,
+    Consolidated,
+    Consolidation,
+    MethodAdapter,
+    StepOutput,
+    TrainedStep,
+)
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
 
@@ -408,25 +415,20 @@ class MOSOnline(MethodAdapter):
 
     # -- what MOS learns beyond gradients ------------------------------------------------------
     @no_grad
-    def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
-        n = len(labels)
-        network.class_stats.update(out.extras["statistics_features"][:n], labels)
-        network.prototypes.update(out.extras["prototype_features"][:n], labels, validate=False)
-        ones = torch.ones_like(labels, dtype=torch.long)
-        network.class_slot_counts[:, -1].index_add_(0, labels, ones)
-
-    @no_grad
-    def after_step(
-        self,
-        network: nn.Module,
-        inputs: torch.Tensor,
-        labels: torch.Tensor,
-        terms: Mapping[str, torch.Tensor],
-    ) -> list[nn.Parameter]:
-        step = self.pull_step(network)  # upstream's adapter_merge after optimizer.step()
-        if step is not None:
-            step()
-        return []
+    def after_step(self, network: nn.Module, step: TrainedStep) -> tuple[nn.Parameter, ...]:
+        """Upstream's ``adapter_merge`` after each optimiser step; at the batch's own step, the
+        stream batch joins the class statistics, the prototypes and the slot counts."""
+        merge = self.pull_step(network)
+        if merge is not None:
+            merge()
+        if step.stream is not None:
+            out, labels = step.stream, step.stream_labels
+            n = len(labels)
+            network.class_stats.update(out.extras["statistics_features"][:n], labels)
+            network.prototypes.update(out.extras["prototype_features"][:n], labels, validate=False)
+            ones = torch.ones_like(labels, dtype=torch.long)
+            network.class_slot_counts[:, -1].index_add_(0, labels, ones)
+        return ()
 
     def statistics_pulls(self, network: nn.Module) -> int:
         """How often upstream's ``_compute_mean`` pulls the adapter at the end of the active

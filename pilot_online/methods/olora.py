@@ -56,7 +56,6 @@ the CPU: 603 MiB against 1722 MiB with one graph).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ..core.checks import boolean, integer, list_of, optional, real, within_vit_depth
@@ -72,7 +71,14 @@ from ..core.lora import (
     hard_buffer_candidates,
     importance_loss,
 )
-from ..engine.adapter import Autocast, ConfigKey, MethodAdapter, StepOutput, TrainingBatch
+from ..engine.adapter import (
+    Autocast,
+    ConfigKey,
+    MethodAdapter,
+    StepOutput,
+    TrainedStep,
+    TrainingBatch,
+)
 from ..engine.card import MethodCard
 from ..engine.registry import register_method
 
@@ -268,13 +274,8 @@ class OLoRAOnline(MethodAdapter):
         self._hard_losses = values
         return {"hard_buffer": torch.stack(values).sum()} if hard_loss and values else {}
 
-    def after_step(
-        self,
-        network: nn.Module,
-        inputs: torch.Tensor,
-        labels: torch.Tensor,
-        terms: Mapping[str, torch.Tensor],
-    ) -> list[nn.Parameter]:
+    def after_step(self, network: nn.Module, step: TrainedStep) -> list[nn.Parameter]:
+        inputs, labels, terms = step.inputs, step.labels, step.terms
         # The one host read per step: the window needs the loss, the buffer its ordering.
         stream_ce = terms["ce"] if self._unmasked_ce is None else self._unmasked_ce
         values = torch.stack([stream_ce.reshape(()).float(), *self._hard_losses])

@@ -20,7 +20,7 @@ Online, task-free (docs/methods.md, "RanPAC"):
   until then the backbone's PETL module (the adapter or the VPT prompts; the whole SSF or plain
   ViT) and upstream's cosine head train by gradient; at the firing they are frozen and ``trains``
   turns False.
-- The statistics accumulate in :meth:`observe` from every stream batch, from the first step on,
+- The statistics accumulate in :meth:`after_step` from every stream batch, from the first step on,
   from features of an eval-mode pass (no dropout, as upstream's ``replace_fc``): during the first
   session a no-grad pass beside the training one, afterwards the (eval-mode) training pass
   itself. The first session's samples are gone by its end, so its classes would otherwise have
@@ -46,7 +46,7 @@ from typing import Any, ClassVar
 
 from ..core.checks import boolean, integer
 from ..core.lazy import F, nn, no_grad, torch
-from ..engine.adapter import ConfigKey, Consolidated, Consolidation, StepOutput
+from ..engine.adapter import ConfigKey, Consolidated, Consolidation, StepOutput, TrainedStep
 from ..engine.backbone_names import PLAIN_VIT, pilot_backbones
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.differences import FIRST_SESSION_DIFFERENCES
@@ -107,7 +107,7 @@ def _first_session_ends(cfg: Mapping[str, Any]) -> None:
 
 class FirstSessionAnalyticOnline(FinetuneOnline):
     """First-session PETL tuning until the trigger's first firing, then an analytic head from
-    feature statistics accumulated in :meth:`observe`. Subclasses define the statistics
+    feature statistics accumulated in :meth:`after_step`. Subclasses define the statistics
     (:meth:`new_statistics`, :meth:`accumulate`), the head's buffers (:meth:`new_head`), its
     solve from the statistics (:meth:`solve`) and its logits (:meth:`head_logits`)."""
 
@@ -204,11 +204,15 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
 
     # -- learning --------------------------------------------------------------------------------
     @no_grad
-    def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
+    def after_step(self, network: nn.Module, step: TrainedStep) -> tuple[nn.Parameter, ...]:
+        if step.stream is None:  # an extra step of online_iter: the batch is observed once
+            return ()
+        out, labels = step.stream, step.stream_labels
         features = out.extras.get("observed", out.features)[: len(labels)].detach()
         self.stats = {k: v.to(features.device) for k, v in self.stats.items()}
         self.accumulate(network, features, labels, self.samples)
         self.samples += len(labels)
+        return ()
 
     def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
         """The first firing ends the first session (upstream's first task boundary): the backbone

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from ..core.lazy import F, nn, no_grad, torch
-from ..engine.adapter import StepOutput
+from ..engine.adapter import StepOutput, TrainedStep
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
 from .linear_probe import LinearProbeOnline
@@ -60,9 +60,13 @@ class SimpleCILOnline(LinearProbeOnline):
         return StepOutput(network.fc(F.normalize(features, dim=1)), features)
 
     @no_grad
-    def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
+    def after_step(self, network: nn.Module, step: TrainedStep) -> tuple[nn.Parameter, ...]:
+        if step.stream is None:  # an extra step of online_iter: the batch is observed once
+            return ()
+        out, labels = step.stream, step.stream_labels
         network.class_means.update(out.features, labels, validate=False)
         self.refresh_head(network)  # the network predicts with the new means at once
+        return ()
 
     @no_grad
     def refresh_head(self, network: nn.Module) -> None:

@@ -8,7 +8,7 @@ PILOT's ``models/slca.py``, network ``SLCANet``).
 * **Class statistics.** Upstream passes each finished task's data once more through the trained
   backbone (test transforms) and keeps every class's mean and covariance (+ 1e-4 I). Online:
   running means and scatter matrices of the stream batch's features (:class:`ClassGaussians`,
-  updated in ``observe`` with the features of the step, computed before its update, under the
+  updated in ``after_step`` with the features of the step, computed before its update, under the
   training transforms). Memory: one D x D float32 scatter per class
   (:func:`slca_state_bytes`; 100 classes at D = 768: 236 MB), as upstream keeps them.
 * **Classifier alignment (CA)**, an evaluation view (:meth:`SLCAOnline.evaluation_view`), as
@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 from ..core.checks import integer, real
 from ..core.lazy import nn, torch
 from ..core.rng import key_seed
-from ..engine.adapter import ConfigKey, Consolidated, Consolidation, StepOutput
+from ..engine.adapter import ConfigKey, Consolidated, Consolidation, TrainedStep
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
 from .finetune import FinetuneOnline
@@ -153,8 +153,12 @@ class SLCAOnline(FinetuneOnline):
         slow = float(self.args["bcb_lrscale"])
         return {n: slow if n.startswith("backbone.") else 1.0 for n in super().lr_scales(network)}
 
-    def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
+    def after_step(self, network: nn.Module, step: TrainedStep) -> tuple[nn.Parameter, ...]:
+        if step.stream is None:  # an extra step of online_iter: the batch is observed once
+            return ()
+        out, labels = step.stream, step.stream_labels
         self.stats.to(out.features.device).update(out.features, labels, self.sessions_closed)
+        return ()
 
     def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
         """Closes a session; nothing trained changes (upstream's CA is recalled after its
