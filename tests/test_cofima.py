@@ -174,7 +174,7 @@ def test_fisher_average_of_subnormal_fishers_is_the_formula():
 # -- the evaluation view ---------------------------------------------------------------------------
 def flat_state(adapter: TinyCoFiMA, network: nn.Module) -> list[torch.Tensor]:
     """Every tensor of the method's state and the network's, in a fixed order."""
-    state = adapter.extra_state(network)
+    state = adapter.state_dict(network)
     tensors = [*state["stats"].values(), *state["fisher_sum"], *state["prev_fisher"]]
     return [*tensors, *state["anchor"], *network.state_dict().values()]
 
@@ -220,7 +220,7 @@ def test_the_loop_merges_at_its_firings_only():
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
-def test_extra_state_round_trip_takes_the_same_steps():
+def test_state_dict_round_trip_takes_the_same_steps():
     kwargs = dict(
         consolidation="every_n_samples", consolidation_every_n_samples=8, ca_samples_per_class=8
     )

@@ -370,7 +370,7 @@ def test_training_does_not_depend_on_segment_ends(built, one_segment):
     # The method's own state too: an extra consolidation at a segment end that leaves the
     # weights alone (RanPAC's and FeCAM's statistics, EASE's subspaces) still shows here.
     assert_same_state(
-        a.adapter.extra_state(a.network), b.adapter.extra_state(b.network), "extra_state()"
+        a.adapter.state_dict(a.network), b.adapter.state_dict(b.network), "state_dict()"
     )
 
 
@@ -398,7 +398,7 @@ def assert_same_state(ours: object, theirs: object, where: str = "") -> None:
 def test_training_does_not_depend_on_evaluations(built, one_segment):
     """Evaluation reads the training state and never writes it: the same stream evaluated after
     every batch (``eval_period`` 4, so every evaluation view is derived, used and dropped) and
-    only at its end trains the same weights and the same method state (``extra_state``), with
+    only at its end trains the same weights and the same method state (``state_dict``), with
     the same firings. A method that aligned, merged or drew random numbers for an evaluation in
     its training state fails here."""
     plain, evaluated = one_segment, train_segmented(built, [12], eval_period=4)
@@ -407,9 +407,9 @@ def test_training_does_not_depend_on_evaluations(built, one_segment):
         evaluated.network.state_dict(), plain.network.state_dict(), "network.state_dict()"
     )
     assert_same_state(
-        evaluated.adapter.extra_state(evaluated.network),
-        plain.adapter.extra_state(plain.network),
-        "adapter.extra_state()",
+        evaluated.adapter.state_dict(evaluated.network),
+        plain.adapter.state_dict(plain.network),
+        "adapter.state_dict()",
     )
 
 

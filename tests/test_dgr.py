@@ -213,10 +213,10 @@ def test_consolidation_restarts_the_statistics_at_the_firing_only():
 
 def test_checkpoint_keeps_the_statistics():
     _, adapter, _ = _loop({"consolidation": "every_n_samples", "consolidation_every_n_samples": 8})
-    state = adapter.extra_state(None)
+    state = adapter.state_dict(None)
     fresh = TinyDGR()
     network = fresh.build_network({})
-    fresh.load_extra_state(network, state)
+    fresh.load_state_dict(network, state)
     assert torch.equal(fresh.grad_sums, adapter.grad_sums)
     assert torch.equal(fresh.label_counts, adapter.label_counts)
     assert torch.equal(fresh.seen, adapter.seen) and torch.equal(fresh.known, adapter.known)
@@ -226,7 +226,7 @@ def test_checkpoint_keeps_the_statistics():
     assert fresh.report() == adapter.report()
     bad = {**state, "grad_sums": torch.zeros(C + 1, dtype=torch.float64)}
     with pytest.raises(ValueError, match="cover 7 classes"):
-        TinyDGR().load_extra_state(TinyDGR().build_network({}), bad)
+        TinyDGR().load_state_dict(TinyDGR().build_network({}), bad)
 
 
 def test_recorded_gradient_norms_are_those_after_the_reweighting():

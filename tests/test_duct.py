@@ -179,7 +179,7 @@ def test_the_anchor_features_come_from_the_kept_copy():
         torch.testing.assert_close(adapter.anchored.means[c], expected[y == c].mean(0))
 
 
-def test_extra_state_round_trip_takes_the_same_steps():
+def test_state_dict_round_trip_takes_the_same_steps():
     kwargs = dict(consolidation="every_n_samples", consolidation_every_n_samples=8)
     adapter, network, loop = make(**kwargs)
     data = batches(9)
@@ -208,7 +208,7 @@ def test_state_bytes_counts_one_backbone_copy():
 # -- the evaluation view ---------------------------------------------------------------------------
 def flat_state(adapter: DUCTOnline, network: nn.Module) -> list[torch.Tensor]:
     """Every tensor of the method's state and the network's, in a fixed order."""
-    state = adapter.extra_state(network)
+    state = adapter.state_dict(network)
     tensors = [v for k in ("means", "trained", "anchored", "periods") for v in state[k].values()]
     return [*tensors, *state["anchor"], *network.state_dict().values()]
 

@@ -193,16 +193,16 @@ def test_a_restarted_head_and_a_new_subspace_are_the_same_on_every_rerun() -> No
 
 
 def test_a_resume_rebuilds_the_subspaces_from_the_count() -> None:
-    """load_extra_state re-creates the subspaces the firings added (values load afterwards),
+    """load_state_dict re-creates the subspaces the firings added (values load afterwards),
     the older ones frozen."""
     adapter = adapter_for()
     network = stand_in(adapter)
     for firing in range(3):
         adapter.consolidate(network, firing)
-    state = adapter.extra_state(network)
+    state = adapter.state_dict(network)
     fresh_adapter = adapter_for()
     fresh = stand_in(fresh_adapter)
-    fresh_adapter.load_extra_state(fresh, state)
+    fresh_adapter.load_state_dict(fresh, state)
     assert len(fresh.subspaces) == 4 and len(fresh.class_means) == 4
     assert [any(p.requires_grad for p in s.parameters()) for s in fresh.subspaces] == [
         False,

@@ -126,10 +126,10 @@ class Growing(TinyAdapter):
         self._add(network)
         return Consolidated()
 
-    def extra_state(self, network):
+    def state_dict(self, network):
         return {"adapters": len(network.adapters)}
 
-    def load_extra_state(self, network, state):
+    def load_state_dict(self, network, state):
         while len(network.adapters) < state["adapters"]:
             self._add(network)
 

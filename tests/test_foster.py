@@ -387,7 +387,7 @@ def test_checkpoint_round_trip_across_firings_is_bit_exact(streamed):
     theirs = resumed.network.state_dict()
     for name, value in loop.network.state_dict().items():
         assert torch.equal(value, theirs[name]), name
-    a, b = loop.adapter.extra_state(loop.network), resumed.adapter.extra_state(resumed.network)
+    a, b = loop.adapter.state_dict(loop.network), resumed.adapter.state_dict(resumed.network)
     assert a["firings"] == b["firings"] == 2
     assert all(torch.equal(a["oldfc"][k], b["oldfc"][k]) for k in a["oldfc"])
     assert torch.equal(loop.prototypes.means, resumed.prototypes.means)

@@ -56,10 +56,10 @@ class Growing(TinyAdapter):
         self.grow(network)
         return Consolidated(feature_map=lambda rows: torch.cat([rows, rows[:, -WIDTH:]], 1))
 
-    def extra_state(self, network):
+    def state_dict(self, network):
         return {"branches": len(network.branches)}
 
-    def load_extra_state(self, network, state):
+    def load_state_dict(self, network, state):
         while len(network.branches) < state["branches"]:
             self.grow(network)
 

@@ -166,16 +166,16 @@ def test_the_pet_trains_in_the_last_40_percent_of_cub_and_cifar_sized_tasks(task
         assert adapter.frozen_left == round(0.6 * task)
 
 
-def test_extra_state_restores_the_offline_pet_and_the_freeze_countdown():
+def test_state_dict_restores_the_offline_pet_and_the_freeze_countdown():
     adapter, loop = make(freeze=25)
     loop.train_step(torch.randn(10, 4), torch.tensor([0, 1] * 5))
     assert adapter.segment_samples == 10
     with torch.no_grad():
         for p in loop.network.pets_emas.parameters():
             p.add_(1.0)
-    state = copy.deepcopy(adapter.extra_state(loop.network))
+    state = copy.deepcopy(adapter.state_dict(loop.network))
     twin, twin_loop = make(freeze=25)
-    twin.load_extra_state(twin_loop.network, state)
+    twin.load_state_dict(twin_loop.network, state)
     assert twin.frozen_left == 15 and twin.segment_samples == 10
     for p, q in zip(loop.network.pets_emas.parameters(), twin_loop.network.pets_emas.parameters()):
         assert torch.equal(p, q)

@@ -333,7 +333,7 @@ def test_sets_are_unbounded_and_resume(pilot_on_path):
         assert torch.equal(a, b)
     assert resumed.network.class_slot_counts.shape == (6, 13)
     with pytest.raises(ValueError, match="former port"):  # a checkpoint of the capped sets
-        fresh.load_extra_state(resumed.network, {"active": 2, "alignments": 0})
+        fresh.load_state_dict(resumed.network, {"active": 2, "alignments": 0})
 
 
 @requires_pilot

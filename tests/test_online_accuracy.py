@@ -48,7 +48,7 @@ class ClassSumNet(nn.Module):
 
 
 class ClassSumAdapter(MethodAdapter):
-    """logits = W x, W's row c the sum of the class-c features seen (learned in observe)."""
+    """logits = W x, W's row c the sum of the class-c features seen (learned in after_step)."""
 
     base_model_name = "class_sum"
     trains = False
@@ -63,14 +63,15 @@ class ClassSumAdapter(MethodAdapter):
         return network.fc
 
     @torch.no_grad()
-    def observe(self, network: nn.Module, out: StepOutput, labels: torch.Tensor) -> None:
-        network.fc.weight.index_add_(0, labels, out.features)
+    def after_step(self, network: nn.Module, step) -> tuple:
+        network.fc.weight.index_add_(0, step.stream_labels, step.stream.features)
+        return ()
 
-    def extra_state(self, network: nn.Module) -> dict:
+    def state_dict(self, network: nn.Module) -> dict:
         return {"sums": network.fc.weight.detach().clone()}
 
     @torch.no_grad()
-    def load_extra_state(self, network: nn.Module, state: dict) -> None:
+    def load_state_dict(self, network: nn.Module, state: dict) -> None:
         network.fc.weight.copy_(state["sums"])
 
 

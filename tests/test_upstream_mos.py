@@ -106,7 +106,7 @@ def state(momentum: float = 0.1, stored: int = STORED, **overrides: Any):
     config.update(adapter_momentum=momentum, adapter_dropout=0.1)
     adapter = MOSOnline(args=config)
     adapter.equip(ours, config)
-    adapter.load_extra_state(ours, {"sets": stored + 1, "alignments": 0})
+    adapter.load_state_dict(ours, {"sets": stored + 1, "alignments": 0})
     for s in range(stored + 1):
         assign(ours.backbone.adapter_list[s], values[s])
     return vit, adapter, ours, values

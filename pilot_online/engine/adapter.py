@@ -167,6 +167,8 @@ RETIRED_MEMBERS: Mapping[str, str] = {
     "observe": "move it into after_step(network, step): at the batch's own step, step.stream "
     "holds the stream batch's pre-update outputs and step.stream_labels its labels (None at "
     "online_iter's extra steps)",
+    "extra_state": "rename it state_dict(network): torch's name, as the loop's components use",
+    "load_extra_state": "rename it load_state_dict(network, state)",
     "train_forward_predicts": "delete it: A_online always scores with an eval-mode pass",
     "train_mode": "override set_mode(network, train) and handle train=True",
     "eval_mode": "override set_mode(network, train) and handle train=False",
@@ -346,8 +348,8 @@ class MethodAdapter:
         It may add parameters (a new adapter per firing, as upstream adds one per task): the loop
         then re-reads :meth:`lr_scales`, and each new one joins the optimiser (in the group of
         its factor), FGH and the checkpoint, where it stays after the method freezes it. A
-        resume calls :meth:`load_extra_state` before any parameter is loaded, so a method
-        rebuilds there the structure it had added (from a count in :meth:`extra_state`)."""
+        resume calls :meth:`load_state_dict` before any parameter is loaded, so a method
+        rebuilds there the structure it had added (from a count in :meth:`state_dict`)."""
         return Consolidated()
 
     # -- evaluation: what evaluation predicts with -------------------------------------------------
@@ -373,14 +375,15 @@ class MethodAdapter:
         return None
 
     # -- state: checkpoints and the results file ---------------------------------------------------
-    def extra_state(self, network: nn.Module) -> dict[str, Any]:
+    def state_dict(self, network: nn.Module) -> dict[str, Any]:
         """What a checkpoint must hold beyond the trainable parameters, the network's buffers and
         the loop's state: the method's own training state (oLoRA: its plateau detector, hard
-        buffer and merged weights). Tensors and plain values only; none by default."""
+        buffer and merged weights). Tensors and plain values only; none by default. Torch's
+        name, as every component of the loop has it; it takes the network the state is of."""
         return {}
 
-    def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
-        """Restore what :meth:`extra_state` returned, into a freshly built ``network``."""
+    def load_state_dict(self, network: nn.Module, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, into a freshly built ``network``."""
         if state:
             raise ValueError(
                 f"{type(self).__name__} keeps no extra state but the checkpoint has {sorted(state)}"

@@ -778,7 +778,7 @@ class OnlineLoop:
         return {
             "parameters": {name: p.detach() for name, p in self.named_parameters},
             "buffers": dict(self.network.named_buffers()),
-            "adapter": self.adapter.extra_state(self.network),
+            "adapter": self.adapter.state_dict(self.network),
             "optimizer": self.optimizer.state_dict(),
             "seen": self.seen,
             "optimizer_steps": self.optimizer_steps,
@@ -800,7 +800,7 @@ class OnlineLoop:
         The adapter's extra state first: a method that added parameters at its firings rebuilds
         them there, and the loop adopts them (in the checkpoint's order) before any value loads."""
         self._view = None
-        self.adapter.load_extra_state(self.network, state["adapter"])
+        self.adapter.load_state_dict(self.network, state["adapter"])
         self._sync_parameters(saved_names=state["parameters"])
         for kind, current in (
             ("parameters", dict(self.named_parameters)),

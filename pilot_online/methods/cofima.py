@@ -16,7 +16,7 @@ end. The Fisher is accumulated at every step of the period from the gradient the
 (the whole loss, CE plus P's term when on, before FGH reweights it: read in
 :meth:`CoFiMAOnline.after_backward`), its mean over the period's steps clamped at
 ``cofima_fisher_max``. The merged and aligned weights after the last firing and that period's
-Fisher are kept (``extra_state``) for the next merge.
+Fisher are kept (``state_dict``) for the next merge.
 
 Which part of upstream's task end changes training: upstream backs the head up before the merge
 (``fc.backup()``), merges, aligns, evaluates and restores the head (``fc.recall()`` in
@@ -284,9 +284,9 @@ class CoFiMAOnline(SLCAOnline):
         return self.upstream_task_end(network, self.current_fisher())
 
     # -- checkpoints and reports -----------------------------------------------------------------
-    def extra_state(self, network: nn.Module) -> dict[str, Any]:
+    def state_dict(self, network: nn.Module) -> dict[str, Any]:
         return {
-            **super().extra_state(network),
+            **super().state_dict(network),
             "fisher_sum": self.fisher_sum,
             "fisher_steps": self.fisher_steps,
             "prev_fisher": self.prev_fisher,
@@ -294,8 +294,8 @@ class CoFiMAOnline(SLCAOnline):
             "merges": list(self.merges),
         }
 
-    def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
-        super().load_extra_state(network, state)
+    def load_state_dict(self, network: nn.Module, state: dict[str, Any]) -> None:
+        super().load_state_dict(network, state)
         device = self.classifier(network).weight.device
         self.fisher_sum = tensors_to(state["fisher_sum"], device)
         self.fisher_steps = int(state["fisher_steps"])

@@ -314,10 +314,10 @@ class DEROnline(MethodAdapter):
         return repeat_last_branch(rows, int(network.out_dim), len(self.branches(network)))
 
     # -- checkpoints and the report -------------------------------------------------------------
-    def extra_state(self, network: nn.Module) -> dict[str, Any]:
+    def state_dict(self, network: nn.Module) -> dict[str, Any]:
         return {"grown_at": list(getattr(self, "grown_at", []))}
 
-    def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
+    def load_state_dict(self, network: nn.Module, state: dict[str, Any]) -> None:
         """Rebuild the branches, the head's width and the frozen set the firings made (their
         values load afterwards)."""
         grown_at = [int(firing) for firing in state["grown_at"]]

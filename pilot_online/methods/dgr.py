@@ -316,7 +316,7 @@ class DGROnline(FinetuneOnline):
         self.resets += 1
         return Consolidated()
 
-    def extra_state(self, network: nn.Module) -> dict[str, Any]:
+    def state_dict(self, network: nn.Module) -> dict[str, Any]:
         stats = {name: t.clone() for name, t in self._statistics(network).items()}
         return {
             **stats,
@@ -324,7 +324,7 @@ class DGROnline(FinetuneOnline):
             "resets": self.resets,
         }
 
-    def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
+    def load_state_dict(self, network: nn.Module, state: dict[str, Any]) -> None:
         for name, target in self._statistics(network).items():
             if tuple(state[name].shape) != tuple(target.shape):
                 raise ValueError(

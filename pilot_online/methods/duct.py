@@ -12,7 +12,7 @@ current head rows to the old classes, blended in by ``head_merge_ratio``.
 
 Online, a firing closes a period (the stream since the last firing; :class:`ClassPeriods`). The
 backbone is not reset between periods (there is no task start to reset at): the period's task
-vector is taken from the backbone at the last firing (the *anchor*, kept in ``extra_state``;
+vector is taken from the backbone at the last firing (the *anchor*, kept in ``state_dict``;
 before the first firing, the backbone as built), so the merge pulls the backbone back towards
 the anchor: ``b <- a + merge_scalar * s * (b - a)``, and the anchor becomes the result. ``s``
 (``duct_adjust_ratio``) compares the period's class means under the anchor (an extra no-grad
@@ -379,7 +379,7 @@ class DUCTOnline(FinetuneOnline):
         return self.consolidated(network, current, len(self.ratios))[2]
 
     # -- checkpoints and reports -----------------------------------------------------------------
-    def extra_state(self, network: nn.Module) -> dict[str, Any]:
+    def state_dict(self, network: nn.Module) -> dict[str, Any]:
         return {
             "means": dict(self.means.state_dict()),
             "trained": dict(self.trained.state_dict()),
@@ -390,7 +390,7 @@ class DUCTOnline(FinetuneOnline):
             "transports": self.transports,
         }
 
-    def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
+    def load_state_dict(self, network: nn.Module, state: dict[str, Any]) -> None:
         device = self.classifier(network).weight.device
         for key in ("means", "trained", "anchored"):
             getattr(self, key).to(device).load_state_dict(state[key])

@@ -306,10 +306,10 @@ class EaseOnline(MethodAdapter):
         return Consolidated(restarted=[*old.parameters(), network.fc.weight, network.fc_sigma])
 
     # -- checkpoints and the report -------------------------------------------------------------
-    def extra_state(self, network: nn.Module) -> dict[str, Any]:
+    def state_dict(self, network: nn.Module) -> dict[str, Any]:
         return {"opened_at": list(self.opened_at)}
 
-    def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
+    def load_state_dict(self, network: nn.Module, state: dict[str, Any]) -> None:
         """Rebuild the subspaces the firings added (their values load afterwards)."""
         self.opened_at = [int(f) for f in state["opened_at"]]
         for firing in self.opened_at[len(network.subspaces) - 1 :]:

@@ -435,12 +435,12 @@ class FosterOnline(MethodAdapter):
         return torch.cat([lineage, lineage], dim=1).to(means.dtype)
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def extra_state(self, network: nn.Module) -> dict[str, Any]:
+    def state_dict(self, network: nn.Module) -> dict[str, Any]:
         oldfc = getattr(network, "oldfc", None)
         state = None if oldfc is None else {k: v.clone() for k, v in oldfc.state_dict().items()}
         return {"firings": self.firings, "oldfc": state}
 
-    def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
+    def load_state_dict(self, network: nn.Module, state: dict[str, Any]) -> None:
         """Rebuild the boosting structure (its values load afterwards) and ``oldfc``."""
         self.firings = int(state["firings"])
         if self.firings and not self.boosting(network):

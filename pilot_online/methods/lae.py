@@ -242,7 +242,7 @@ class LAEOnline(MethodAdapter):
             return Consolidated()
         return Consolidated(restarted=[*network.pets.parameters(), *network.fc.parameters()])
 
-    def extra_state(self, network: nn.Module) -> dict[str, Any]:
+    def state_dict(self, network: nn.Module) -> dict[str, Any]:
         """The offline (EMA) PET, which is no trainable parameter, the freeze countdown and the
         open segment's length."""
         return {
@@ -252,7 +252,7 @@ class LAEOnline(MethodAdapter):
         }
 
     @no_grad
-    def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
+    def load_state_dict(self, network: nn.Module, state: dict[str, Any]) -> None:
         offline = list(network.pets_emas.parameters())
         if len(state["offline_pet"]) != len(offline):
             raise ValueError(

@@ -518,11 +518,11 @@ class MOSOnline(MethodAdapter):
         return view
 
     # -- checkpoints and report ----------------------------------------------------------------
-    def extra_state(self, network: nn.Module) -> dict[str, Any]:
+    def state_dict(self, network: nn.Module) -> dict[str, Any]:
         """The number of adapter sets (to rebuild them) and of alignments; the rest is buffers."""
         return {"sets": len(network.backbone.adapter_list), "alignments": self.alignments}
 
-    def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
+    def load_state_dict(self, network: nn.Module, state: dict[str, Any]) -> None:
         if "sets" not in state:
             raise ValueError(
                 "this MOS checkpoint was written by the former port (preallocated adapter sets, "

@@ -324,7 +324,7 @@ class OLoRAOnline(MethodAdapter):
         )
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def extra_state(self, network: nn.Module) -> dict[str, Any]:
+    def state_dict(self, network: nn.Module) -> dict[str, Any]:
         """The plateau detector, the importance, the hard buffer (its batches are training
         inputs, kept as tensors) and, once a merge happened, the merged (frozen) qkv weights."""
         state: dict[str, Any] = {
@@ -342,7 +342,7 @@ class OLoRAOnline(MethodAdapter):
         return state
 
     @no_grad
-    def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
+    def load_state_dict(self, network: nn.Module, state: dict[str, Any]) -> None:
         self.detector.load_state_dict(state["detector"])
         device = network.fc.weight.device
         regularizer = dict(state["regularizer"])

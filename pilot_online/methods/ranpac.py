@@ -240,14 +240,14 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
         return {name: solved[name].to(held[name].device, held[name].dtype) for name in held}
 
     # -- state -----------------------------------------------------------------------------------
-    def extra_state(self, network: nn.Module) -> dict[str, Any]:
+    def state_dict(self, network: nn.Module) -> dict[str, Any]:
         return {
             "samples": self.samples,
             "first_session_done": self.first_session_done,
             "stats": dict(self.stats),
         }
 
-    def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
+    def load_state_dict(self, network: nn.Module, state: dict[str, Any]) -> None:
         device = next(network.parameters()).device
         self.samples = int(state["samples"])
         self.first_session_done = bool(state["first_session_done"])
@@ -434,11 +434,11 @@ class RanPACOnline(FirstSessionAnalyticOnline):
         seen = network.analytic_seen[None]
         return torch.where(seen, logits, self.unseen_logits(network, features))
 
-    def extra_state(self, network: nn.Module) -> dict[str, Any]:
-        return {**super().extra_state(network), "ridge": self.ridge}
+    def state_dict(self, network: nn.Module) -> dict[str, Any]:
+        return {**super().state_dict(network), "ridge": self.ridge}
 
-    def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
-        super().load_extra_state(network, state)
+    def load_state_dict(self, network: nn.Module, state: dict[str, Any]) -> None:
+        super().load_state_dict(network, state)
         self.ridge = None if state["ridge"] is None else float(state["ridge"])
 
     def report(self) -> dict[str, Any]:

@@ -210,10 +210,10 @@ class SLCAOnline(FinetuneOnline):
             temperature=float(args["ca_with_logit_norm"]),
         )
 
-    def extra_state(self, network: nn.Module) -> dict[str, Any]:
+    def state_dict(self, network: nn.Module) -> dict[str, Any]:
         return {"stats": dict(self.stats.state_dict()), "sessions_closed": self.sessions_closed}
 
-    def load_extra_state(self, network: nn.Module, state: dict[str, Any]) -> None:
+    def load_state_dict(self, network: nn.Module, state: dict[str, Any]) -> None:
         self.stats.to(self.classifier(network).weight.device).load_state_dict(state["stats"])
         self.sessions_closed = int(state["sessions_closed"])
 
