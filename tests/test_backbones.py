@@ -6,6 +6,8 @@ import pytest
 
 timm = pytest.importorskip("timm", reason="timm is not installed (pip install -e .)")
 
+from conftest import requires_pilot  # noqa: E402
+
 from pilot_online.pilot.backbones import WeightsUnavailableError, timm_overrides  # noqa: E402
 
 
@@ -69,10 +71,15 @@ def test_unreachable_download_says_what_to_do(monkeypatch, tmp_path):
         # EASE's and MoS's ViT classes copy weights from a pretrained=True model; dropout is theirs.
         ("vit_base_patch16_224_ease", {"pretrained": False}),
         ("vit_base_patch16_224_in21k_mos", {"pretrained": False}),
-        # The prompt branches pass args["pretrained"], args["drop"], args["drop_path"] themselves.
+        # L2P's and DualPrompt's branches pass args["pretrained"], args["drop"] and
+        # args["drop_path"] themselves.
         ("vit_base_patch16_224_l2p", {}),
         ("vit_base_patch16_224_dualprompt", {}),
-        ("vit_base_patch16_224_coda_prompt", {}),
+        # CODA's branch: timm.create_model(name, pretrained=args["pretrained"]), no dropout.
+        (
+            "vit_base_patch16_224_coda_prompt",
+            {"pretrained": False, "drop_rate": 0.1, "drop_path_rate": 0.2},
+        ),
     ],
 )
 def test_factory_overrides_replace_what_each_get_backbone_branch_hard_codes(backbone_type, forced):
@@ -83,3 +90,19 @@ def test_factory_overrides_replace_what_each_get_backbone_branch_hard_codes(back
     # The config's own backbone_kwargs go on top, and win.
     on_top = {**args, "backbone_kwargs": {"img_size": 32, "pretrained": True}}
     assert factory_overrides(on_top) == {**forced, "img_size": 32, "pretrained": True}
+
+
+@requires_pilot
+@pytest.mark.parametrize("method", ["coda_online", "l2p_online", "finetune_online"])
+def test_the_configs_dropout_reaches_the_vit_that_pilot_builds(method, pilot_on_path):
+    """``drop`` and ``drop_path`` are the trained ViT's rates whichever get_backbone branch
+    builds it: CODA's branch passes neither, and once dropped them silently."""
+    from conftest import build_smoke_method
+    from torch import nn
+
+    _, network, _ = build_smoke_method(method, drop=0.3, drop_path=0.2)
+    vit = network.backbone
+    assert vit.pos_drop.p == pytest.approx(0.3)
+    assert 0.3 in {m.p for m in vit.blocks[0].modules() if isinstance(m, nn.Dropout)}
+    deepest = [m.drop_prob for m in vit.blocks[-1].modules() if hasattr(m, "drop_prob")]
+    assert deepest and deepest[0] == pytest.approx(0.2)  # stochastic depth's last-block rate

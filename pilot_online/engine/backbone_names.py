@@ -53,8 +53,10 @@ def plain_vit_overrides(args: Mapping[str, Any]) -> dict[str, Any]:
 #: dropout: only ``pretrained`` is the config's.
 PRETRAINED_ONLY_BRANCHES = ("_ease", "_mos")
 #: Branches that pass the config's ``pretrained``, ``drop`` and ``drop_path`` themselves (and
-#: build a second, query ViT with dropout off, which forcing the config's would change).
-CONFIG_PASSING_BRANCHES = ("_l2p", "_dualprompt", "_coda_prompt")
+#: build a second, query ViT with dropout off, which forcing the config's would change). The
+#: ``_coda_prompt`` branch is not one: it passes ``pretrained`` alone, so the config's dropout is
+#: forced on its one ViT as on a plain one.
+CONFIG_PASSING_BRANCHES = ("_l2p", "_dualprompt")
 
 
 def factory_overrides(args: Mapping[str, Any]) -> dict[str, Any]:
