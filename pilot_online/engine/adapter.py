@@ -390,7 +390,8 @@ class MethodAdapter:
             )
 
     def report(self) -> dict[str, Any]:
-        """The method's entries for the results file's ``diagnostics.method``; none by default."""
+        """The method's entries for the results file's ``extra.diagnostics.method``; none by
+        default."""
         return {}
 
     # -- helpers a port calls (not hooks) ----------------------------------------------------------
