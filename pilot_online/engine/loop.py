@@ -551,13 +551,13 @@ class OnlineLoop:
                 )
                 self._count_for_trigger(stream_size, detached)
                 return StepStats(loss.detach(), correct, stream_size, terms=detached, **online)
-            loss, finite = self._backward_and_step(
+            loss, detached = self._backward_and_step(
                 loss, terms, batch_inputs, batch_labels, stream_size, stream
             )
-            if not finite:
+            if detached is None:
                 skipped = self._skip_nonfinite(loss, correct, stream_size, terms)
                 continue
-            finished.append((loss.detach(), _detached(terms)))
+            finished.append((loss.detach(), detached))
         if not finished:
             return dataclasses.replace(skipped, **online)
         loss, detached = _mean_step(finished)
@@ -617,11 +617,11 @@ class OnlineLoop:
         batch_labels: torch.Tensor,
         stream_size: int,
         stream: StepOutput | None,
-    ) -> tuple[torch.Tensor, bool]:
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
         """Backward, the finite check, the gradient transforms, the optimiser step and
         ``after_step`` (with ``stream``, the observation, at the batch's own step): (the step's
-        loss, whether it was finite and so taken). The extra backward's terms join ``terms`` in
-        place, and the loss."""
+        loss, its detached terms, or None when it was non-finite and so not taken). The extra
+        backward's terms join ``terms`` in place, and the loss."""
         loss.backward()
         finite = self._finite(loss)
         if finite:
@@ -634,7 +634,7 @@ class OnlineLoop:
                 loss = loss.detach() + torch.stack([t.reshape(()) for t in extra.values()]).sum()
                 finite = self._finite(loss)
         if not finite:
-            return loss, False
+            return loss, None
         self._nonfinite_streak = 0
         self.after_backward()
         self._record_gradient_norms()
@@ -644,8 +644,9 @@ class OnlineLoop:
         else:
             self.optimizer.step()
         self.optimizer_steps += 1
-        self._after_step(TrainedStep(inputs, batch_labels, stream_size, _detached(terms), stream))
-        return loss, True
+        detached = _detached(terms)  # once: after_step's and the batch's means alike
+        self._after_step(TrainedStep(inputs, batch_labels, stream_size, detached, stream))
+        return loss, detached
 
     def _after_step(self, step: TrainedStep) -> None:
         """The adapter's ``after_step``, what it restarted dropped, then the mixins'."""
