@@ -143,11 +143,11 @@ def case(request, networks) -> tuple[str, Built]:
 
 @requires_pilot
 def test_what_trains_is_the_peft_part_and_the_head(case) -> None:
-    key, (adapter, network, _) = case
+    key, (_, network, _) = case
     pretrained, adapted = network.backbones
     assert not any(p.requires_grad for p in pretrained.parameters())
     assert network.fc.in_features == 2 * 768 and network.fc.out_features == NUM_CLASSES
-    trainable = dict(trained_parameters(adapter, network))
+    trainable = dict(trained_parameters(network))
     tuned = {n for n in trainable if n.startswith("backbones.1.")}
     assert set(trainable) == tuned | {"fc.weight", "fc.bias"}
     markers = {"ssf": ("ssf_scale", "ssf_shift_"), "vpt_deep": ("Prompt_Tokens",)}
@@ -181,7 +181,7 @@ def test_features_concatenate_the_two_branches_and_one_step_moves_only_what_trai
     before = {n: p.detach().clone() for n, p in network.named_parameters()}
     loop = build_loop(adapter, network, {**config, "fgh": None}, NUM_CLASSES)
     loop.train_step(x, torch.tensor([0, 1, 2, 3]))
-    trainable = dict(trained_parameters(adapter, network))
+    trainable = dict(trained_parameters(network))
     for name, param in network.named_parameters():
         moved = not torch.equal(before[name], param.detach())
         if name not in trainable:

@@ -172,7 +172,7 @@ def test_builds_with_an_online_head(built, sample_images):
     assert config["backbone_type"] in adapter.backbone_types
     head = adapter.classifier(network)
     assert isinstance(head, torch.nn.Linear) and head.out_features == NUM_CLASSES
-    trainable = dict(trained_parameters(adapter, network))
+    trainable = dict(trained_parameters(network))
     assert bool(trainable) == adapter.trains
     adapter.set_mode(network, train=False)
     with torch.no_grad():

@@ -21,6 +21,7 @@ from pilot_online.core.mvp_losses import (
     logit_gradients,
 )
 from pilot_online.core.networks import MVPNet
+from pilot_online.engine.adapter import trained_parameters
 from pilot_online.engine.config import ConfigError, load_json, resolve_config
 from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.registry import get_method, list_methods
@@ -259,7 +260,7 @@ def test_prompts_join_their_blocks_and_leave_after_them():
 
 def test_trainable_parameters_and_frozen_backbone():
     network = tiny_mvp()
-    trainable = set(MVPOnline(args=mvp_args()).lr_scales(network))
+    trainable = {name for name, _ in trained_parameters(network)}
     assert trainable == {
         "keys", "class_masks", "g_prompts", "e_prompts", "backbone.head.weight",
         "backbone.head.bias",

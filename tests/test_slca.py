@@ -6,6 +6,7 @@ PILOT network; tests/test_upstream_slca.py compares with upstream's own code).""
 from __future__ import annotations
 
 import copy
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from conftest import TinyAdapter, TinyNet
 from torch import nn
 
 from pilot_online.core.class_stats import ClassGaussians, normalised_logits
+from pilot_online.engine.adapter import ConfigKey, lr_scale, trained_parameters
 from pilot_online.engine.loop import make_optimizer
 from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.registry import method_card
@@ -25,8 +27,7 @@ C = 6
 class SlowBody(TinyAdapter):
     """TinyNet with its body at a tenth of the head's learning rate."""
 
-    def lr_scales(self, network: nn.Module) -> dict[str, float]:
-        return {n: 0.1 if n.startswith("body.") else 1.0 for n in super().lr_scales(network)}
+    lr_scales: ClassVar[dict[str, float | str]] = {"body.": 0.1}
 
 
 def test_the_backbones_step_is_the_scale_times_the_heads():
@@ -240,7 +241,7 @@ def test_on_a_20_task_cub_sized_stream_every_task_end_evaluation_is_aligned(monk
 def test_the_slow_learner_scales_backbone_parameters_only():
     adapter = TinySLCA(args=dict(ARGS))
     network = adapter.build_network(adapter.args)
-    scales = adapter.lr_scales(network)
+    scales = {name: lr_scale(adapter, name) for name, _ in trained_parameters(network)}
     assert scales == {
         "backbone.0.weight": 0.01,
         "backbone.0.bias": 0.01,
@@ -254,3 +255,37 @@ def test_state_bytes_count_a_float32_scatter_matrix_per_class():
     want = 100 * (768 * 768 * 4 + 768 * 4 + 8 + 8)
     assert method_card("slca_online").memory_bytes({"nb_classes": 100}) == want
     assert 230e6 < want < 240e6  # the docs' 236 MB
+
+
+def test_declared_lr_scales_take_the_longest_prefix_and_read_a_config_key():
+    class Scaled(TinyAdapter):
+        config_keys: ClassVar[dict[str, ConfigKey]] = {"slow": ConfigKey(0.01, "body factor")}
+        lr_scales: ClassVar[dict[str, float | str]] = {"body.": "slow", "body.0.": 0.5}
+
+    adapter = Scaled(args={"slow": 0.2})
+    assert lr_scale(adapter, "body.0.weight") == 0.5  # the longer prefix wins
+    assert lr_scale(adapter, "body.2.weight") == 0.2  # the config key's value, not its default
+    assert lr_scale(adapter, "head.weight") == 1.0
+    assert lr_scale(adapter, "bodyguard.weight") == 1.0  # a prefix of the name, not of a word
+
+
+@pytest.mark.parametrize(
+    "scales, message",
+    [
+        ({"body.": "missing"}, r"names 'missing', which is none of its config_keys"),
+        ({"body.": 0.0}, r"is 0.0: a factor is a finite number > 0"),
+        ({"body.": float("nan")}, r"is nan"),
+        ({"body.": True}, r"is True"),
+    ],
+)
+def test_a_bad_lr_scale_is_refused_when_the_class_is_defined(scales, message):
+    with pytest.raises(TypeError, match=message):
+        type("Bad", (TinyAdapter,), {"lr_scales": scales})
+
+
+def test_the_retired_lr_scales_hook_is_refused_with_the_fix():
+    with pytest.raises(TypeError, match=r"lr_scales is a method; declare the factors instead"):
+
+        class Hooked(TinyAdapter):
+            def lr_scales(self, network):
+                return {}

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from pilot_online.engine.adapter import TrainedStep, trained_parameters
+from pilot_online.engine.adapter import TrainedStep, lr_scale, trained_parameters
 from pilot_online.engine.loop import make_optimizer
 from pilot_online.methods.mos import MOSOnline
 
@@ -162,13 +162,13 @@ def test_training_step_is_upstreams(pilot_on_path):
     torch.manual_seed(7)
     out = adapter.forward(ours, IMAGES, train=True)
     (F.cross_entropy(out.logits, LABELS) + out.aux_loss).backward()
-    named = trained_parameters(adapter, ours)
+    named = trained_parameters(ours)
     ours_optimizer = make_optimizer(
         "sgd",
         [p for _, p in named],
         lr=0.05,
         weight_decay=5e-4,
-        lr_scales=list(adapter.lr_scales(ours).values()),
+        lr_scales=[lr_scale(adapter, name) for name, _ in named],
     )
     ours_optimizer.step()
     adapter.after_step(ours, TrainedStep(IMAGES, LABELS, len(LABELS), {}))

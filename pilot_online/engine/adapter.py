@@ -15,7 +15,7 @@ the classifier layer, so the loop, masking, optimiser, evaluation and logging ex
 What the engine keeps for a method, the method declares rather than codes: a replay memory
 (:class:`Replay`), when its task-boundary step runs and whether a teacher is kept for it
 (:class:`Consolidation`), its config keys and their rules (:class:`ConfigKey`). Beyond the three
-required methods, the optional hooks are grouped by phase in the class body (build, step, boundary,
+required methods, the optional hooks are grouped by phase in the class body (step, boundary,
 evaluation, state), as ``docs/porting.md``'s table lists them (``tests/test_contract_shape.py``).
 
 Adapters import PILOT lazily (inside ``build_network``), so registering one needs no PILOT.
@@ -24,6 +24,7 @@ Adapters import PILOT lazily (inside ``build_network``), so registering one need
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -180,10 +181,9 @@ RETIRED_MEMBERS: Mapping[str, str] = {
     "method's own terms and returns their values",
     "transform_gradients": "override after_backward(network, autocast): it edits .grad in place "
     "and returns {}",
-    "trainable_parameters": "override lr_scales(network): the trained parameters' names, each "
-    "with its factor on init_lr",
-    "lr_scale": "override lr_scales(network): the trained parameters' names, each with its "
-    "factor on init_lr",
+    "trainable_parameters": "set requires_grad_(False) in build_network on what does not train; "
+    "declare lr_scales = {name prefix: factor or config key} for what trains at another rate",
+    "lr_scale": "declare lr_scales = {name prefix: factor or config key}",
     "removed_keys": "move it to the method's card: MethodCard(removed_keys=...) (a key's history "
     "is a tooling fact; resolve_config reads it there)",
     "check_config": "move each rule to the key it is about: ConfigKey(..., check=...) for the "
@@ -219,6 +219,14 @@ class MethodAdapter:
     #: When the method's task-boundary step runs and what the engine keeps for it
     #: (:class:`Consolidation`): by default no trigger and no teacher.
     consolidation: ClassVar[Consolidation] = Consolidation()
+    #: How fast what trains learns: factors on the config's ``init_lr`` by parameter-name prefix
+    #: (the longest matching prefix wins; 1 elsewhere), each a number or the name of one of the
+    #: method's config keys whose value is the factor (SLCA's slow learner:
+    #: ``{"backbone.": "bcb_lrscale"}``). What trains is torch's rule: the parameters with
+    #: ``requires_grad`` when the loop is built, in ``named_parameters`` order, then each one
+    #: with ``requires_grad`` that a firing adds. The optimiser gets one group per distinct
+    #: factor; a parameter the method freezes later keeps its place and its group.
+    lr_scales: ClassVar[Mapping[str, float | str]] = {}
     args: dict = field(default_factory=dict)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -250,6 +258,7 @@ class MethodAdapter:
             )
         own = {k: v for k, v in cls.config_keys.items() if k not in DECLARED_BY_REPLAY}
         cls.config_keys = {**(cls.replay.config_keys() if cls.replay else {}), **own}
+        _check_lr_scales(cls)
 
     # -- required: every port writes these three ---------------------------------------------------
     def build_network(self, args: dict) -> nn.Module:
@@ -263,18 +272,6 @@ class MethodAdapter:
     def classifier(self, network: nn.Module) -> nn.Linear:
         """The final FC layer: prototypes are replayed through it, FGH's class mode reweights it."""
         raise NotImplementedError
-
-    # -- build: once, before the first step --------------------------------------------------------
-    def lr_scales(self, network: nn.Module) -> dict[str, float]:
-        """Which parameters train, and how fast: the names of the parameters the optimiser and FGH
-        see (everything with ``requires_grad`` by default), in order, each with its factor on the
-        config's ``init_lr`` (1 by default). The optimiser gets one group per distinct factor
-        (SLCA's slow learner: the backbone at 0.01 x the head's LR). Asked when the loop is built
-        and after each firing, whose new names join. A parameter the method freezes later keeps
-        its place and its factor; one a resume adopts from the checkpoint but no longer listed
-        here gets factor 1, so a method whose frozen parameters train at another factor lists
-        them still (MoS: every adapter set)."""
-        return {name: 1.0 for name, p in network.named_parameters() if p.requires_grad}
 
     # -- step: every training step, in this order (docs/porting.md, When each hook runs) -----------
     def set_mode(self, network: nn.Module, train: bool) -> None:
@@ -345,9 +342,9 @@ class MethodAdapter:
         features the classifier reads. A method that overrides it can be given any trigger; one
         that does not refuses every trigger but ``never``.
 
-        It may add parameters (a new adapter per firing, as upstream adds one per task): the loop
-        then re-reads :meth:`lr_scales`, and each new one joins the optimiser (in the group of
-        its factor), FGH and the checkpoint, where it stays after the method freezes it. A
+        It may add parameters (a new adapter per firing, as upstream adds one per task): each new
+        one with ``requires_grad`` joins the optimiser (in the group of its factor in
+        :attr:`lr_scales`), FGH and the checkpoint, where it stays after the method freezes it. A
         resume calls :meth:`load_state_dict` before any parameter is loaded, so a method
         rebuilds there the structure it had added (from a count in :meth:`state_dict`)."""
         return Consolidated()
@@ -443,21 +440,41 @@ def _parameter_count(function: Any) -> int:
     return len(inspect.signature(function).parameters)
 
 
-def trained_parameters(
-    adapter: MethodAdapter, network: nn.Module
-) -> list[tuple[str, nn.Parameter]]:
-    """The parameters ``adapter`` trains (:meth:`MethodAdapter.lr_scales`' names), by name, in
-    its order: what the optimiser and FGH see."""
-    return parameters_named(network, adapter.lr_scales(network))
-
-
-def parameters_named(network: nn.Module, names: Iterable[str]) -> list[tuple[str, nn.Parameter]]:
-    """``network``'s parameters under ``names``, in that order; a name it lacks is refused."""
-    everything = dict(network.named_parameters())
-    missing = [name for name in names if name not in everything]
-    if missing:
-        raise ValueError(
-            f"lr_scales() names parameters the network does not have: {missing[:5]}; name them "
-            "as network.named_parameters() does"
+def _check_lr_scales(cls: type[MethodAdapter]) -> None:
+    """A method's ``lr_scales`` are prefixes with a positive factor or one of its config keys; the
+    hook that returned them per parameter is refused with the fix."""
+    if callable(vars(cls).get("lr_scales")):
+        raise TypeError(
+            f"{cls.__name__}.lr_scales is a method; declare the factors instead: lr_scales = "
+            "{name prefix: factor or config key} (what trains is what has requires_grad)"
         )
-    return [(name, everything[name]) for name in names]
+    for prefix, factor in cls.lr_scales.items():
+        if isinstance(factor, str):
+            if factor not in cls.config_keys:
+                raise TypeError(
+                    f"{cls.__name__}.lr_scales[{prefix!r}] names {factor!r}, which is none of its "
+                    f"config_keys ({', '.join(cls.config_keys) or 'none'})"
+                )
+        elif isinstance(factor, bool) or not (
+            isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0
+        ):
+            raise TypeError(
+                f"{cls.__name__}.lr_scales[{prefix!r}] is {factor!r}: a factor is a finite number "
+                "> 0 or a config key's name (to freeze parameters, requires_grad_(False))"
+            )
+
+
+def lr_scale(adapter: MethodAdapter, name: str) -> float:
+    """The factor on ``init_lr`` of the parameter ``name``: :attr:`MethodAdapter.lr_scales`'
+    longest prefix of it (a config key's value where it names one), 1 if none."""
+    prefixes = [prefix for prefix in adapter.lr_scales if name.startswith(prefix)]
+    if not prefixes:
+        return 1.0
+    factor = adapter.lr_scales[max(prefixes, key=len)]
+    return float(adapter.args[factor]) if isinstance(factor, str) else float(factor)
+
+
+def trained_parameters(network: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters that train (``requires_grad``), by name, in ``named_parameters`` order:
+    what the optimiser and FGH see."""
+    return [(name, p) for name, p in network.named_parameters() if p.requires_grad]

@@ -35,7 +35,8 @@ from .adapter import (
     StepOutput,
     TrainedStep,
     TrainingBatch,
-    parameters_named,
+    lr_scale,
+    trained_parameters,
 )
 from .eval_cache import QueryCache, QueryCacheOptions
 from .options import ConfigKey, Options, option
@@ -153,7 +154,7 @@ def make_optimizer(
 ) -> torch.optim.Optimizer:
     """The constant-LR optimiser of online training (no scheduler: stream length is unknown).
 
-    ``lr_scales`` (one per parameter, :meth:`MethodAdapter.lr_scales`; None: all 1) put the
+    ``lr_scales`` (one per parameter, :func:`~.adapter.lr_scale`; None: all 1) put the
     parameters of each distinct scale in one group at ``lr * scale`` (SLCA's slow backbone), in
     order of first appearance; the group's ``lr_scale`` entry records it. All scales equal: one
     group, so that a method that trains nothing (SimpleCIL) gets an empty one."""
@@ -303,10 +304,9 @@ class OnlineLoop:
         self.num_classes = num_classes
         self.device = torch.device(device)
         check_classifier(adapter, self.network)
-        # The trained parameters' factors on init_lr, by name: every name the method ever listed
-        # keeps its factor (a parameter it froze since stays in its optimiser group).
-        self.lr_scales = dict(adapter.lr_scales(self.network))
-        self.named_parameters = parameters_named(self.network, self.lr_scales)
+        # What trains (requires_grad), by name; a parameter the method freezes later stays here,
+        # in its optimiser group.
+        self.named_parameters = trained_parameters(self.network)
         if not self.named_parameters and adapter.trains:
             raise ValueError(
                 f"{type(adapter).__name__} exposes no trainable parameters; a method that learns "
@@ -317,7 +317,7 @@ class OnlineLoop:
             [p for _, p in self.named_parameters],
             lr=float(config.get("init_lr", 5e-3)),
             weight_decay=float(config.get("weight_decay", 0.0)),
-            lr_scales=[self.lr_scales[name] for name, _ in self.named_parameters],
+            lr_scales=[lr_scale(adapter, name) for name, _ in self.named_parameters],
         )
         options = LoopOptions.of(config)
         self.logit_mask = options.logit_mask
@@ -395,7 +395,8 @@ class OnlineLoop:
         state (Adam's moments must not carry the old history); a replacement takes its
         predecessor's place in its group with no state (upstream makes a new optimiser at each
         task, and Adam's moments of a differently shaped tensor cannot carry over); an added
-        parameter joins the group of its factor in ``lr_scales`` (a new group for a new one)."""
+        parameter joins the group of its factor (:func:`~.adapter.lr_scale`; a new group for a new
+        one)."""
         for p in change.restarted:
             self.optimizer.state.pop(p, None)
         for name, old, new in change.replaced:
@@ -409,7 +410,7 @@ class OnlineLoop:
             if new is None:
                 del group["params"][position]
                 continue
-            if float(self.lr_scales.get(name, 1.0)) != group["lr_scale"]:
+            if lr_scale(self.adapter, name) != group["lr_scale"]:
                 raise ValueError(
                     f"{name} was replaced by a parameter with another lr_scale: a replacement "
                     "keeps its predecessor's learning rate"
@@ -417,7 +418,7 @@ class OnlineLoop:
             group["params"][position] = new
         lr = float(self.config.get("init_lr", 5e-3))
         for name, p in change.added:
-            scale = float(self.lr_scales.get(name, 1.0))
+            scale = lr_scale(self.adapter, name)
             if not (math.isfinite(scale) and scale > 0):
                 raise ValueError(f"lr_scale must be finite and > 0, got {scale} for {name}")
             group = next((g for g in self.optimizer.param_groups if g["lr_scale"] == scale), None)
@@ -450,9 +451,7 @@ class OnlineLoop:
         known = {name for name, _ in self.named_parameters}
         added = [(n, everything[n]) for n in saved_names if n not in known and n in everything]
         known.update(n for n, _ in added)
-        scales = self.adapter.lr_scales(self.network)
-        added += [(n, p) for n, p in parameters_named(self.network, scales) if n not in known]
-        self.lr_scales.update(scales)
+        added += [(n, p) for n, p in trained_parameters(self.network) if n not in known]
         if added:
             self.named_parameters += added
             logger.info("%d new trainable parameters: %s", len(added), [n for n, _ in added][:4])

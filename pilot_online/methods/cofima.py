@@ -151,7 +151,7 @@ class CoFiMAOnline(SLCAOnline):
 
     def setup_state(self, network: nn.Module) -> None:
         """The merge's state, empty (tests call it on tiny networks)."""
-        self._named = trained_parameters(self, network)
+        self._named = trained_parameters(network)
         self.fisher_sum: list[torch.Tensor] | None = None
         self.fisher_steps = 0
         self.prev_fisher: list[torch.Tensor] | None = None

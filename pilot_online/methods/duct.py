@@ -193,6 +193,8 @@ class DUCTOnline(FinetuneOnline):
     base_model_name: ClassVar[str] = "duct"
     backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
     consolidation: ClassVar[Consolidation] = Consolidation(trigger="new_classes")
+    #: Upstream's slow learner: the backbone at bcb_lr_scale x the head's LR.
+    lr_scales: ClassVar[dict[str, float | str]] = {"backbone.": "bcb_lr_scale"}
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "bcb_lr_scale": ConfigKey(
             0.01,
@@ -222,11 +224,6 @@ class DUCTOnline(FinetuneOnline):
         network = super().build_network(args)  # upstream's SimpleVitNet with the online head
         self.setup_state(network, args)
         return network
-
-    def lr_scales(self, network: nn.Module) -> dict[str, float]:
-        """Upstream's slow learner: the backbone at ``bcb_lr_scale`` x the head's LR."""
-        slow = float(self.args["bcb_lr_scale"])
-        return {n: slow if n.startswith("backbone.") else 1.0 for n in super().lr_scales(network)}
 
     def backbone(self, network: nn.Module) -> nn.Module:
         """The merged part (upstream's task vectors leave out the head)."""

@@ -28,7 +28,7 @@ trigger ``new_classes``: MOS organises adapters and retrieval by classes).
 * **Merge**, as upstream's per step: D pulls inside the training forward (one before each block,
   on the parameters' storage, so the backward reads the pulled values as upstream's does) and one
   after the optimiser step. Retention of the active set per step: ``(1 - m)^(D + 1)``.
-* **Head** at an ``lr_scales`` factor of 0.1 (upstream's second parameter group).
+* **Head** at a declared ``lr_scales`` factor of 0.1 (upstream's second parameter group).
 * **Class statistics** (:class:`~pilot_online.core.class_stats.ClassGaussians`) and the prototype
   head (set 0's class means): running over the stream batches, each batch passed once more in
   eval mode without gradient; classes of set a >= 1 through the mean of sets 0..a-1 (the limit of
@@ -215,6 +215,9 @@ class MOSOnline(MethodAdapter):
         "vit_base_patch16_224_in21k_mos",
     )
     consolidation: ClassVar[Consolidation] = Consolidation(trigger="new_classes")
+    #: What trains is the active adapter set and the head (build_network, add_set); the head at
+    #: upstream's second parameter group's factor.
+    lr_scales: ClassVar[dict[str, float | str]] = {"backbone.head.": HEAD_LR_SCALE}
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "ffn_num": ConfigKey(
             16, "adapter bottleneck width (upstream mos.json: 16)", check=integer(1)
@@ -293,15 +296,6 @@ class MOSOnline(MethodAdapter):
 
     def classifier(self, network: nn.Module) -> nn.Linear:
         return network.backbone.head
-
-    def lr_scales(self, network: nn.Module) -> dict[str, float]:
-        """Every adapter set (frozen or not: a checkpoint lists them all), and the head at
-        ``HEAD_LR_SCALE``."""
-        return {
-            name: HEAD_LR_SCALE if name.startswith("backbone.head.") else 1.0
-            for name, _ in network.named_parameters()
-            if name.startswith(("backbone.adapter_list.", "backbone.head."))
-        }
 
     @staticmethod
     def active_set(network: nn.Module) -> int:

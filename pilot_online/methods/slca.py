@@ -2,9 +2,9 @@
 PILOT's ``models/slca.py``, network ``SLCANet``).
 
 * **Slow learner.** Upstream trains the whole ViT at ``bcb_lrscale`` (0.01) times the head's LR
-  (SGD, two param groups). Online: :meth:`SLCAOnline.lr_scales` puts the backbone at
-  ``bcb_lrscale`` x ``init_lr`` through the loop's per-group learning rates
-  (``MethodAdapter.lr_scales``), with whatever optimiser the config names.
+  (SGD, two param groups). Online: ``lr_scales`` declares the backbone at ``bcb_lrscale`` x
+  ``init_lr``, which the loop's per-group learning rates apply (``MethodAdapter.lr_scales``),
+  with whatever optimiser the config names.
 * **Class statistics.** Upstream passes each finished task's data once more through the trained
   backbone (test transforms) and keeps every class's mean and covariance (+ 1e-4 I). Online:
   running means and scatter matrices of the stream batch's features (:class:`ClassGaussians`,
@@ -106,6 +106,7 @@ class SLCAOnline(FinetuneOnline):
     #: CUB-sized tasks as on CIFAR's. CA itself runs at each evaluation (the view), whatever the
     #: trigger.
     consolidation: ClassVar[Consolidation] = Consolidation(trigger="new_classes")
+    lr_scales: ClassVar[dict[str, float | str]] = {"backbone.": "bcb_lrscale"}  # slow learner
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "bcb_lrscale": ConfigKey(
             0.01, "backbone LR = bcb_lrscale x init_lr (upstream 0.01; 0 freezes it)", check=real(0)
@@ -148,10 +149,6 @@ class SLCAOnline(FinetuneOnline):
 
         self.stats = ClassGaussians(int(args["nb_classes"]), dim)
         self.sessions_closed = 0  # firings so far: the session a newly seen class belongs to
-
-    def lr_scales(self, network: nn.Module) -> dict[str, float]:
-        slow = float(self.args["bcb_lrscale"])
-        return {n: slow if n.startswith("backbone.") else 1.0 for n in super().lr_scales(network)}
 
     def after_step(self, network: nn.Module, step: TrainedStep) -> tuple[nn.Parameter, ...]:
         if step.stream is None:  # an extra step of online_iter: the batch is observed once
