@@ -278,7 +278,7 @@ def bench_method(method: str, args: argparse.Namespace, device: torch.device) ->
 
     base = loops["base"]
     base.query_cache = QueryCache("auto", device)
-    has_query = adapter.query_pass(network) is not None
+    has_query = adapter.evaluation(network).query is not None
     evals = {name: evaluator(loop, cache=has_query) for name, loop in {**loops, **options}.items()}
     if has_query:
         evals["base, no cache"] = evaluator(base, cache=False)

@@ -186,11 +186,11 @@ def test_evaluation_view_is_the_coming_firing_and_changes_nothing():
     adapter, network, loop = make(**kwargs)
     data = batches(7)
     loop.train_step(*data[0])
-    assert adapter.evaluation_view(network) == {}  # upstream's first task: no merge, no CA
+    assert adapter.evaluation(network).view == {}  # upstream's first task: no merge, no CA
     for x, y in data[1:7]:
         loop.train_step(x, y)  # firings before steps 2, 4 and 6: a period of one step is open
     before = [t.clone() for t in flat_state(adapter, network)]
-    view = adapter.evaluation_view(network)
+    view = adapter.evaluation(network).view
     for a, b in zip(flat_state(adapter, network), before):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert set(view) == {name for name, _ in network.named_parameters()}
@@ -205,7 +205,7 @@ def test_evaluation_view_is_the_coming_firing_and_changes_nothing():
             torch.testing.assert_close(p.detach(), view[name], rtol=0, atol=0)
     adapter, network, loop = make(consolidation="never")
     loop.train_step(*data[0])
-    assert adapter.evaluation_view(network) == {}
+    assert adapter.evaluation(network).view == {}
 
 
 def test_the_loop_merges_at_its_firings_only():
@@ -268,7 +268,7 @@ def test_defaults_act_on_twenty_cub_sized_tasks():
             y = labels[step * batch : (step + 1) * batch]
             loop.train_step(torch.randn(len(y), 5, generator=g), y)
         if task < tasks - 1:
-            view = adapter.evaluation_view(network)  # the task-end evaluation's
+            view = adapter.evaluation(network).view  # the task-end evaluation's
             assert bool(view) == (task > 0)
             if view:
                 assert not torch.allclose(view["body.weight"], network.body.weight)
@@ -277,8 +277,8 @@ def test_defaults_act_on_twenty_cub_sized_tasks():
     # 19th, is the view its evaluation sees: merged and aligned.
     assert adapter.merges == list(range(1, tasks - 1))
     adapter.args["ca_epochs"] = 1
-    view = adapter.evaluation_view(network)
+    view = adapter.evaluation(network).view
     adapter.args["ca_epochs"] = 0
-    merged = adapter.evaluation_view(network)
+    merged = adapter.evaluation(network).view
     assert not torch.allclose(view["fc.weight"], merged["fc.weight"])
     torch.testing.assert_close(view["body.weight"], merged["body.weight"])

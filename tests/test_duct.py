@@ -219,7 +219,7 @@ def test_evaluation_view_is_the_coming_firing_and_changes_nothing():
         loop.train_step(x, y)  # firings before steps 2 and 4: a period of one step is open
     before = [t.clone() for t in flat_state(adapter, network)]
     ratios, transports = list(adapter.ratios), adapter.transports
-    view = adapter.evaluation_view(network)
+    view = adapter.evaluation(network).view
     for a, b in zip(flat_state(adapter, network), before):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert adapter.ratios == ratios and adapter.transports == transports
@@ -235,7 +235,7 @@ def test_evaluation_view_is_the_coming_firing_and_changes_nothing():
         torch.testing.assert_close(parameters[name].detach(), value, rtol=0, atol=0)
     adapter, network, loop = make(consolidation="never")
     loop.train_step(*batches(1)[0])
-    assert adapter.evaluation_view(network) == {}
+    assert adapter.evaluation(network).view == {}
 
 
 def test_defaults_act_on_twenty_cub_sized_tasks():
@@ -263,7 +263,7 @@ def test_defaults_act_on_twenty_cub_sized_tasks():
         for step in range(len(labels) // batch):
             y = labels[step * batch : (step + 1) * batch]
             loop.train_step(torch.randn(len(y), 5, generator=g), y)
-        view = adapter.evaluation_view(network)  # the task-end evaluation's
+        view = adapter.evaluation(network).view  # the task-end evaluation's
         assert {"body.weight", "body.bias"} <= set(view)
         assert ("fc.weight" in view) == (task > 0)
     assert loop.trigger.firings == [samples * t for t in range(1, tasks)]

@@ -18,9 +18,10 @@ import pytest
 import torch
 from conftest import TinyAdapter, TinyNet, build_smoke_method, requires_pilot
 
-from pilot_online.engine.adapter import MethodAdapter, QueryPass, StepOutput
+from pilot_online.engine.adapter import Evaluation, MethodAdapter, QueryPass, StepOutput
 from pilot_online.engine.config import ConfigError, load_json, resolve_config
 from pilot_online.engine.eval_cache import QueryCache
+from pilot_online.engine.flops import method_flops
 from pilot_online.engine.mixins import build_loop
 from pilot_online.engine.registry import get_method, list_methods
 from pilot_online.engine.session import ArrayDataSource
@@ -28,10 +29,18 @@ from pilot_online.engine.session import ArrayDataSource
 REPO = Path(__file__).resolve().parent.parent
 NUM_CLASSES = 8
 NUM_TEST = 10
-#: Every registered method with a frozen query pass (an adapter that overrides
-#: ``query_pass``): L2P, DualPrompt, CODA, MVP and APER's fine-tuning today.
+#: Every registered method with a frozen query pass, as the FLOP model counts one (its
+#: ``query_flops_per_image``, counted from ``evaluation(network).query`` by benchmarks/flops.py):
+#: L2P, DualPrompt, CODA, MVP and the four APER variants today.
 CACHED_METHODS = [
-    name for name in list_methods() if get_method(name).query_pass is not MethodAdapter.query_pass
+    name for name in list_methods() if method_flops(name).get("query_flops_per_image", 0) > 0
+]
+#: The methods whose ``evaluation`` is their own but the FLOP model counts no query pass: a view
+#: alone (SLCA, CoFiMA, RanPAC, FeCAM, MOS, DUCT today).
+VIEW_ONLY_METHODS = [
+    name
+    for name in list_methods()
+    if get_method(name).evaluation is not MethodAdapter.evaluation and name not in CACHED_METHODS
 ]
 #: PILOT's own forward of each network class whose adapter splits it into query + prompted pass.
 UPSTREAM_FORWARD = {
@@ -46,7 +55,7 @@ class Recorder:
 
     def __init__(self, adapter) -> None:
         self.adapter, self.query_calls, self.logits = adapter, 0, []
-        query_pass, forward = adapter.query_pass, adapter.forward
+        evaluation, forward = adapter.evaluation, adapter.forward
 
         def recorded_forward(network, x, train):
             self.query_calls += 1  # a whole forward runs the query pass too
@@ -54,8 +63,8 @@ class Recorder:
             self.logits.append(out.logits)
             return out
 
-        def recorded_query_pass(network):
-            inner = query_pass(network)
+        def recorded_evaluation(network):
+            inner = evaluation(network).query
 
             def features(x):
                 self.query_calls += 1
@@ -66,9 +75,9 @@ class Recorder:
                 self.logits.append(out.logits)
                 return out
 
-            return QueryPass(inner.parameters, features, from_query)
+            return Evaluation(query=QueryPass(inner.parameters, features, from_query))
 
-        adapter.query_pass = recorded_query_pass  # instance attributes shadow the methods
+        adapter.evaluation = recorded_evaluation  # instance attributes shadow the methods
         adapter.forward = recorded_forward
 
     def take(self) -> torch.Tensor:
@@ -76,7 +85,7 @@ class Recorder:
         return logits
 
     def close(self) -> None:
-        for name in ("query_pass", "forward"):
+        for name in ("evaluation", "forward"):
             delattr(self.adapter, name)
 
 
@@ -110,7 +119,7 @@ def images() -> np.ndarray:
 @pytest.mark.parametrize("name", CACHED_METHODS)
 def test_cached_evaluation_is_bit_identical(pilot_on_path, name, images, device):
     adapter, network, config = build_smoke_method(name)
-    assert adapter.query_pass(network) is not None, f"{name} declares no query pass"
+    assert adapter.evaluation(network).query is not None, f"{name} returns no query pass"
     upstream_forward = UPSTREAM_FORWARD.get(type(network).__name__)
     if upstream_forward is not None:  # the split forward is PILOT's own forward, bit for bit
         x = ArrayDataSource._to_tensor(images)
@@ -142,7 +151,7 @@ def test_cached_evaluation_is_bit_identical(pilot_on_path, name, images, device)
     adapter.set_mode(network, train=False)
     with torch.no_grad():
         batches = source.eval_batches(everything)
-        query_pass = adapter.query_pass(network)
+        query_pass = adapter.evaluation(network).query
         fill = [query_pass.features(x.to(device)) for x, _ in batches]
         fill_queries = torch.cat(fill)
         source.eval_batch_size = 3
@@ -159,17 +168,30 @@ def test_cached_evaluation_is_bit_identical(pilot_on_path, name, images, device)
 
 
 @requires_pilot
+@pytest.mark.parametrize("name", VIEW_ONLY_METHODS)
+def test_a_method_the_flop_model_counts_no_query_pass_for_returns_none(pilot_on_path, name):
+    """The FLOP model's query counts, which choose the methods above, match the adapters."""
+    adapter, network, _ = build_smoke_method(name)
+    adapter.set_mode(network, train=False)
+    with torch.no_grad():
+        assert adapter.evaluation(network).query is None
+
+
+@requires_pilot
 def test_convprompt_has_no_frozen_query_pass(pilot_on_path):
     """ConvPrompt's per-layer queries pass through the prompted layers before them."""
     adapter, network, _ = build_smoke_method("convprompt_online")
-    assert adapter.query_pass(network) is None
+    assert adapter.evaluation(network).query is None
 
 
 # -- without PILOT: the refusal rules ----------------------------------------------------------
 class QueryTiny(TinyAdapter):
     """``body`` is the query pass; the logits read it."""
 
-    def query_pass(self, network):
+    def evaluation(self, network):
+        return Evaluation(query=self._query_pass(network))
+
+    def _query_pass(self, network):
         return QueryPass(
             list(network.body.parameters()),
             lambda x: self.query_features(network, x),
@@ -181,7 +203,7 @@ class QueryTiny(TinyAdapter):
 
     def forward(self, network, x, train):
         query = self.query_features(network, x)
-        return self.query_pass(network).forward(x, query, train)
+        return self._query_pass(network).forward(x, query, train)
 
 
 def tiny_predict(loop, x, ids):  # x may live anywhere: the loop moves each batch

@@ -1,6 +1,6 @@
 """The loop's two engine hooks for boundary steps (``engine/loop.py``):
 
-- the evaluation view (``MethodAdapter.evaluation_view``): what evaluation predicts with, derived
+- the evaluation view (``MethodAdapter.evaluation``'s): what evaluation predicts with, derived
   from the training state when an evaluation asks, under a forked RNG, cached until the training
   state changes, and never written back;
 - parameters a method adds at a firing (a new adapter per task, as upstream): adopted by the
@@ -17,7 +17,13 @@ import torch
 from conftest import TinyAdapter, TinyNet
 from torch import nn
 
-from pilot_online.engine.adapter import Consolidated, Consolidation, StepOutput
+from pilot_online.engine.adapter import (
+    Consolidated,
+    Consolidation,
+    Evaluation,
+    QueryPass,
+    StepOutput,
+)
 from pilot_online.engine.mixins import build_loop
 
 C = 6
@@ -37,13 +43,13 @@ class Viewing(TinyAdapter):
         super().__init__(**kwargs)
         self.views = 0
 
-    def evaluation_view(self, network):
+    def evaluation(self, network):
         self.views += 1
         weight = network.fc.weight.detach().clone()
         weight[5] += 100 * torch.randn(weight.shape[1])  # a draw, as alignment's samples
         bias = torch.zeros_like(network.fc.bias)
         bias[5] = 1000.0
-        return {"fc.weight": weight, "fc.bias": bias}
+        return Evaluation(view={"fc.weight": weight, "fc.bias": bias})
 
 
 def test_evaluation_sees_the_view_and_training_keeps_its_values():
@@ -85,13 +91,44 @@ def test_the_view_is_derived_once_per_training_state():
 )
 def test_a_view_that_does_not_fit_the_network_is_refused(view, error, message):
     class Bad(TinyAdapter):
-        def evaluation_view(self, network):
-            return view
+        def evaluation(self, network):
+            return Evaluation(view=view)
 
     loop = build_loop(Bad(), TinyNet(), {}, C)
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
         predict(loop, torch.randn(2, 5))
     assert torch.isfinite(loop.network.fc.bias).all()
+
+
+def test_an_evaluation_that_is_no_evaluation_record_is_refused():
+    class Bare(TinyAdapter):
+        def evaluation(self, network):
+            return {"fc.bias": torch.zeros(C)}  # the retired evaluation_view's return
+
+    loop = build_loop(Bare(), TinyNet(), {}, C)
+    with pytest.raises(TypeError, match=r"returned dict; return Evaluation\(view=\.\.\."):
+        predict(loop, torch.randn(2, 5))
+
+
+def test_a_view_may_not_override_the_query_pass():
+    class Both(TinyAdapter):
+        def evaluation(self, network):
+            query = QueryPass(
+                list(network.body.parameters()),
+                lambda x: torch.relu(network.body(x)),
+                lambda x, q, train: StepOutput(network.fc(q), q),
+            )
+            return Evaluation(view={"body.bias": torch.zeros_like(network.body.bias)}, query=query)
+
+    loop = build_loop(Both(), TinyNet(frozen_body=True), {}, C)
+    with pytest.raises(ValueError, match=r"overrides 'body\.bias', a parameter of the frozen"):
+        predict(loop, torch.randn(2, 5))
+
+
+@pytest.mark.parametrize("retired", ["evaluation_view", "query_pass"])
+def test_the_retired_evaluation_hooks_are_refused_with_the_fix(retired):
+    with pytest.raises(TypeError, match=rf"defines {retired}.*override evaluation\(network\)"):
+        type("Old", (TinyAdapter,), {retired: lambda self, network: None})
 
 
 class GrowingNet(TinyNet):

@@ -93,7 +93,7 @@ def test_first_session_trains_the_cosine_head_and_evaluation_is_mahalanobis_thro
     assert not adapter.trains and not network.fc.weight.requires_grad
     # Training's head was solved at the firing (class 0 only); evaluation's covers classes 0, 1.
     assert network.analytic_seen.tolist() == [True, False, False]
-    assert adapter.evaluation_view(network)["analytic_seen"].tolist() == [True, True, False]
+    assert adapter.evaluation(network).view["analytic_seen"].tolist() == [True, True, False]
     train_logits = adapter.forward(network, x, train=True).logits
     assert train_logits[:, 1:].lt(UNSEEN_LOGIT / 2).all() and (train_logits[:, 0] <= 0).all()
     with loop.evaluation_view():

@@ -282,7 +282,7 @@ def test_evaluation_view_is_the_next_firings_alignment_and_the_pull_limit(mos):
     before = {n: t.detach().clone() for n, t in network.state_dict().items()}
     adapter.set_mode(network, train=False)
     with torch.no_grad():
-        view = adapter.evaluation_view(network)
+        view = adapter.evaluation(network).view
     for name, tensor in network.state_dict().items():
         assert torch.equal(tensor, before[name]), name
     sets = [adapter_set(network, s) for s in range(3)]

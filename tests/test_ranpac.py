@@ -154,7 +154,7 @@ def test_first_session_trains_until_the_first_firing_then_freezes() -> None:
     onehot16 = np.eye(4)[y.numpy()]
     ridge16, _ = numpy_ridge(h16, onehot16, np.arange(16) % 5 == 4)
     w16 = np.linalg.solve(h16.T @ h16 + ridge16 * np.eye(M), h16.T @ onehot16).T
-    view = adapter.evaluation_view(network)["analytic_weight"]
+    view = adapter.evaluation(network).view["analytic_weight"]
     np.testing.assert_allclose(view.numpy(), w16, rtol=1e-4, atol=1e-6)
 
 

@@ -153,7 +153,7 @@ def test_the_view_aligns_a_copy_and_training_keeps_its_head_and_optimiser():
     assert list(adapter.consolidate(loop.network, 2).restarted) == []  # nothing restarted
     assert adapter.sessions_closed == 3
     assert torch.equal(head.weight, trained[0]) and torch.equal(head.bias, trained[1])
-    view = adapter.evaluation_view(loop.network)
+    view = adapter.evaluation(loop.network).view
     assert set(view) == {"fc.weight", "fc.bias"}
     aligned = torch.nn.functional.linear(means, view["fc.weight"], view["fc.bias"])
     assert aligned[:, :3].argmax(1).tolist() == [0, 1, 2]
@@ -164,7 +164,7 @@ def test_the_view_aligns_a_copy_and_training_keeps_its_head_and_optimiser():
     assert torch.equal(view["fc.weight"][3:], trained[0][3:])
     assert torch.equal(view["fc.bias"][3:], trained[1][3:])
     # The view is a function of the training state: asked again, the same tensors.
-    again = adapter.evaluation_view(loop.network)
+    again = adapter.evaluation(loop.network).view
     assert all(torch.equal(view[k], again[k]) for k in view)
 
 
@@ -182,7 +182,7 @@ def test_the_view_aligns_once_the_first_session_is_closed(monkeypatch):
     for step in range(9):  # classes {0, 1}, then {2, 3}, then {4, 5}: three steps each
         first = 2 * (step // 3)
         loop.train_step(torch.randn(10, 5), torch.tensor([first] * 5 + [first + 1] * 5))
-        views.append(adapter.evaluation_view(loop.network))
+        views.append(adapter.evaluation(loop.network).view)
     assert loop.trigger.firings == [30, 60]
     assert calls == [1, 1, 1, 2, 2, 2]
     assert [len(v) for v in views] == [0, 0, 0, 2, 2, 2, 2, 2, 2]

@@ -122,7 +122,7 @@ def test_difference_penalty_in_adapter(coda: Built) -> None:
         init_train_gradients(Learner, coda, x, y, task_classes=2)
     adapter.set_mode(network, train=True)
     with torch.no_grad():
-        query_pass = adapter.query_pass(network)
+        query_pass = adapter.evaluation(network).query
         query = query_pass.features(x)
         ours = query_pass.forward(x, query, True).aux_loss
         tokens = torch.zeros(len(x), 3, 768)

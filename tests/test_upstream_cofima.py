@@ -194,7 +194,7 @@ def test_task_end_matches_upstream(upstream, monkeypatch):
             p.copy_(value)
     adapter.stats.update(torch.randn(3, 6), torch.arange(TASK, NUM_CLASSES), 1)
     adapter.fisher_sum, adapter.fisher_steps = as_ours(fisher1), 1
-    view = adapter.evaluation_view(ours_net)
+    view = adapter.evaluation(ours_net).view
     adapter.consolidate(ours_net, 1)
 
     def check(got: list[torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -451,5 +451,5 @@ def test_alignment_weight_decay_is_upstreams(upstream, monkeypatch, pilot_on_pat
     adapter.stats.update(torch.randn(4, 6), torch.tensor([0, 0, 1, 1]), 0)
     adapter.consolidate(network, 0)
     adapter.stats.update(torch.randn(4, 6), torch.tensor([3, 3, 4, 4]), 1)
-    adapter.evaluation_view(network)
+    adapter.evaluation(network)
     assert decays == [exps["weight_decay"]] == [5e-4]

@@ -101,7 +101,7 @@ def test_difference_no_task_prompt_slots(dualprompt: Built) -> None:
     x, _ = images([0, 1, 2, 3], seed=4)
     adapter.set_mode(network, train=True)
     with torch.no_grad():
-        query = adapter.query_pass(network).features(x)
+        query = adapter.evaluation(network).query.features(x)
         ours = network.backbone(x, task_id=-1, cls_features=query, train=True)["prompt_idx"]
         upstream = upstream_copy(dualprompt, hooked=True)
         upstream.backbone.use_prompt_mask = True  # upstream's exps/dualprompt.json

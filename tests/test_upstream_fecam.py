@@ -95,7 +95,7 @@ def test_shrinkage_correlation_and_mahalanobis_equal_upstreams(pilot_on_path) ->
     upstream = upstream_fecam(alpha=0.5)
     shrunk = upstream.shrink_cov(torch.cov(x.T), 0.5)
     correlation = torch.corrcoef(shrunk)
-    view = adapter.evaluation_view(network)
+    view = adapter.evaluation(network).view
     torch.testing.assert_close(
         view["analytic_precision"][0], torch.linalg.pinv(correlation), rtol=1e-4, atol=1e-4
     )
@@ -137,6 +137,6 @@ def test_difference_single_sample_class_zero_covariance(pilot_on_path) -> None:
     upstream = upstream_fecam(alpha=adapter.alpha)
     upstream_task(upstream, nn.Identity(), x, y)
     assert torch.isnan(upstream.cov_mats[1]).all()
-    precision = adapter.evaluation_view(network)["analytic_precision"][1]
+    precision = adapter.evaluation(network).view["analytic_precision"][1]
     zero = torch.corrcoef(upstream.shrink_cov(torch.zeros(DIM, DIM), adapter.alpha))
     torch.testing.assert_close(precision, torch.linalg.pinv(zero), rtol=1e-4, atol=1e-4)

@@ -407,7 +407,7 @@ def test_difference_evaluation_at_pull_limit(pilot_on_path):
     sets as trained."""
     vit, adapter, ours, _ = state(momentum=0.7)
     vit.adapter_update()  # set 2 stored: upstream evaluates sets 0, 1, 2
-    view = adapter.evaluation_view(ours)
+    view = adapter.evaluation(ours).view
     assert set(view) == {
         f"backbone.adapter_list.{s}.{name}"
         for s in (1, 2)

@@ -147,7 +147,7 @@ def test_the_evaluation_view_is_upstreams_backup_align_recall(pilot_on_path, wei
     adapter.sessions_closed = 1
     head = network.fc
     trained = head.weight.detach().clone(), head.bias.detach().clone()
-    view = adapter.evaluation_view(network)
+    view = adapter.evaluation(network).view
 
     theirs = FcOnly(head)
     classes = torch.arange(4)

@@ -119,6 +119,21 @@ class QueryPass:
 
 
 @dataclass(frozen=True)
+class Evaluation:
+    """What :meth:`MethodAdapter.evaluation` returns: how evaluation departs from the training
+    forward, in two independent parts, each empty by default."""
+
+    #: Tensors by the name of a network parameter or buffer (``named_parameters`` /
+    #: ``named_buffers``), of the same shape and dtype, that evaluation uses in place of the
+    #: training values (SLCA's aligned head, RanPAC's analytic one).
+    view: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    #: The method's frozen, prompt-free query pass (L2P, DualPrompt, CODA, MVP, APER's frozen
+    #: branch), whose rows evaluation caches per test sample (``engine/eval_cache.py``); None
+    #: when the method has none.
+    query: QueryPass | None = None
+
+
+@dataclass(frozen=True)
 class Consolidated:
     """What a firing's :meth:`MethodAdapter.consolidate` changed that the engine must follow,
     beyond the parameters it added or put under known names (the loop finds those itself)."""
@@ -186,6 +201,8 @@ RETIRED_MEMBERS: Mapping[str, str] = {
     "lr_scale": "declare lr_scales = {name prefix: factor or config key}",
     "removed_keys": "move it to the method's card: MethodCard(removed_keys=...) (a key's history "
     "is a tooling fact; resolve_config reads it there)",
+    "evaluation_view": "override evaluation(network) and return Evaluation(view=...)",
+    "query_pass": "override evaluation(network) and return Evaluation(query=QueryPass(...))",
     "check_config": "move each rule to the key it is about: ConfigKey(..., check=...) for the "
     "value alone, cross_check=... for a rule that reads other keys (L2P's top_k <= size)",
     "backbone_kwargs": "delete it: the engine forces the config's pretrained, drop and drop_path "
@@ -350,26 +367,20 @@ class MethodAdapter:
         return Consolidated()
 
     # -- evaluation: what evaluation predicts with -------------------------------------------------
-    def evaluation_view(self, network: nn.Module) -> Mapping[str, torch.Tensor]:
-        """What evaluation predicts with, derived from the training state as it is now: tensors by
-        the name of a network parameter or buffer (``named_parameters``/``named_buffers``), of
-        the same shape and dtype, that evaluation uses in place of the training values.
+    def evaluation(self, network: nn.Module) -> Evaluation:
+        """What evaluation predicts with beyond the network as training left it
+        (:class:`Evaluation`): a view of its tensors derived from the training state, and the
+        method's frozen query pass, whose rows evaluation caches per test sample.
 
-        Why: upstream evaluates right after its task-boundary step, and part of that step exists
-        only for evaluation (SLCA and CoFiMA back up the head, align it, evaluate, recall it;
-        RanPAC and FeCAM evaluate an analytic head). Online, the trigger fires at the next
-        task's first batch, after the task-end evaluation, so evaluation derives that view
-        itself. The loop asks for it lazily at an evaluation, in eval mode, under
-        ``torch.no_grad`` and a forked RNG (draws here never disturb training's), caches it until
-        the next training step or firing, and restores the training values afterwards: the
-        training state changes only from the stream. Nothing (``{}``) by default."""
-        return {}
-
-    def query_pass(self, network: nn.Module) -> QueryPass | None:
-        """The method's frozen, prompt-free query pass (L2P, DualPrompt, CODA, MVP, APER's frozen
-        branch), whose rows evaluation caches per test sample (``engine/eval_cache.py``); None
-        (the default) when the method has none."""
-        return None
+        Why the view: upstream evaluates right after its task-boundary step, and part of that
+        step exists only for evaluation (SLCA and CoFiMA back up the head, align it, evaluate,
+        recall it; RanPAC and FeCAM evaluate an analytic head). Online, the trigger fires at the
+        next task's first batch, after the task-end evaluation, so evaluation derives that view
+        itself. The loop asks lazily, at an evaluation, in eval mode, under ``torch.no_grad``
+        and a forked RNG (draws here never disturb training's); it keeps the answer until the
+        next training step, firing or restore, and puts the training values back after each
+        evaluation: the training state changes only from the stream. Nothing by default."""
+        return Evaluation()
 
     # -- state: checkpoints and the results file ---------------------------------------------------
     def state_dict(self, network: nn.Module) -> dict[str, Any]:

@@ -31,7 +31,9 @@ from ..core.rng import capture_rng_state, restore_rng_state
 from ..core.triggers import make_trigger
 from .adapter import (
     Consolidated,
+    Evaluation,
     MethodAdapter,
+    QueryPass,
     StepOutput,
     TrainedStep,
     TrainingBatch,
@@ -342,7 +344,7 @@ class OnlineLoop:
         # Set by the session (``attach_samples``): replay loads memory samples through it.
         self.sample_loader: SampleLoader | None = None
         # Frozen query features by test-sample index (``engine/eval_cache.py``); methods without a
-        # query pass (``adapter.query_pass`` None) never use it.
+        # query pass (``Evaluation.query`` None) never use it.
         self.query_cache = QueryCache(QueryCacheOptions.of(config).eval_query_cache, self.device)
         self.amp = options.amp
         check_amp(self.amp, self.device)
@@ -351,10 +353,10 @@ class OnlineLoop:
         )
         # When the adapter's consolidate() runs: decided from the stream alone.
         self.trigger = make_trigger(config, num_classes)
-        # The adapter's evaluation view (``evaluation_view``), reused by every evaluation until the
-        # training state changes; dropped then, so a view of a whole backbone (CoFiMA's, DUCT's
-        # merge) is not held while training goes on.
-        self._view: dict[str, torch.Tensor] | None = None
+        # The adapter's evaluation (``adapter.evaluation``: its view and query pass), reused by
+        # every evaluation until the training state changes; dropped then, so a view of a whole
+        # backbone (CoFiMA's, DUCT's merge) is not held while training goes on.
+        self._evaluation: Evaluation | None = None
 
     def attach_samples(self, loader: SampleLoader) -> None:
         """Give the loop a way to load training samples by index (what replay draws need)."""
@@ -512,7 +514,7 @@ class OnlineLoop:
         if self.online_accuracy:
             online_correct, online_seconds = self._score_online(inputs, labels)
         fires = self.trigger.update(labels)
-        self._view = None  # derived from the state this step changes
+        self._evaluation = None  # derived from the state this step changes
         firing = len(self.trigger.firings) - 1 if fires else None
         if firing is not None:
             self._consolidate(firing)
@@ -799,7 +801,7 @@ class OnlineLoop:
 
         The adapter's extra state first: a method that added parameters at its firings rebuilds
         them there, and the loop adopts them (in the checkpoint's order) before any value loads."""
-        self._view = None
+        self._evaluation = None
         self.adapter.load_state_dict(self.network, state["adapter"])
         self._sync_parameters(saved_names=state["parameters"])
         for kind, current in (
@@ -835,7 +837,11 @@ class OnlineLoop:
         if self._grad_trace is not None:
             self._grad_trace = [row.to(self.device) for row in trace] if len(trace) else []
         # Last, once the network is restored: the cache is valid for the query pass as it is now.
-        self.query_cache.load_state_dict(state["query_cache"], self._query_parameters())
+        # Only a filled cache needs the query pass (and so the evaluation derived here).
+        query = None
+        if state["query_cache"]["store"] is not None:
+            query = self._derived_evaluation().query
+        self.query_cache.load_state_dict(state["query_cache"], query.parameters if query else [])
 
     # -- evaluation ------------------------------------------------------------------------------
     @no_grad
@@ -852,44 +858,57 @@ class OnlineLoop:
         ``sample_ids``: the test-sample index of each row of ``batches``, in order, given only when
         the test transforms are deterministic; with them, the query cache serves the method's
         frozen query pass (``engine/eval_cache.py``)."""
-        with matmul_precision(self.matmul_precision), self.evaluation_view():
-            return self._predict(batches, allowed, topk, sample_ids)
+        with matmul_precision(self.matmul_precision), self.evaluation_view() as evaluation:
+            query_pass = None if sample_ids is None else evaluation.query
+            return self._predict(batches, allowed, topk, query_pass, sample_ids)
 
-    @contextlib.contextmanager
-    def evaluation_view(self) -> Iterator[None]:
-        """The network as evaluation sees it (:meth:`MethodAdapter.evaluation_view`): the view's
-        tensors swapped in, the training values put back on exit. The view is derived in eval
-        mode under a forked RNG, once per training state (cached until the next step, firing or
-        restore), so evaluating never changes what training does next."""
-        if self._view is None:
+    def _derived_evaluation(self) -> Evaluation:
+        """The adapter's :meth:`~MethodAdapter.evaluation` of the training state as it is now,
+        derived in eval mode, without gradients, under a forked RNG; cached."""
+        if self._evaluation is None:
             self.adapter.set_mode(self.network, train=False)
             state = capture_rng_state(self.device)
             try:
                 with torch.no_grad():
-                    self._view = dict(self.adapter.evaluation_view(self.network))
+                    evaluation = self.adapter.evaluation(self.network)
             finally:
                 restore_rng_state(state, self.device)
-        view = self._view
+            if not isinstance(evaluation, Evaluation):
+                raise TypeError(
+                    f"{type(self.adapter).__name__}.evaluation() returned "
+                    f"{type(evaluation).__name__}; return Evaluation(view=..., query=...)"
+                )
+            self._evaluation = dataclasses.replace(evaluation, view=dict(evaluation.view))
+        return self._evaluation
+
+    @contextlib.contextmanager
+    def evaluation_view(self) -> Iterator[Evaluation]:
+        """The network as evaluation sees it (:meth:`MethodAdapter.evaluation`): the view's
+        tensors swapped in, the training values put back on exit; yields the evaluation. It is
+        derived in eval mode under a forked RNG, once per training state (cached until the next
+        step, firing or restore), so evaluating never changes what training does next."""
+        evaluation = self._derived_evaluation()
+        view = evaluation.view
         if not view:
-            yield
+            yield evaluation
             return
-        frozen_query = {id(p) for p in self._query_parameters()}
+        frozen_query = {id(p) for p in evaluation.query.parameters} if evaluation.query else set()
         tensors = {**dict(self.network.named_parameters()), **dict(self.network.named_buffers())}
         for name, value in view.items():
             target = tensors.get(name)
             if target is None:
                 raise KeyError(
-                    f"{type(self.adapter).__name__}.evaluation_view() names {name!r}, which is no "
+                    f"{type(self.adapter).__name__}.evaluation().view names {name!r}, which is no "
                     "parameter or buffer of the network"
                 )
             if id(target) in frozen_query:
                 raise ValueError(
-                    f"{type(self.adapter).__name__}.evaluation_view() overrides {name!r}, a "
+                    f"{type(self.adapter).__name__}.evaluation().view overrides {name!r}, a "
                     "parameter of the frozen query pass, whose features the query cache keeps"
                 )
             if value.shape != target.shape or value.dtype != target.dtype:
                 raise ValueError(
-                    f"{type(self.adapter).__name__}.evaluation_view()[{name!r}] is "
+                    f"{type(self.adapter).__name__}.evaluation().view[{name!r}] is "
                     f"{tuple(value.shape)} {value.dtype}; the network's is "
                     f"{tuple(target.shape)} {target.dtype}"
                 )
@@ -897,7 +916,7 @@ class OnlineLoop:
         try:
             for name, value in view.items():
                 tensors[name].data = value
-            yield
+            yield evaluation
         finally:
             for name, data in saved.items():
                 tensors[name].data = data
@@ -907,12 +926,12 @@ class OnlineLoop:
         batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
         allowed: torch.Tensor,
         topk: int,
+        query_pass: QueryPass | None,
         sample_ids: np.ndarray | None,
     ) -> tuple[np.ndarray, np.ndarray]:
         self.adapter.set_mode(self.network, train=False)
         allowed = allowed.to(self.device)
         topk = max(1, min(topk, int(allowed.sum())))
-        query_pass = None if sample_ids is None else self.adapter.query_pass(self.network)
         if query_pass is not None and not self.query_cache.usable(query_pass.parameters):
             query_pass = None
         preds, truths = [], []
@@ -943,10 +962,6 @@ class OnlineLoop:
             ids, functools.partial(query_pass.features, inputs), self.device
         )
         return query_pass.forward(inputs, query, False)
-
-    def _query_parameters(self) -> list[nn.Parameter]:
-        query_pass = self.adapter.query_pass(self.network)
-        return [] if query_pass is None else query_pass.parameters
 
     def autocast(self):
         """bf16 autocast when ``amp`` is ``"bf16"``; otherwise nothing at all."""

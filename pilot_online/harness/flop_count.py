@@ -97,7 +97,7 @@ def count_network(
     with torch.no_grad():
         test_flops, _ = counted(lambda: adapter.forward(network, inputs, train=False))
         query_flops = 0
-        query_pass = adapter.query_pass(network)
+        query_pass = adapter.evaluation(network).query
         if query_pass is not None:
             query_flops, _ = counted(lambda: query_pass.features(inputs))
     return {

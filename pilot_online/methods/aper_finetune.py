@@ -22,7 +22,7 @@ import functools
 from typing import ClassVar
 
 from ..core.lazy import nn, no_grad, torch
-from ..engine.adapter import QueryPass, StepOutput
+from ..engine.adapter import Evaluation, QueryPass, StepOutput
 from ..engine.backbone_names import PLAIN_VIT
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
@@ -76,12 +76,14 @@ class AperFinetuneOnline(FinetuneOnline):
     def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
         return self._forward_from_query(network, x, self._query_features(network, x), train)
 
-    def query_pass(self, network: nn.Module) -> QueryPass:
-        return QueryPass(
+    def evaluation(self, network: nn.Module) -> Evaluation:
+        """The frozen query pass, which evaluation caches per test sample."""
+        query = QueryPass(
             list(network.backbones[0].parameters()),
             functools.partial(self._query_features, network),
             functools.partial(self._forward_from_query, network),
         )
+        return Evaluation(query=query)
 
     @no_grad
     def _query_features(self, network: nn.Module, x: torch.Tensor) -> torch.Tensor:

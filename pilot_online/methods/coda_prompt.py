@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from ..core.checks import integer, real
 from ..core.lazy import nn, no_grad, torch
-from ..engine.adapter import ConfigKey, MethodAdapter, QueryPass, StepOutput
+from ..engine.adapter import ConfigKey, Evaluation, MethodAdapter, QueryPass, StepOutput
 from ..engine.backbone_names import pilot_backbones
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.differences import BATCH_LOGIT_MASK
@@ -94,12 +94,14 @@ class CodaOnline(MethodAdapter):
         # reuse the query.
         return self._forward_from_query(network, x, self._query_features(network, x), train)
 
-    def query_pass(self, network: nn.Module) -> QueryPass:
-        return QueryPass(
+    def evaluation(self, network: nn.Module) -> Evaluation:
+        """The frozen query pass, which evaluation caches per test sample."""
+        query = QueryPass(
             list(network.backbone.parameters()),
             functools.partial(self._query_features, network),
             functools.partial(self._forward_from_query, network),
         )
+        return Evaluation(query=query)
 
     @no_grad
     def _query_features(self, network: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ Which part of upstream's task end changes training: upstream backs the head up b
 ``after_task``), so the merged backbone trains on while the merged, aligned head serves
 evaluation and the next merge. A firing does the same (:meth:`CoFiMAOnline.consolidate`). Online
 that firing comes with the next task's first batch, after the task-end evaluation, so
-:meth:`CoFiMAOnline.evaluation_view` shows evaluation the merged, aligned model a firing now
+:meth:`CoFiMAOnline.evaluation` shows evaluation the merged, aligned model a firing now
 would make.
 """
 
@@ -34,7 +34,14 @@ from typing import Any, ClassVar
 
 from ..core.checks import boolean, real
 from ..core.lazy import nn, no_grad, torch
-from ..engine.adapter import Autocast, ConfigKey, Consolidated, Consolidation, trained_parameters
+from ..engine.adapter import (
+    Autocast,
+    ConfigKey,
+    Consolidated,
+    Consolidation,
+    Evaluation,
+    trained_parameters,
+)
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, VIT_B16_WIDTH
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.checkpoint import tensors_to
@@ -273,15 +280,15 @@ class CoFiMAOnline(SLCAOnline):
         self.sessions_closed = firing + 1  # SLCA's session of a newly seen class
         return Consolidated()
 
-    def evaluation_view(self, network: nn.Module) -> Mapping[str, torch.Tensor]:
-        """The model upstream evaluates at a task end: the open period merged with the kept model
-        and the merged head aligned, as the next firing would (:meth:`upstream_task_end`), from
-        the Fisher so far; nothing is written back. Online that firing comes with the next
-        task's first batch, after the task-end evaluation. Before the first firing (upstream's
-        first task: no merge, no CA) and without a trigger: nothing."""
+    def evaluation(self, network: nn.Module) -> Evaluation:
+        """A view of the model upstream evaluates at a task end: the open period merged with the
+        kept model and the merged head aligned, as the next firing would
+        (:meth:`upstream_task_end`), from the Fisher so far; nothing is written back. Online that
+        firing comes with the next task's first batch, after the task-end evaluation. Before the
+        first firing (upstream's first task: no merge, no CA) and without a trigger: nothing."""
         if self.anchor is None or self.prev_fisher is None:
-            return {}
-        return self.upstream_task_end(network, self.current_fisher())
+            return Evaluation()
+        return Evaluation(view=self.upstream_task_end(network, self.current_fisher()))
 
     # -- checkpoints and reports -----------------------------------------------------------------
     def state_dict(self, network: nn.Module) -> dict[str, Any]:

@@ -24,7 +24,7 @@ transported row keeps its norm (:func:`transported_rows`).
 
 Upstream evaluates each task right after its merge and transport, both of which it keeps for
 training. Online the firing comes with the next task's first batch, after the task-end
-evaluation, so :meth:`DUCTOnline.evaluation_view` shows evaluation what a firing now would make
+evaluation, so :meth:`DUCTOnline.evaluation` shows evaluation what a firing now would make
 of the network, and the firing then does the same to the training state.
 """
 
@@ -35,7 +35,14 @@ from typing import Any, ClassVar
 
 from ..core.checks import boolean, real
 from ..core.lazy import F, nn, no_grad, torch
-from ..engine.adapter import ConfigKey, Consolidated, Consolidation, StepOutput, TrainedStep
+from ..engine.adapter import (
+    ConfigKey,
+    Consolidated,
+    Consolidation,
+    Evaluation,
+    StepOutput,
+    TrainedStep,
+)
 from ..engine.backbone_names import PLAIN_VIT, VIT_B16_PARAMETERS, VIT_B16_WIDTH
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.checkpoint import tensors_to
@@ -365,15 +372,15 @@ class DUCTOnline(FinetuneOnline):
             bank.counts.zero_()
         return Consolidated()
 
-    def evaluation_view(self, network: nn.Module) -> Mapping[str, torch.Tensor]:
-        """The network as upstream evaluates it at a task end: the period so far merged and
-        transported as a firing now would (:meth:`consolidated`), nothing written back. Online
+    def evaluation(self, network: nn.Module) -> Evaluation:
+        """A view of the network as upstream evaluates it at a task end: the period so far merged
+        and transported as a firing now would (:meth:`consolidated`), nothing written back. Online
         the firing comes with the next task's first batch, after the task-end evaluation; this
         view shows that evaluation what upstream's would see. Without a trigger, nothing."""
         if self.args.get("consolidation") == "never":
-            return {}
+            return Evaluation()
         current = self.periods.period_counts > 0
-        return self.consolidated(network, current, len(self.ratios))[2]
+        return Evaluation(view=self.consolidated(network, current, len(self.ratios))[2])
 
     # -- checkpoints and reports -----------------------------------------------------------------
     def state_dict(self, network: nn.Module) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from ..core.checks import boolean, integer, list_of, real, text
 from ..core.lazy import nn, no_grad, torch
-from ..engine.adapter import ConfigKey, MethodAdapter, QueryPass, StepOutput
+from ..engine.adapter import ConfigKey, Evaluation, MethodAdapter, QueryPass, StepOutput
 from ..engine.backbone_names import pilot_backbones
 from ..engine.card import MethodCard
 from ..engine.differences import BATCH_LOGIT_MASK, NO_BATCH_VOTE_AT_EVALUATION
@@ -106,12 +106,14 @@ class L2POnline(MethodAdapter):
         # PromptVitNet.forward, in two parts so that evaluation can reuse the query.
         return self._forward_from_query(network, x, self._query_features(network, x), train)
 
-    def query_pass(self, network: nn.Module) -> QueryPass:
-        return QueryPass(
+    def evaluation(self, network: nn.Module) -> Evaluation:
+        """The frozen query pass, which evaluation caches per test sample."""
+        query = QueryPass(
             list(network.original_backbone.parameters()),
             functools.partial(self._query_features, network),
             functools.partial(self._forward_from_query, network),
         )
+        return Evaluation(query=query)
 
     @no_grad
     def _query_features(self, network: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ trigger ``new_classes``: MOS organises adapters and retrieval by classes).
   upstream's statistics pulls). ``ca_storage_efficient_method``: ``covariance`` or ``variance``.
 * **Classifier alignment** (:func:`~pilot_online.core.class_stats.align_classifier`) at each
   firing from the second on, kept for training as upstream keeps it.
-* **Evaluation view** (:meth:`MOSOnline.evaluation_view`): what upstream evaluates at a task end,
+* **Evaluation view** (:meth:`MOSOnline.evaluation`): what upstream evaluates at a task end,
   derived from the training state without changing it: the head aligned as the next firing will
   align it, and each set s >= 1 replaced by the mean of sets 0..s-1 (the limit of upstream's
   evaluation pulls).
@@ -60,6 +60,7 @@ from ..engine.adapter import (
     ConfigKey,
     Consolidated,
     Consolidation,
+    Evaluation,
     MethodAdapter,
     StepOutput,
     TrainedStep,
@@ -492,10 +493,11 @@ class MOSOnline(MethodAdapter):
         self.sets_used = len(sets)
 
     # -- what evaluation sees ------------------------------------------------------------------
-    def evaluation_view(self, network: nn.Module) -> Mapping[str, torch.Tensor]:
-        """Upstream evaluates after its task-end step: the head aligned as the next firing will
-        align it (upstream keeps that head, and so does :meth:`consolidate`, later), and each set
-        s >= 1 as the mean of sets 0..s-1 (where upstream's in-place evaluation pulls take it)."""
+    def evaluation(self, network: nn.Module) -> Evaluation:
+        """A view, as upstream evaluates after its task-end step: the head aligned as the next
+        firing will align it (upstream keeps that head, and so does :meth:`consolidate`, later),
+        and each set s >= 1 as the mean of sets 0..s-1 (where upstream's in-place evaluation
+        pulls take it)."""
         view: dict[str, torch.Tensor] = {}
         sets = network.backbone.adapter_list
         if len(sets) > 1:
@@ -509,7 +511,7 @@ class MOSOnline(MethodAdapter):
         if self.aligned_head(network, len(sets) - 1, head):  # the next firing's index
             view["backbone.head.weight"] = head.weight.detach()
             view["backbone.head.bias"] = head.bias.detach()
-        return view
+        return Evaluation(view=view)
 
     # -- checkpoints and report ----------------------------------------------------------------
     def state_dict(self, network: nn.Module) -> dict[str, Any]:

@@ -65,7 +65,14 @@ from ..core.mvp_losses import (
     instance_logit_scale,
     key_contrastive_loss,
 )
-from ..engine.adapter import ConfigKey, MethodAdapter, QueryPass, StepOutput, TrainingBatch
+from ..engine.adapter import (
+    ConfigKey,
+    Evaluation,
+    MethodAdapter,
+    QueryPass,
+    StepOutput,
+    TrainingBatch,
+)
 from ..engine.backbone_names import pilot_backbones
 from ..engine.card import MethodCard
 from ..engine.registry import register_method
@@ -161,16 +168,18 @@ class MVPOnline(MethodAdapter):
             use_last_layer=args["use_last_layer"],
         )
 
-    def query_pass(self, network: nn.Module) -> QueryPass:
+    def evaluation(self, network: nn.Module) -> Evaluation:
+        """The frozen query pass, which evaluation caches per test sample."""
         vit = network.backbone
         params = [*vit.patch_embed.parameters(), vit.cls_token, vit.pos_embed]
         for block in vit.blocks[: network.query_depth]:
             params.extend(block.parameters())
-        return QueryPass(
+        query = QueryPass(
             params,
             lambda x: network.query(network.embed(x)),
             functools.partial(self._forward_from_query, network),
         )
+        return Evaluation(query=query)
 
     def forward(self, network: nn.Module, x: torch.Tensor, train: bool) -> StepOutput:
         tokens = network.embed(x)

@@ -31,7 +31,7 @@ Online, task-free (docs/methods.md, "RanPAC"):
   (``tr(Y'Y) = n_ho`` for one-hot labels), from statistics alone. The head is solved on the sum
   of both, as upstream solves on the whole task.
 - Evaluation always predicts with the analytic head, solved from the current statistics by
-  :meth:`~FirstSessionAnalyticOnline.evaluation_view` (the loop caches it until the next step),
+  :meth:`~FirstSessionAnalyticOnline.evaluation` (the loop caches it until the next step),
   also before the first firing: upstream evaluates its analytic head after its first task.
   Training logits after the first session come from the head solved at the latest firing
   (upstream's per-task ``replace_fc``), kept in the network's ``analytic_*`` buffers; evaluating
@@ -46,7 +46,14 @@ from typing import Any, ClassVar
 
 from ..core.checks import boolean, integer
 from ..core.lazy import F, nn, no_grad, torch
-from ..engine.adapter import ConfigKey, Consolidated, Consolidation, StepOutput, TrainedStep
+from ..engine.adapter import (
+    ConfigKey,
+    Consolidated,
+    Consolidation,
+    Evaluation,
+    StepOutput,
+    TrainedStep,
+)
 from ..engine.backbone_names import PLAIN_VIT, pilot_backbones
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.differences import FIRST_SESSION_DIFFERENCES
@@ -231,13 +238,15 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
         """The head a firing solves for training (:meth:`solve`; RanPAC also keeps its ridge)."""
         return self.solve()
 
-    def evaluation_view(self, network: nn.Module) -> Tensors:
-        """The analytic head solved from the current statistics, in the buffers' shapes, dtypes
-        and device: what evaluation predicts with at every evaluation (upstream evaluates its
+    def evaluation(self, network: nn.Module) -> Evaluation:
+        """A view: the analytic head solved from the current statistics, in the buffers' shapes,
+        dtypes and device: what evaluation predicts with at every evaluation (upstream evaluates its
         analytic head from its first task on)."""
         held = self.head(network)
         solved = self.solve()
-        return {name: solved[name].to(held[name].device, held[name].dtype) for name in held}
+        return Evaluation(
+            view={name: solved[name].to(held[name].device, held[name].dtype) for name in held}
+        )
 
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self, network: nn.Module) -> dict[str, Any]:

@@ -11,7 +11,7 @@ PILOT's ``models/slca.py``, network ``SLCANet``).
   updated in ``after_step`` with the features of the step, computed before its update, under the
   training transforms). Memory: one D x D float32 scatter per class
   (:func:`slca_state_bytes`; 100 classes at D = 768: 236 MB), as upstream keeps them.
-* **Classifier alignment (CA)**, an evaluation view (:meth:`SLCAOnline.evaluation_view`), as
+* **Classifier alignment (CA)**, an evaluation view (:meth:`SLCAOnline.evaluation`), as
   upstream: at each task end upstream backs the head up (``fc.backup()``), aligns it, evaluates,
   and restores the unaligned head (``fc.recall()`` in ``after_task``), so CA serves evaluation
   only and training continues from the head it trained. Online, whenever an evaluation asks,
@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 from ..core.checks import integer, real
 from ..core.lazy import nn, torch
 from ..core.rng import key_seed
-from ..engine.adapter import ConfigKey, Consolidated, Consolidation, TrainedStep
+from ..engine.adapter import ConfigKey, Consolidated, Consolidation, Evaluation, TrainedStep
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
 from .finetune import FinetuneOnline
@@ -159,23 +159,25 @@ class SLCAOnline(FinetuneOnline):
 
     def consolidate(self, network: nn.Module, firing: int) -> Consolidated:
         """Closes a session; nothing trained changes (upstream's CA is recalled after its
-        evaluation: :meth:`evaluation_view`)."""
+        evaluation: :meth:`evaluation`)."""
         self.sessions_closed = firing + 1
         return Consolidated()
 
-    def evaluation_view(self, network: nn.Module) -> Mapping[str, torch.Tensor]:
-        """Upstream's ``fc.backup()``, CA, evaluate, ``fc.recall()``: the head aligned
+    def evaluation(self, network: nn.Module) -> Evaluation:
+        """A view of upstream's ``fc.backup()``, CA, evaluate, ``fc.recall()``: the head aligned
         (:meth:`align`) on the statistics as they are now, for evaluation only. Upstream aligns
         from its second task on: here once the first session is closed. Seeded by the run's seed,
         the session and the samples seen, so a view is a function of the training state."""
         if self.sessions_closed == 0 or self.args["ca_epochs"] <= 0:
-            return {}
+            return Evaluation()
         head = self.classifier(network)
         aligned = copy.deepcopy(head)
         samples = int(self.stats.counts.sum())
         self.align(aligned, self.sessions_closed, samples)
         names = {id(p): name for name, p in network.named_parameters()}
-        return {names[id(p)]: q.detach() for p, q in zip(head.parameters(), aligned.parameters())}
+        return Evaluation(
+            view={names[id(p)]: q.detach() for p, q in zip(head.parameters(), aligned.parameters())}
+        )
 
     def align(self, head: nn.Linear, firing: int, samples: int = 0) -> None:
         """Classifier alignment (:func:`~pilot_online.core.class_stats.align_classifier`, upstream's
