@@ -22,6 +22,7 @@ from pilot_online.core.streams import clear_stream
 from pilot_online.engine.adapter import MethodAdapter, StepOutput
 from pilot_online.engine.config import ConfigError, load_json, resolve_config
 from pilot_online.engine.mixins import ReplayMixin, build_loop
+from pilot_online.engine.registry import method_card
 from pilot_online.engine.session import ArrayDataSource, OnlineSession
 from pilot_online.harness.report import collect, format_table, variant_label
 from pilot_online.methods.finetune import EROnline, FinetuneOnline
@@ -336,7 +337,8 @@ def test_plain_vit_rows_force_pilot_hard_coded_backbone_options():
     from pilot_online.engine.backbone_names import factory_overrides
 
     args = {"pretrained": False, "drop": 0.1, "drop_path": 0.2, "backbone_kwargs": {"img_size": 32}}
-    assert factory_overrides({**args, "backbone_type": FinetuneOnline.backbone_types[0]}) == {
+    plain_vit = method_card("finetune_online").backbone_types[0]
+    assert factory_overrides({**args, "backbone_type": plain_vit}) == {
         "pretrained": False,
         "drop_rate": 0.1,
         "drop_path_rate": 0.2,

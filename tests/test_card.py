@@ -102,6 +102,11 @@ def test_retired_members_on_an_adapter_class_are_refused_when_it_is_defined():
             def train_mode(self, network):
                 network.train()
 
+    with pytest.raises(TypeError, match=r"defines backbone_types.*MethodCard\(backbone_types="):
+
+        class OldTable(FinetuneOnline):
+            backbone_types = ("vit_base_patch16_224",)
+
     assert not set(RETIRED_MEMBERS) & set(dir(MethodAdapter))
 
 

@@ -22,7 +22,7 @@ from pilot_online.engine.config import (
     load_json,
     resolve_config,
 )
-from pilot_online.engine.registry import get_method, list_methods, register_method
+from pilot_online.engine.registry import get_method, list_methods, method_card, register_method
 from pilot_online.harness.protocol import HP_GRID
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -402,11 +402,11 @@ def test_check_config_rejects_malformed_json(tmp_path, capsys):
 def test_backbone_suggestions_are_names_the_method_accepts(name):
     """A refused ``backbone_type`` is answered only with names the method's table holds (which
     tests/test_contract.py checks against PILOT's get_backbone); never with a guess."""
-    adapter = get_method(name)
-    assert adapter.backbone_types, f"{name} declares no backbone_types"
+    backbones = method_card(name).backbone_types
+    assert backbones, f"{name}'s card declares no backbone_types"
     with pytest.raises(ConfigError) as refused:
         resolve_config({**smoke_of(name), "backbone_type": "vit_base_patch16_224_nope"})
     named = set(re.findall(r"'?([a-z0-9_]+_224[a-z0-9_]*)'?", str(refused.value)))
-    assert named - {"vit_base_patch16_224_nope"} <= set(adapter.backbone_types)
-    for accepted in adapter.backbone_types:
+    assert named - {"vit_base_patch16_224_nope"} <= set(backbones)
+    for accepted in backbones:
         resolve_config({**smoke_of(name), "backbone_type": accepted})

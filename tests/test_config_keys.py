@@ -25,6 +25,7 @@ from pilot_online.engine.config import (
     load_json,
     resolve_config,
 )
+from pilot_online.engine.registry import method_card
 
 ROOT = Path(__file__).resolve().parent.parent
 WRONG_TYPE = {"integer": "1", "real": "0.5", "boolean": 1, "string": 1, "object": [], "list": "x"}
@@ -40,8 +41,8 @@ def base_config(method: str) -> dict[str, Any]:
     config = load_json(ROOT / "exps" / "smoke_coda_online.json")
     config.pop("prompt_param")
     config["model_name"] = method
-    if adapter.backbone_types:
-        config["backbone_type"] = adapter.backbone_types[0]
+    if method_card(method).backbone_types:
+        config["backbone_type"] = method_card(method).backbone_types[0]
     if adapter.replay is not None:
         config["er_memory_size"] = 1000
     return config

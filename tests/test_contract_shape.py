@@ -20,7 +20,7 @@ PHASES = ("build", "step", "boundary", "evaluation", "state")
 #: is declared (``lr_scales``), so no optional hook is tagged build.
 OPTIONAL_PHASES = ("step", "boundary", "evaluation", "state")
 MAX_OPTIONAL_HOOKS = 9
-MAX_DECLARED_FIELDS = 7
+MAX_DECLARED_FIELDS = 6
 #: Distinct hook names a reader of the contract meets: the adapter's optional hooks and the
 #: loop-level hooks the mixins override (which share the adapter's names where they share its
 #: moment: loss_terms, after_backward, after_step, state_dict, load_state_dict, report).

@@ -18,6 +18,7 @@ from conftest import TinyAdapter, TinyNet, make_exps, unit_config
 from pilot_online.core.memory import ClassBalancedMemory, normalized
 from pilot_online.engine import registry
 from pilot_online.engine.adapter import ConfigKey, Replay
+from pilot_online.engine.backbone_names import PLAIN_VIT
 from pilot_online.engine.card import MethodCard
 from pilot_online.engine.config import ConfigError, resolve_config
 from pilot_online.engine.mixins import build_loop
@@ -105,7 +106,7 @@ class Remembering(FinetuneOnline):
 @pytest.fixture
 def remembering(monkeypatch):
     monkeypatch.setitem(registry._METHODS, "remembering_online", Remembering)
-    card = MethodCard(default_lr=5e-5, default_logit_mask="seen")
+    card = MethodCard(default_lr=5e-5, default_logit_mask="seen", backbone_types=PLAIN_VIT)
     monkeypatch.setitem(registry._CARDS, "remembering_online", card)
     return "remembering_online"
 

@@ -7,6 +7,7 @@ without counts edited the installed plugin's own FLOP table."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -15,6 +16,7 @@ from conftest import TinyAdapter
 
 from pilot_online.cli.main import main
 from pilot_online.engine import flops, registry
+from pilot_online.engine.backbone_names import PLAIN_VIT
 from pilot_online.engine.card import MethodCard
 from pilot_online.engine.config import PAPER_FGH, resolve_config
 from pilot_online.harness.flop_count import card_literal, count_network
@@ -27,6 +29,7 @@ class OutsidePort(FinetuneOnline):
 
 OUTSIDE_CARD = MethodCard(
     paper_name="Outside",
+    backbone_types=PLAIN_VIT[1:],  # its own table: the in21k ViT first
     variants=("base", "fgh"),
     default_lr=1e-4,
     smoke_overrides={"log_interval": 5},
@@ -47,6 +50,18 @@ def outside(monkeypatch):
     return "outside_online"
 
 
+def test_configs_refuses_an_outside_method_whose_card_names_no_backbone(
+    monkeypatch, tmp_path, capsys
+):
+    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
+    monkeypatch.setattr(registry, "_CARDS", dict(registry._CARDS))
+    card = dataclasses.replace(OUTSIDE_CARD, backbone_types=())
+    registry.register_method("bare_online", card)(OutsidePort)  # fine-tuning's table not inherited
+    assert main(["configs", "bare_online", "--out", str(tmp_path)]) != 0
+    assert "bare_online's card declares no backbone_types" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 def test_configs_writes_an_outside_methods_configs_from_its_card(outside, tmp_path, capsys):
     assert main(["configs", outside, "--out", str(tmp_path)]) == 0
     written = sorted(p.name for p in tmp_path.iterdir())
@@ -60,6 +75,7 @@ def test_configs_writes_an_outside_methods_configs_from_its_card(outside, tmp_pa
     ]
     base = json.loads((tmp_path / "outside_online_base.json").read_text())
     assert base["model_name"] == outside and base["init_lr"] == 1e-4  # the card's LR
+    assert base["backbone_type"] == "vit_base_patch16_224_in21k"  # the card's first name
     assert base["online_prototypes"] is False and base["fgh"] is None
     ours = json.loads((tmp_path / "outside_online_fgh_blurry.json").read_text())
     assert ours["stream"] == "si_blurry" and ours["fgh"] == PAPER_FGH

@@ -203,6 +203,8 @@ RETIRED_MEMBERS: Mapping[str, str] = {
     "is a tooling fact; resolve_config reads it there)",
     "evaluation_view": "override evaluation(network) and return Evaluation(view=...)",
     "query_pass": "override evaluation(network) and return Evaluation(query=QueryPass(...))",
+    "backbone_types": "move it to the method's card: MethodCard(backbone_types=...) (which "
+    "backbone names a config may name is a tooling fact; check-config reads it there)",
     "check_config": "move each rule to the key it is about: ConfigKey(..., check=...) for the "
     "value alone, cross_check=... for a rule that reads other keys (L2P's top_k <= size)",
     "backbone_kwargs": "delete it: the engine forces the config's pretrained, drop and drop_path "
@@ -218,11 +220,6 @@ class MethodAdapter:
     # -- declared fields ---------------------------------------------------------------------------
     #: The upstream PILOT model name whose network we reuse (its factories check this name).
     base_model_name: ClassVar[str] = ""
-    #: The exact ``backbone_type`` names the method accepts: those PILOT's ``get_backbone`` builds
-    #: for ``base_model_name`` (``engine/backbone_names.py``: ``pilot_backbones(...)``,
-    #: ``PLAIN_VIT``). ``check-config`` refuses any other name and suggests only these; the
-    #: first is the method's default (scripts/make_exps.py writes it into the configs).
-    backbone_types: ClassVar[tuple[str, ...]] = ()
     #: The replay memory the engine keeps for the method, with its defaults (:class:`Replay`), or
     #: None: a memory-free method refuses replay unless the config says ``allow_memory: true``.
     replay: ClassVar[Replay | None] = None

@@ -118,5 +118,5 @@ def pilot_backbones(base_model_name: str) -> tuple[str, ...]:
     except KeyError:
         raise ValueError(
             f"no backbone table for PILOT model {base_model_name!r}; known: "
-            f"{', '.join(PILOT_BACKBONES)}. Declare the adapter's backbone_types yourself"
+            f"{', '.join(PILOT_BACKBONES)}. Declare the card's backbone_types yourself"
         ) from None

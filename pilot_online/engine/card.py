@@ -7,8 +7,8 @@ facts, the keys it once had, and the upstream file it reproduces with every deli
 difference. A method passes its card when it registers (``@register_method("foo_online",
 card=MethodCard(...))``), and :func:`~pilot_online.engine.registry.method_card` hands it to the
 tooling. The training loop and the session never read a card (``tests/test_card.py`` holds them
-to it), so nothing in a card can change a run's numbers: config validation reads its removed keys
-and FLOP counts, and can only refuse a config.
+to it), so nothing in a card can change a run's numbers: config validation reads its removed keys,
+accepted backbone names and FLOP counts, and can only refuse a config.
 
 A card is not inherited: a subclass registered under another name is another method, with its own
 card (``dataclasses.replace(PARENT_CARD, paper_name=...)`` when it shares most of one).
@@ -93,6 +93,11 @@ class MethodCard:
     #: Keys the method once had, each with what to do instead: ``resolve_config`` refuses a
     #: config that still sets one by name, with that fix, rather than as an unknown key.
     removed_keys: Mapping[str, str] = field(default_factory=dict)
+    #: The exact ``backbone_type`` names the method accepts: those PILOT's ``get_backbone`` builds
+    #: for its ``base_model_name`` (``engine/backbone_names.py``: ``pilot_backbones(...)``,
+    #: ``PLAIN_VIT``). ``check-config`` refuses any other name and suggests only these; the first
+    #: is the method's default (``make_exps`` writes it into the configs). Empty: any name.
+    backbone_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         unknown = [row for row in self.variants if row not in ABLATION_ROWS]
@@ -111,6 +116,14 @@ class MethodCard:
             raise ValueError(f"MethodCard.upstream_differences repeats a key: {keys}")
         for name in ("smoke_overrides", "removed_keys"):  # private copies
             object.__setattr__(self, name, dict(getattr(self, name)))
+        if isinstance(self.backbone_types, str) or not all(
+            isinstance(name, str) for name in self.backbone_types
+        ):
+            raise ValueError(
+                f"MethodCard.backbone_types must be a tuple of backbone_type names, got "
+                f"{self.backbone_types!r}"
+            )
+        object.__setattr__(self, "backbone_types", tuple(self.backbone_types))
 
     @property
     def upstream_file(self) -> str | None:

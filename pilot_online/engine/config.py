@@ -425,19 +425,17 @@ def load_json(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _check_backbone(cfg: dict[str, Any], adapter: Any) -> None:
+def _check_backbone(cfg: dict[str, Any], upstream: str, accepted: tuple[str, ...]) -> None:
     """``backbone_type`` must be a name PILOT's ``get_backbone`` builds for the method's upstream
-    model (``adapter.backbone_types``, from ``engine/backbone_names.py``): PILOT itself fails only
-    after setup, or with an ``UnboundLocalError`` for a name that matches a branch's substring
-    but none of its exact names. Only names in the table are ever suggested."""
+    model (its card's ``backbone_types``, from ``engine/backbone_names.py``): PILOT itself fails
+    only after setup, or with an ``UnboundLocalError`` for a name that matches a branch's
+    substring but none of its exact names. Only names in the table are ever suggested."""
     name, model = cfg["backbone_type"], cfg["model_name"]
-    if adapter.backbone_types:
-        if name not in adapter.backbone_types:
-            raise ConfigError(
-                f"backbone_type {name!r} is not a backbone PILOT builds for {model} (upstream "
-                f"model {adapter.base_model_name!r}){closest(name, adapter.backbone_types)}: "
-                f"choose one of {', '.join(adapter.backbone_types)}"
-            )
+    if accepted and name not in accepted:
+        raise ConfigError(
+            f"backbone_type {name!r} is not a backbone PILOT builds for {model} (upstream "
+            f"model {upstream!r}){closest(name, accepted)}: choose one of {', '.join(accepted)}"
+        )
 
 
 #: PILOT 5240714's own model names (``utils/factory.py``): its offline learners.
@@ -483,7 +481,8 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     except ValueError:
         raise ConfigError(unknown_method(str(raw["model_name"]))) from None
     schema: dict[str, ConfigKey] = {**PILOT_KEYS, **ONLINE_KEYS, **adapter.config_keys}
-    removed = method_card(str(raw["model_name"])).removed_keys
+    card = method_card(str(raw["model_name"]))
+    removed = card.removed_keys
 
     for key in raw:
         if key in OFFLINE_KEYS:
@@ -519,7 +518,7 @@ def resolve_config(raw: Mapping[str, Any]) -> dict[str, Any]:
         except (TypeError, ValueError) as err:
             owner = f"{cfg['model_name']}: " if key in method_keys else ""
             raise ConfigError(f"{owner}{err}") from None
-    _check_backbone(cfg, adapter)
+    _check_backbone(cfg, adapter.base_model_name, card.backbone_types)
     _check_consolidation(cfg, adapter)
     _check_fgh_bound(cfg)
     _check_gradient_free(cfg, adapter)
@@ -626,12 +625,12 @@ def _check_replay(cfg: dict[str, Any], raw: Mapping[str, Any], adapter: Any) -> 
 
 def key_reference() -> str:
     """A plain-text table of every online and PILOT key (``pilot-online check-config --keys``)."""
-    from .registry import get_method, list_methods
+    from .registry import get_method, list_methods, method_card
 
     lines = []
     sections = [("PILOT run keys", PILOT_KEYS, ()), ("online keys", ONLINE_KEYS, ())]
     sections += [
-        (f"{m} keys", get_method(m).config_keys, get_method(m).backbone_types)
+        (f"{m} keys", get_method(m).config_keys, method_card(m).backbone_types)
         for m in list_methods()
     ]
     for title, keys, backbones in sections:
@@ -655,9 +654,9 @@ def reference_run_config(config: Mapping[str, Any], reference: str) -> dict[str,
     device, image size, optimiser, LR) with ``model_name`` the reference, its base variant, one
     step per batch, its own defaults for everything else (replay, trigger, backbone: the one of
     its backbones the run's backbone name starts with, else its first)."""
-    from .registry import get_method
+    from .registry import method_card
 
-    adapter = get_method(reference)
+    accepted = method_card(reference).backbone_types
     own = ("er_memory_size", "er_batch_size", "er_memory", "er_memory_per_class", "consolidation")
     raw = {
         k: v
@@ -665,9 +664,9 @@ def reference_run_config(config: Mapping[str, Any], reference: str) -> dict[str,
         if (k in PILOT_KEYS or k in ONLINE_KEYS) and k not in own and k != "backbone_type"
     }
     backbone = str(config.get("backbone_type") or "")
-    names = sorted(adapter.backbone_types, key=len, reverse=True)
+    names = sorted(accepted, key=len, reverse=True)
     raw["backbone_type"] = next((n for n in names if backbone.startswith(n)), None) or (
-        adapter.backbone_types[0] if adapter.backbone_types else backbone
+        accepted[0] if accepted else backbone
     )
     raw.update(model_name=reference, online_prototypes=False, fgh=None, online_iter=1)
     resolved = resolve_config(timing_config(raw))

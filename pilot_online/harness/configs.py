@@ -80,14 +80,14 @@ def method_keys(name: str) -> dict:
 
 
 def default_backbone(name: str) -> str:
-    """The method's default ``backbone_type``: the first name of its adapter's table."""
-    adapter = get_method(name)
-    if not adapter.backbone_types:
+    """The method's default ``backbone_type``: the first name of its card's table."""
+    accepted = method_card(name).backbone_types
+    if not accepted:
         raise ValueError(
-            f"{name} declares no backbone_types: set the adapter's backbone_types to the names "
-            "PILOT builds for it (pilot_online/engine/backbone_names.py), the default first"
+            f"{name}'s card declares no backbone_types: set MethodCard(backbone_types=...) to the "
+            "names PILOT builds for it (pilot_online/engine/backbone_names.py), the default first"
         )
-    return adapter.backbone_types[0]
+    return accepted[0]
 
 
 def paper_config(method: str, variant: str, blurry: bool) -> dict:

@@ -22,6 +22,7 @@ from .aper_finetune import AperFinetuneOnline
 CARD = dataclasses.replace(
     APER_CARD,
     paper_name="APER w/ Adapter",
+    backbone_types=pilot_backbones("aper_adapter"),
     #: No dropout in the smoke runs (as their ``drop``), so one step is a function of the state.
     smoke_overrides={"adapter_dropout": 0.0},
 )
@@ -30,7 +31,6 @@ CARD = dataclasses.replace(
 @register_method("aper_adapter_online", card=CARD)
 class AperAdapterOnline(AperFinetuneOnline):
     base_model_name: ClassVar[str] = "aper_adapter"
-    backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("aper_adapter")
     tuned_parameters: ClassVar[tuple[str, ...]] = ("adaptmlp",)
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "ffn_num": ConfigKey(64, "adapter bottleneck width (PILOT: 64)", check=integer(minimum=1)),

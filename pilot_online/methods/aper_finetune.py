@@ -31,6 +31,7 @@ from .finetune import FinetuneOnline
 #: The APER family's card: aper_ssf, aper_vpt and aper_adapter replace its paper name and keep
 #: its differences.
 CARD = MethodCard(
+    backbone_types=PLAIN_VIT,
     paper_name="APER w/ Finetune",
     upstream_differences=(
         UpstreamDifference(
@@ -54,7 +55,6 @@ CARD = MethodCard(
 @register_method("aper_finetune_online", card=CARD)
 class AperFinetuneOnline(FinetuneOnline):
     base_model_name: ClassVar[str] = "aper_finetune"
-    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
     #: Substrings of the adapted branch's parameter names that train (PILOT's freezing rule for
     #: the method); empty: every parameter of the adapted branch trains.
     tuned_parameters: ClassVar[tuple[str, ...]] = ()

@@ -14,11 +14,12 @@ from ..engine.registry import register_method
 from .aper_finetune import CARD as APER_CARD
 from .aper_finetune import AperFinetuneOnline
 
-CARD = dataclasses.replace(APER_CARD, paper_name="APER w/ SSF")
+CARD = dataclasses.replace(
+    APER_CARD, paper_name="APER w/ SSF", backbone_types=pilot_backbones("aper_ssf")
+)
 
 
 @register_method("aper_ssf_online", card=CARD)
 class AperSSFOnline(AperFinetuneOnline):
     base_model_name: ClassVar[str] = "aper_ssf"
-    backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("aper_ssf")
     tuned_parameters: ClassVar[tuple[str, ...]] = ("ssf_scale", "ssf_shift_")

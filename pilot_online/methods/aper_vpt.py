@@ -21,13 +21,14 @@ from .aper_finetune import AperFinetuneOnline
 #: PILOT's ``vpt_type`` values (``get_backbone``: "shallow", anything else is deep).
 VPT_TYPES = ("deep", "shallow")
 
-CARD = dataclasses.replace(APER_CARD, paper_name="APER w/ VPT")
+CARD = dataclasses.replace(
+    APER_CARD, paper_name="APER w/ VPT", backbone_types=pilot_backbones("aper_vpt")
+)
 
 
 @register_method("aper_vpt_online", card=CARD)
 class AperVPTOnline(AperFinetuneOnline):
     base_model_name: ClassVar[str] = "aper_vpt"
-    backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("aper_vpt")
     tuned_parameters: ClassVar[tuple[str, ...]] = ("Prompt_Tokens",)
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "vpt_type": ConfigKey(

@@ -46,6 +46,7 @@ def _prompt_param(name: str, value: Any) -> list:
 
 
 CARD = MethodCard(
+    backbone_types=pilot_backbones("coda_prompt"),
     paper_name="CODA",
     full_name="CODA-Prompt",
     upstream_differences=(
@@ -73,7 +74,6 @@ CARD = MethodCard(
 @register_method("coda_online", card=CARD)
 class CodaOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "coda_prompt"
-    backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("coda_prompt")
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "prompt_param": ConfigKey(
             [100, 8, 0.0],

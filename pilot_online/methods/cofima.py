@@ -82,6 +82,7 @@ def cofima_state_bytes(args: Mapping[str, Any]) -> int:
 
 
 CARD = MethodCard(
+    backbone_types=PLAIN_VIT,
     paper_name="CoFiMA",
     # 4 classes per smoke task: a firing per task; SLCA's short CA (CI time).
     smoke_overrides={
@@ -131,7 +132,6 @@ class CoFiMAOnline(SLCAOnline):
     Fisher-averaged with the last firing's at each firing (module docstring)."""
 
     base_model_name: ClassVar[str] = "cofima"
-    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
     #: Upstream merges once per task: a firing per ``consolidation_new_classes`` new classes is
     #: the stream's sign of one; a merge every N samples would average several times per task,
     #: each pulling the weights back towards the last firing's.

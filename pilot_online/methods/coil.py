@@ -78,6 +78,7 @@ def attach_coil_head(network: nn.Module, feature_dim: int, num_classes: int) -> 
 
 
 CARD = MethodCard(
+    backbone_types=PLAIN_VIT,
     paper_name="COIL",
     # All four rows: the cosine head is a classifier with a row per class (an ``nn.Linear``
     # without bias whose forward is ``sigma * cos``), so + P replays the prototypes through the
@@ -157,7 +158,6 @@ class COILOnline(MethodAdapter):
     the prospective co-transport (module docstring)."""
 
     base_model_name: ClassVar[str] = "coil"  # PILOT's transforms for its COIL learner
-    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
     replay: ClassVar[Replay | None] = Replay(
         COIL_MEMORY_SIZE,
         memory="herding",

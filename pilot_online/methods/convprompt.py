@@ -36,6 +36,7 @@ from ..engine.card import MethodCard
 from ..engine.registry import register_method
 
 CARD = MethodCard(
+    backbone_types=pilot_backbones("dualprompt"),
     paper_name="ConvPrompt",
     upstream_model="",  # CVIR/convprompt, not a PILOT model
 )
@@ -44,7 +45,6 @@ CARD = MethodCard(
 @register_method("convprompt_online", card=CARD)
 class ConvPromptOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "dualprompt"  # PILOT's DualPrompt ViT and data transforms
-    backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("dualprompt")
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "prompt_layers": ConfigKey(
             [0, 1, 2, 3, 4, 5, 6],

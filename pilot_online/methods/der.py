@@ -130,6 +130,7 @@ def branch_state_bytes(args: Mapping[str, Any], branch_parameters: int = VIT_B16
 
 
 CARD = MethodCard(
+    backbone_types=PLAIN_VIT,
     paper_name="DER",
     # Each firing adds a ViT branch: one more frozen forward per image (the FLOP model).
     grows=True,
@@ -186,7 +187,6 @@ class DEROnline(MethodAdapter):
     """One ViT per firing, the older frozen, a widened head and an auxiliary head."""
 
     base_model_name: ClassVar[str] = "der"
-    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
     replay: ClassVar[Replay | None] = Replay(
         MEMORY_SIZE,
         memory="herding",

@@ -44,6 +44,7 @@ from ..engine.adapter import (
     StepOutput,
     TrainingBatch,
 )
+from ..engine.backbone_names import PLAIN_VIT
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.differences import (
     ONE_LINEAR_HEAD,
@@ -134,6 +135,7 @@ class HeadDistillation:
 
 
 CARD = MethodCard(
+    backbone_types=PLAIN_VIT,
     paper_name="DGR",
     # The smoke stream's tasks hold 4 classes: a firing, and a teacher, at each task boundary.
     smoke_overrides={"consolidation_new_classes": 4},

@@ -88,6 +88,7 @@ def per_sample_prefix_prompts(
 
 
 CARD = MethodCard(
+    backbone_types=pilot_backbones("dualprompt"),
     paper_name="DualPrompt",
     upstream_differences=(
         BATCH_LOGIT_MASK,
@@ -114,7 +115,6 @@ CARD = MethodCard(
 @register_method("dualprompt_online", card=CARD)
 class DualPromptOnline(L2POnline):
     base_model_name: ClassVar[str] = "dualprompt"
-    backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("dualprompt")
     config_keys: ClassVar[dict[str, ConfigKey]] = DUALPROMPT_KEYS
 
     def build_network(self, args: dict) -> nn.Module:

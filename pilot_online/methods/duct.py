@@ -139,6 +139,7 @@ def duct_state_bytes(args: Mapping[str, Any]) -> int:
 
 
 CARD = MethodCard(
+    backbone_types=PLAIN_VIT,
     paper_name="DUCT",
     # 4 classes per smoke task: a firing per task.
     smoke_overrides={"consolidation_new_classes": 4},
@@ -198,7 +199,6 @@ class DUCTOnline(FinetuneOnline):
     by optimal transport at each firing (module docstring)."""
 
     base_model_name: ClassVar[str] = "duct"
-    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
     consolidation: ClassVar[Consolidation] = Consolidation(trigger="new_classes")
     #: Upstream's slow learner: the backbone at bcb_lr_scale x the head's LR.
     lr_scales: ClassVar[dict[str, float | str]] = {"backbone.": "bcb_lr_scale"}

@@ -101,6 +101,7 @@ def reweighted_logits(
 
 
 CARD = MethodCard(
+    backbone_types=("vit_base_patch16_224_ease", "vit_base_patch16_224_in21k_ease"),
     paper_name="EASE",
     # Each firing adds an adapter, which every forward runs (the FLOP model counts it).
     grows=True,
@@ -158,11 +159,6 @@ CARD = MethodCard(
 @register_method("ease_online", card=CARD)
 class EaseOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "ease"
-    #: The names PILOT's ``get_backbone`` builds for model ``ease`` (its ``_ease`` branch).
-    backbone_types: ClassVar[tuple[str, ...]] = (
-        "vit_base_patch16_224_ease",
-        "vit_base_patch16_224_in21k_ease",
-    )
     consolidation: ClassVar[Consolidation] = Consolidation(trigger="new_classes")
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "ffn_num": ConfigKey(64, "adapter bottleneck width (PILOT: 64)", check=integer(minimum=1)),

@@ -32,6 +32,7 @@ from ..engine.differences import BATCH_LOGIT_MASK, ONE_LINEAR_HEAD
 from ..engine.registry import register_method
 
 CARD = MethodCard(
+    backbone_types=PLAIN_VIT,
     paper_name="Fine-tuning",
     upstream_differences=(
         BATCH_LOGIT_MASK,
@@ -43,7 +44,6 @@ CARD = MethodCard(
 @register_method("finetune_online", card=CARD)
 class FinetuneOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "finetune"  # PILOT's transforms for its fine-tuning learner
-    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
 
     def build_network(self, args: dict) -> nn.Module:
         from utils.inc_net import SimpleVitNet

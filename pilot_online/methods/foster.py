@@ -115,6 +115,7 @@ def _below_one(cfg: Mapping[str, Any], key: str) -> None:
 
 
 CARD = MethodCard(
+    backbone_types=PLAIN_VIT,
     paper_name="FOSTER",
     grows=True,  # a second branch and the student from the first firing on
     # The paper's hp_grid has no FOSTER row; its ER row (the whole ViT with a replay memory, the
@@ -193,7 +194,6 @@ class FosterOnline(MethodAdapter):
     """Boosting a second branch after each firing, a student compressing it concurrently."""
 
     base_model_name: ClassVar[str] = "foster"  # PILOT's transforms for its FOSTER learner
-    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
     #: Herding ranks by the lineage's features (the first backbone, then the student): one
     #: width and a continuous space across firings, where the boosted features change both.
     replay: ClassVar[Replay | None] = Replay(

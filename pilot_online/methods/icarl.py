@@ -49,6 +49,7 @@ ICARL_TEMPERATURE = 2.0
 
 
 CARD = MethodCard(
+    backbone_types=PLAIN_VIT,
     paper_name="iCaRL",
     # The paper's hp_grid has no iCaRL row; its ER row (the whole ViT with a replay memory, the
     # nearest method it searched) chose 5e-5 (docs/methods.md). Adam at 5e-3 ruins a whole ViT.
@@ -78,7 +79,6 @@ class ICaRLOnline(FinetuneOnline):
     """The whole ViT and a linear head, herding replay, distillation from the last firing."""
 
     base_model_name: ClassVar[str] = "icarl"  # PILOT's transforms for its iCaRL learner
-    backbone_types: ClassVar[tuple[str, ...]] = PLAIN_VIT
     replay: ClassVar[Replay | None] = Replay(
         ICARL_MEMORY_SIZE,
         memory="herding",

@@ -80,6 +80,7 @@ PROMPT_POOL_KEYS: dict[str, ConfigKey] = {
 
 
 CARD = MethodCard(
+    backbone_types=pilot_backbones("l2p"),
     paper_name="L2P",
     upstream_differences=(BATCH_LOGIT_MASK, NO_BATCH_VOTE_AT_EVALUATION),
 )
@@ -88,7 +89,6 @@ CARD = MethodCard(
 @register_method("l2p_online", card=CARD)
 class L2POnline(MethodAdapter):
     base_model_name: ClassVar[str] = "l2p"
-    backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("l2p")
     config_keys: ClassVar[dict[str, ConfigKey]] = PROMPT_POOL_KEYS
 
     def build_network(self, args: dict) -> nn.Module:

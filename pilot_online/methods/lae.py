@@ -75,6 +75,7 @@ def _pet_without_sdpa(cfg: Mapping[str, Any]) -> None:
 
 
 CARD = MethodCard(
+    backbone_types=pilot_backbones("lae"),
     paper_name="LAE",
     smoke_overrides={
         "consolidation_new_classes": 4,  # the smoke tasks' class count: fires at the boundary
@@ -119,7 +120,6 @@ CARD = MethodCard(
 @register_method("lae_online", card=CARD)
 class LAEOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "lae"
-    backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("lae")
     consolidation: ClassVar[Consolidation] = Consolidation(trigger="new_classes")
     #: Stream samples left in the current freeze window (``build_network`` starts one).
     frozen_left: ClassVar[int] = 0

@@ -75,6 +75,7 @@ def _generalized_blocks_exist(cfg: Mapping[str, Any]) -> None:
 CARD = dataclasses.replace(
     DER_CARD,
     paper_name="MEMO",
+    backbone_types=pilot_backbones("memo"),
     state_bytes=memo_state_bytes,
     upstream_differences=(
         *DER_CARD.upstream_differences,
@@ -96,7 +97,6 @@ class MEMOOnline(DEROnline):
     """Frozen generalized blocks after the first firing; one specialized block per firing."""
 
     base_model_name: ClassVar[str] = "memo"
-    backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("memo")
     config_keys: ClassVar[dict[str, Any]] = {
         **DEROnline.config_keys,
         "train_base": ConfigKey(

@@ -158,6 +158,7 @@ def state_bytes(args: Mapping[str, Any]) -> int:
 
 
 CARD = MethodCard(
+    backbone_types=("vit_base_patch16_224_mos", "vit_base_patch16_224_in21k_mos"),
     paper_name="MOS",
     # Each firing adds an adapter set, which every forward runs (the FLOP model counts it).
     grows=True,
@@ -211,10 +212,6 @@ CARD = MethodCard(
 @register_method("mos_online", card=CARD)
 class MOSOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "mos"
-    backbone_types: ClassVar[tuple[str, ...]] = (
-        "vit_base_patch16_224_mos",
-        "vit_base_patch16_224_in21k_mos",
-    )
     consolidation: ClassVar[Consolidation] = Consolidation(trigger="new_classes")
     #: What trains is the active adapter set and the head (build_network, add_set); the head at
     #: upstream's second parameter group's factor.

@@ -130,6 +130,7 @@ MVP_KEYS: dict[str, ConfigKey] = {
 
 
 CARD = MethodCard(
+    backbone_types=pilot_backbones("l2p"),
     paper_name="MVP",
     upstream_model="",  # KHU-AGI/Si-Blurry, not a PILOT model
     # CI time: the 20-token E-prompts cost MVP 5x a 2-token run on the CPU.
@@ -140,7 +141,6 @@ CARD = MethodCard(
 @register_method("mvp_online", card=CARD)
 class MVPOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "l2p"  # PILOT's ViT module whose plain ViT we reuse
-    backbone_types: ClassVar[tuple[str, ...]] = pilot_backbones("l2p")
     config_keys: ClassVar[dict[str, ConfigKey]] = MVP_KEYS
 
     def build_network(self, args: dict) -> nn.Module:

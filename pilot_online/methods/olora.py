@@ -126,6 +126,7 @@ def paper_settings(dataset: str, stream: str) -> dict[str, Any]:
 
 
 CARD = MethodCard(
+    backbone_types=("vit_base_patch16_224", "vit_base_patch16_224_in21k"),
     paper_name="oLoRA",
     full_name="Online-LoRA",
     upstream_model="",  # Online-LoRA-official, not a PILOT model
@@ -138,10 +139,6 @@ CARD = MethodCard(
 @register_method("olora_online", card=CARD)
 class OLoRAOnline(MethodAdapter):
     base_model_name: ClassVar[str] = "olora"  # no PILOT counterpart: PILOT's default transforms
-    backbone_types: ClassVar[tuple[str, ...]] = (
-        "vit_base_patch16_224",
-        "vit_base_patch16_224_in21k",
-    )
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "lora_rank": ConfigKey(
             4, "LoRA rank r on the q and v projections (upstream 4)", check=integer(1)

@@ -86,6 +86,12 @@ UNSEEN_LOGIT = -1e4
 #: start from it).
 FIRST_SESSION_CARD = MethodCard(
     variants=("base",),  # analytic heads: no gradient for P or FGH
+    backbone_types=(
+        *pilot_backbones("aper_adapter"),
+        *pilot_backbones("aper_ssf"),
+        *pilot_backbones("aper_vpt"),
+        *PLAIN_VIT,
+    ),
     #: Its cost changes at the first firing (the first session's tuning stops: no backward
     #: after it); the FLOP model counts the network after each firing as for a growing one.
     grows=True,
@@ -118,12 +124,6 @@ class FirstSessionAnalyticOnline(FinetuneOnline):
     (:meth:`new_statistics`, :meth:`accumulate`), the head's buffers (:meth:`new_head`), its
     solve from the statistics (:meth:`solve`) and its logits (:meth:`head_logits`)."""
 
-    backbone_types: ClassVar[tuple[str, ...]] = (
-        *pilot_backbones("aper_adapter"),
-        *pilot_backbones("aper_ssf"),
-        *pilot_backbones("aper_vpt"),
-        *PLAIN_VIT,
-    )
     consolidation: ClassVar[Consolidation] = Consolidation(trigger="new_classes")
     config_keys: ClassVar[dict[str, ConfigKey]] = {
         "tune_first_session": ConfigKey(

@@ -20,11 +20,13 @@ from typing import ClassVar
 
 from ..core.lazy import F, nn, no_grad, torch
 from ..engine.adapter import StepOutput, TrainedStep
+from ..engine.backbone_names import PLAIN_VIT
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
 from .linear_probe import LinearProbeOnline
 
 CARD = MethodCard(
+    backbone_types=PLAIN_VIT,
     paper_name="SimpleCIL",
     variants=("base",),  # P and FGH act on gradients: none here
     upstream_differences=(

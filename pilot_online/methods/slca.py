@@ -44,6 +44,7 @@ from ..core.checks import integer, real
 from ..core.lazy import nn, torch
 from ..core.rng import key_seed
 from ..engine.adapter import ConfigKey, Consolidated, Consolidation, Evaluation, TrainedStep
+from ..engine.backbone_names import PLAIN_VIT
 from ..engine.card import MethodCard, UpstreamDifference
 from ..engine.registry import register_method
 from .finetune import FinetuneOnline
@@ -62,6 +63,7 @@ def slca_state_bytes(args: Mapping[str, Any]) -> int:
 
 
 CARD = MethodCard(
+    backbone_types=PLAIN_VIT,
     paper_name="SLCA",
     smoke_overrides={
         "consolidation_new_classes": 4,  # the smoke tasks' class count: a session per task
